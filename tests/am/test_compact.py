@@ -1,0 +1,144 @@
+"""``compact_heads``: exactness at t = T, batched == looped oracle, every preset x budget shape,
+and input validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_compaction.am import METHODS, CompactedHeads, attention_output_error, compact_heads
+
+AM_PRESETS = ["am-highest-attn", "am-highest-attn-fast", "am-omp", "am-omp-fast"]
+H, T, N, D = 4, 48, 160, 8
+
+
+def _inputs(seed: int = 0, h: int = H, t: int = T, n: int = N, d: int = D) -> tuple[torch.Tensor, ...]:
+    """Random heads with a sink key and queries leaning on a few keys (continuous: no ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(h, t, d, generator=gen)
+    keys[:, 0] *= 3.0
+    values = torch.randn(h, t, d, generator=gen)
+    targets = torch.randint(0, t, (n,), generator=gen)
+    queries = 1.5 * keys[:, targets] + torch.randn(h, n, d, generator=gen)
+    return keys, values, queries
+
+
+def _assert_heads_equal(a: CompactedHeads, b: CompactedHeads, tol: float = 1e-4) -> None:
+    assert torch.equal(a.cu_seqlens, b.cu_seqlens)
+    assert torch.equal(a.indices, b.indices)
+    torch.testing.assert_close(a.keys, b.keys)
+    torch.testing.assert_close(a.beta, b.beta, rtol=tol, atol=tol / 10)
+    torch.testing.assert_close(a.values, b.values, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_budget_T_reproduces_attention_exactly(method):
+    keys, values, queries = _inputs()
+    heads = compact_heads(keys, values, queries, T, method=method)
+    assert torch.equal(heads.keys.view(H, T, D), keys) and torch.equal(heads.values.view(H, T, D), values)
+    assert torch.equal(heads.beta, torch.zeros(H * T))
+    err = attention_output_error(heads, keys, values, queries)
+    assert err.output_rel.max() < 1e-5 and err.mass_rel.max() < 1e-5
+
+
+@pytest.mark.parametrize("method", ["am-highest-attn", "am-omp", "am-omp-fast", "h2o+", "snapkv", "kvzip", "kvmerger", "truncate"])
+def test_batched_equals_per_head_loop(method):
+    keys, values, queries = _inputs(1)
+    budgets = [0, 5, T, 17]
+    batched = compact_heads(keys, values, queries, budgets, method=method)
+    looped = [compact_heads(keys[h : h + 1], values[h : h + 1], queries[h : h + 1], [t], method=method) for h, t in enumerate(budgets)]
+    _assert_heads_equal(batched, _stack(looped))
+
+
+def _stack(parts: list[CompactedHeads]) -> CompactedHeads:
+    """Per-head results (one head each) packed head after head."""
+    lengths = torch.cat([p.head_budgets for p in parts])
+    cu = torch.zeros(len(parts) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    cat = lambda name: torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+    return CompactedHeads(cat("keys"), cat("beta"), cat("values"), cat("indices"), cu)
+
+
+BUDGET_SHAPES = {
+    "int": 12,
+    "one": 1,
+    "list": [3, 0, T, 20],
+    "tensor": torch.tensor([T - 1, 1, 7, 0]),
+    "zeros": 0,
+}
+
+
+@pytest.mark.parametrize("budget", list(BUDGET_SHAPES.values()), ids=list(BUDGET_SHAPES))
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_preset_runs_on_every_budget_shape(method, budget):
+    keys, values, queries = _inputs(2)
+    positions = torch.arange(T) + 100
+    heads = compact_heads(keys.bfloat16(), values.bfloat16(), queries, budget, method=method, positions=positions)
+    want = torch.as_tensor(budget).expand(H) if torch.as_tensor(budget).dim() == 0 else torch.as_tensor(budget)
+    assert heads.head_budgets.tolist() == want.tolist()
+    assert heads.keys.dtype == torch.bfloat16 and heads.values.dtype == torch.bfloat16 and heads.beta.dtype == torch.float32
+    assert torch.isfinite(heads.beta).all() and torch.isfinite(heads.values.float()).all()
+    for h in range(H):
+        k, _, _, idx = heads.head(h)
+        assert (idx[1:] > idx[:-1]).all(), "slots sorted by position, no duplicates"
+        assert ((idx >= 100) & (idx < 100 + T)).all()
+        assert torch.equal(k, keys.bfloat16()[h, idx - 100]), "kept keys are original keys"
+
+
+def test_options_override_preset_fields():
+    keys, values, queries = _inputs(3)
+    a = compact_heads(keys, values, queries, 9, method="am-highest-attn", beta="zero", values="direct")
+    b = compact_heads(keys, values, queries, 9, method="h2o+", aggregation="rms")
+    _assert_heads_equal(a, b)
+    c = compact_heads(keys, values, queries, 9, method="am-omp-fast", keys_per_step=1, refit_interval=1)
+    _assert_heads_equal(c, compact_heads(keys, values, queries, 9, method="am-omp"))
+
+
+def test_memory_limit_groups_and_chunks_give_the_same_result():
+    """Head groups (OMP) and query chunks (fits) change only the fp32 summation order."""
+    keys, values, queries = _inputs(4)
+    for method in ("am-omp-fast", "am-highest-attn"):
+        small = compact_heads(keys, values, queries, [5, 9, 0, 30], method=method, memory_limit=60_000)
+        _assert_heads_equal(small, compact_heads(keys, values, queries, [5, 9, 0, 30], method=method), tol=1e-2)
+
+
+def test_timings_are_reported():
+    keys, values, queries = _inputs(5)
+    timings: dict[str, float] = {}
+    compact_heads(keys, values, queries, 10, timings=timings)
+    assert set(timings) == {"reference_s", "select_s", "beta_s", "values_s", "total_s"}
+    assert all(v >= 0 for v in timings.values())
+
+
+BAD_CALLS = {
+    "shape mismatch": (dict(values=torch.randn(H, T + 1, D)), "same"),
+    "queries dim": (dict(queries=torch.randn(H, N, D + 1)), "queries"),
+    "not 3-D": (dict(keys=torch.randn(T, D), values=torch.randn(T, D)), "tensor"),
+    "budget > T": (dict(budget=T + 1), r"\[0, T="),
+    "negative": (dict(budget=[1, -1, 2, 3]), r"\[0, T="),
+    "wrong count": (dict(budget=[1, 2]), "per-head"),
+    "float budget": (dict(budget=2.5), "int"),
+    "unknown method": (dict(method="magic"), "valid methods"),
+    "unknown option": (dict(topk=3), "valid options"),
+    "bad option value": (dict(aggregation="median"), "aggregation"),
+    "bad keys_per_step": (dict(method="am-omp", keys_per_step=0), "keys_per_step"),
+    "beta from a selector without": (dict(beta="selector"), "omp"),
+    "no queries": (dict(queries=torch.randn(H, 0, D)), "query"),
+    "positions": (dict(positions=torch.arange(T - 1)), "positions"),
+    "scale": (dict(scale=-1.0), "scale"),
+    "unknown selector": (dict(selector="oracle"), "valid selectors"),
+}
+
+
+@pytest.mark.parametrize("change,match", list(BAD_CALLS.values()), ids=list(BAD_CALLS))
+def test_bad_input_raises_value_error(change, match):
+    keys, values, queries = _inputs(6)
+    call = dict(keys=keys, values=values, queries=queries, budget=8) | change
+    with pytest.raises(ValueError, match=match):
+        compact_heads(call.pop("keys"), call.pop("values"), call.pop("queries"), call.pop("budget"), **call)
+
+
+def test_methods_without_queries_accept_none():
+    keys, values, _ = _inputs(7)
+    heads = compact_heads(keys, values, torch.empty(H, 0, D), 6, method="truncate")
+    assert heads.indices.view(H, 6)[0].tolist() == list(range(T - 6, T))

@@ -1,0 +1,83 @@
+"""Bounded NNLS for beta and least-squares values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_compaction.am import lstsq_values, nnls_pgd
+from vllm_compaction.am.fit import nnls_pgd_gram, solve_normal_equations
+
+
+def _features(seed: int, b: int = 3, n: int = 200, p: int = 12) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.exp(torch.randn(b, n, p, generator=gen))  # positive, like exp features
+
+
+@pytest.mark.parametrize("iters", [0, 2, 50])
+def test_nnls_respects_bounds(iters):
+    m = _features(0)
+    y = torch.randn(3, 200, generator=torch.Generator().manual_seed(1)) * 10  # infeasible target
+    lo, hi = math.exp(-3), math.exp(3)
+    w = nnls_pgd(m, y, lower=lo, upper=hi, iters=iters)
+    assert w.shape == (3, 12)
+    assert (w >= lo * (1 - 1e-6)).all() and (w <= hi * (1 + 1e-6)).all()
+
+
+def test_nnls_recovers_a_feasible_solution_and_all_ones():
+    m = _features(2)
+    w_true = torch.rand(3, 12, generator=torch.Generator().manual_seed(3)) + 0.5
+    y = (m @ w_true[..., None])[..., 0]
+    w = nnls_pgd(m, y, lower=math.exp(-3), upper=math.exp(3), iters=2)
+    torch.testing.assert_close(w, w_true, rtol=1e-3, atol=1e-3)
+    # t = T: all keys kept, the target is the row sum, so w = 1 (beta = 0)
+    w = nnls_pgd(m, m.sum(-1), lower=math.exp(-3), upper=math.exp(3), iters=2)
+    torch.testing.assert_close(w, torch.ones(3, 12), rtol=1e-4, atol=1e-4)
+
+
+def test_pgd_steps_do_not_increase_the_objective():
+    m = _features(4)
+    y = torch.rand(3, 200, generator=torch.Generator().manual_seed(5)) * 30
+    lo, hi = math.exp(-1), math.exp(1)
+    loss = [((m @ nnls_pgd(m, y, lower=lo, upper=hi, iters=i)[..., None])[..., 0] - y).square().sum(-1) for i in (0, 1, 5, 40)]
+    for before, after in zip(loss, loss[1:]):
+        assert (after <= before * (1 + 1e-5)).all()
+
+
+def test_padded_columns_are_decoupled():
+    m = _features(6)
+    y = m[..., :8].sum(-1)
+    valid = torch.arange(12)[None, :] < 8
+    w = nnls_pgd(m, y, lower=0.0, iters=3, valid=valid.expand(3, 12))
+    assert torch.equal(w[:, 8:], torch.zeros(3, 4))
+    torch.testing.assert_close(w[:, :8], torch.ones(3, 8), rtol=1e-4, atol=1e-4)
+
+
+def test_lstsq_values_satisfy_the_normal_equations():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.softmax(torch.randn(2, 300, 20, generator=gen) * 2, -1)
+    y = torch.randn(2, 300, 6, generator=gen)
+    cv = lstsq_values(x, y).double()
+    xd, yd = x.double(), y.double()
+    grad = xd.transpose(1, 2) @ (xd @ cv - yd)  # X^T (X C - Y)
+    assert grad.abs().max() < 1e-4 * (xd.transpose(1, 2) @ yd).abs().max()
+    ref = torch.linalg.lstsq(xd, yd).solution
+    torch.testing.assert_close(cv, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_singular_normal_equations_fall_back():
+    gram = torch.zeros(2, 3, 3, dtype=torch.float64)
+    gram[0] = torch.eye(3)
+    gram[1] = torch.diag(torch.tensor([2.0, -1.0, 0.0], dtype=torch.float64))  # indefinite: no Cholesky
+    x = solve_normal_equations(gram, torch.ones(2, 3, 1))
+    torch.testing.assert_close(x[0, :, 0], torch.ones(3, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(x[1]).all() and abs(float(x[1, 0, 0]) - 0.5) < 1e-6  # pseudo-inverse
+
+
+def test_bad_bounds_and_shapes_raise():
+    with pytest.raises(ValueError, match="lower <= upper"):
+        nnls_pgd_gram(torch.eye(2)[None], torch.ones(1, 2), lower=2.0, upper=1.0)
+    with pytest.raises(ValueError, match="matrix"):
+        nnls_pgd(torch.ones(2, 3, 4), torch.ones(2, 4))

@@ -1,0 +1,101 @@
+"""Selector properties: OMP greedy mass fit, KVMerger clusters, truncation, random, top-k."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_compaction.am import SELECTORS, compact_heads, score_keys
+from vllm_compaction.am.attention import reference_attention
+from vllm_compaction.am.selectors import KVMergerSelector, OMPSelector, SelectionProblem
+from vllm_compaction.am.selectors.omp import _GreedyMassFit
+
+
+def _problem(seed: int, h: int = 3, t: int = 64, n: int = 300, d: int = 8, budget: int = 16, features: bool = False, aggregation: str | None = None) -> SelectionProblem:
+    gen = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(h, t, d, generator=gen), torch.randn(h, t, d, generator=gen)
+    queries = 1.2 * keys[:, torch.randint(0, t, (n,), generator=gen)] + torch.randn(h, n, d, generator=gen)
+    scale = 1 / math.sqrt(d)
+    ref = reference_attention(keys, values, queries, scale=scale, aggregation=aggregation, keep_features=features)
+    return SelectionProblem(keys, values, queries, scale, torch.full((h,), budget), ref)
+
+
+def test_registry_names_match_classes():
+    assert set(SELECTORS) == {"highest-attention", "omp", "random", "truncate", "kvmerger"}
+    assert all(cls.name == name for name, cls in SELECTORS.items())
+
+
+def test_omp_mass_residual_never_increases():
+    p = _problem(0, budget=24, features=True)
+    state = _GreedyMassFit(p.reference.features, p.reference.mass, p.budgets, per_round=1)
+    norms = []
+    while not state.done.all():
+        state.add_keys()
+        w = state.refit(lower=0.0)  # plain least squares on nested sets: monotone
+        state.update_residual(w)
+        resid = p.reference.mass - torch.bmm(w.float()[:, None, :], state.phi_s[:, : state.t_max])[:, 0]
+        norms.append(torch.linalg.vector_norm(resid, dim=-1))
+    norms = torch.stack(norms)  # [rounds, H]
+    assert len(norms) == 24
+    assert (norms[1:] <= norms[:-1] * (1 + 1e-4) + 1e-6).all()
+
+
+def test_omp_refit_interval_equals_bigger_steps():
+    """The correlation only changes at refits, so (k=4, tau=2) selects as (k=8, tau=1)."""
+    p = _problem(1, budget=20, features=True)
+    a = OMPSelector(keys_per_step=4, refit_interval=2).select(p)
+    b = OMPSelector(keys_per_step=8, refit_interval=1).select(p)
+    assert torch.equal(a.indices.sort(-1).values, b.indices.sort(-1).values)
+
+
+def test_omp_betas_within_the_stabiliser_bounds():
+    p = _problem(2, budget=30, features=True)
+    sel = OMPSelector(keys_per_step=2, refit_interval=1, min_beta=-2.0, max_beta=1.0).select(p)
+    assert sel.lengths.tolist() == [30, 30, 30]
+    assert (sel.beta >= -2.0 - 1e-6).all() and (sel.beta <= 1.0 + 1e-6).all()
+    assert all(len(set(row.tolist())) == 30 for row in sel.indices), "no key kept twice"
+
+
+def test_kvmerger_clusters_are_consecutive_runs_with_anchor_and_merged_value():
+    p = _problem(3, budget=10, aggregation="mean")
+    sel = KVMergerSelector(sigma=0.5).select(p)
+    scores = p.reference.scores
+    for h in range(3):
+        anchors = sel.indices[h]
+        assert (anchors[1:] > anchors[:-1]).all() and len(anchors) == 10
+        # the cuts are the 9 least similar neighbour pairs; each anchor is its run's top score
+        unit = torch.nn.functional.normalize(p.keys[h], dim=-1)
+        sims = (unit[1:] * unit[:-1]).sum(-1)
+        cuts = torch.sort(torch.topk(-sims, 9).indices + 1).values.tolist()
+        bounds = [0, *cuts, 64]
+        for c, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            assert a <= int(anchors[c]) < b
+            assert int(anchors[c]) == a + int(scores[h, a:b].argmax())
+            g = torch.exp(-(unit[a:b] - unit[anchors[c]]).square().sum(-1) / (2 * 0.5**2))
+            torch.testing.assert_close(sel.values[h, c], (g[:, None] * p.values[h, a:b]).sum(0) / g.sum())
+
+
+@pytest.mark.parametrize("keep", ["first", "last"])
+def test_truncate_keeps_a_contiguous_span(keep):
+    keys = torch.randn(2, 10, 4)
+    heads = compact_heads(keys, keys, torch.empty(2, 0, 4), [3, 0], method="truncate", keep=keep)
+    assert heads.head(0)[3].tolist() == ([0, 1, 2] if keep == "first" else [7, 8, 9])
+    assert heads.head(1)[3].numel() == 0
+
+
+def test_random_is_seeded():
+    keys = torch.randn(2, 50, 4)
+    pick = lambda seed: compact_heads(keys, keys, torch.empty(2, 0, 4), 10, method="random", seed=seed).indices  # noqa: E731
+    assert torch.equal(pick(1), pick(1)) and not torch.equal(pick(1), pick(2))
+
+
+@pytest.mark.parametrize("method,aggregation", [("am-highest-attn", "rms"), ("h2o+", "mean"), ("kvzip", "max")])
+def test_highest_attention_keeps_the_top_scored_keys(method, aggregation):
+    p = _problem(4)
+    heads = compact_heads(p.keys, p.values, p.queries, 12, method=method)
+    scores = score_keys(p.keys, p.queries, aggregation=aggregation)
+    for h in range(3):
+        want = torch.topk(scores[h], 12).indices.sort().values
+        assert torch.equal(heads.head(h)[3], want)

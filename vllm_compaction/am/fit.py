@@ -1,0 +1,253 @@
+"""Closed-form fits of Attention Matching, batched over heads (paper, "Constructing beta and C_v").
+
+* ``beta``: bounded non-negative least squares on ``w = exp(beta)`` so that the compacted
+  block's attention mass matches the original one (``nnls_pgd``: unconstrained least-squares
+  start, clamp to the box, a few projected-gradient steps with step ``1/L``).
+* ``C_v``: ordinary least squares of the compacted attention weights ``X [n, t]`` onto the
+  original attention outputs ``Y [n, d]`` (``lstsq_values``).
+
+Both are solved through their normal equations: the Gram matrices are accumulated over query
+chunks (so ``n`` can be large), factored in float64 by Cholesky with a tiny relative jitter,
+and fall back to a pseudo-inverse for a batch entry that is not positive definite. Padded
+slots (``valid`` False) get identity rows so that they solve to 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+
+import torch
+
+from vllm_compaction.am.attention import query_chunks
+
+__all__ = [
+    "SelectedLogits",
+    "fit_beta",
+    "fit_values",
+    "lstsq_values",
+    "nnls_pgd",
+    "nnls_pgd_gram",
+    "solve_normal_equations",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Relative diagonal jitter of the normal equations (times the mean diagonal).
+JITTER = 1e-9
+#: Dtype of the Gram products. fp32 products, factored in fp64, gave the same held-out errors as
+#: fp64 products (and as QR least squares) at half the cost.
+GRAM_DTYPE = torch.float32
+
+
+def _masked_gram(gram: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """fp64 copy of ``gram [B, p, p]`` with invalid rows/columns zeroed."""
+    g = gram.to(torch.float64)
+    if valid is None:
+        return g.clone()
+    return torch.where(valid[..., :, None] & valid[..., None, :], g, 0.0)
+
+
+def solve_normal_equations(
+    gram: torch.Tensor, rhs: torch.Tensor, valid: torch.Tensor | None = None, *, jitter: float = JITTER
+) -> torch.Tensor:
+    """Solve ``(G + jitter * mean(diag G) I) x = b`` for a batch of small SPD systems.
+
+    Parameters
+    ----------
+    gram : ``[B, p, p]`` symmetric positive semi-definite matrices (any float dtype).
+    rhs : ``[B, p, k]`` right-hand sides.
+    valid : ``[B, p]`` bool; invalid slots are decoupled and solve to exactly 0.
+    jitter : relative ridge keeping a numerically singular Gram factorable.
+
+    Returns
+    -------
+    ``[B, p, k]`` float64 solution.
+    """
+    g = _masked_gram(gram, valid)
+    b = rhs.to(torch.float64)
+    if valid is not None:
+        b = torch.where(valid[..., None], b, 0.0)
+    diag = g.diagonal(dim1=-2, dim2=-1)
+    count = valid.sum(-1, keepdim=True).clamp_min(1) if valid is not None else diag.shape[-1]
+    ridge = jitter * diag.sum(-1, keepdim=True) / count + torch.finfo(torch.float64).tiny
+    diag += ridge if valid is None else torch.where(valid, ridge, 1.0)
+    factor, info = torch.linalg.cholesky_ex(g)
+    x = torch.cholesky_solve(b, factor)
+    bad = info != 0
+    if bad.any():
+        logger.debug("normal equations not positive definite in %d of %d systems; using pinv", int(bad.sum()), len(bad))
+        x[bad] = torch.linalg.pinv(g[bad], hermitian=True) @ b[bad]
+    return x
+
+
+def _power_lmax(gram: torch.Tensor, iters: int) -> torch.Tensor:
+    """``[B, 1]`` largest-eigenvalue estimate of SPD ``gram [B, p, p]`` by power iteration."""
+    v = torch.ones(gram.shape[:-1], dtype=gram.dtype, device=gram.device)
+    for _ in range(iters):
+        v = torch.nn.functional.normalize((gram @ v[..., None])[..., 0], dim=-1)
+    return torch.linalg.vector_norm((gram @ v[..., None])[..., 0], dim=-1, keepdim=True)
+
+
+def nnls_pgd_gram(
+    gram: torch.Tensor,
+    rhs: torch.Tensor,
+    *,
+    lower: float = 0.0,
+    upper: float | None = None,
+    iters: int = 0,
+    valid: torch.Tensor | None = None,
+    power_iters: int = 8,
+) -> torch.Tensor:
+    """Box-constrained least squares from the normal equations ``G = M^T M``, ``b = M^T y``.
+
+    Unconstrained solution clamped to ``[lower, upper]``, then ``iters`` projected-gradient
+    steps on ``1/2 ||M w - y||^2`` (gradient ``G w - b``) with step ``1/L``, ``L ~ ||M||_2^2``
+    by power iteration (paper, Algorithm "NNLS via Projected Gradient Descent").
+
+    Parameters
+    ----------
+    gram : ``[B, p, p]``; rhs : ``[B, p]``; valid : ``[B, p]`` bool (invalid slots -> 0).
+
+    Returns
+    -------
+    ``[B, p]`` float64 weights, inside the box on valid slots.
+    """
+    hi = float("inf") if upper is None else upper
+    if not lower <= hi:
+        raise ValueError(f"NNLS bounds must satisfy lower <= upper, got [{lower}, {upper}]")
+    w = solve_normal_equations(gram, rhs[..., None], valid)[..., 0].clamp(lower, hi)
+    if iters > 0:
+        g = _masked_gram(gram, valid)
+        b = rhs.to(torch.float64)
+        step = 1.0 / _power_lmax(g, power_iters).clamp_min(torch.finfo(torch.float64).tiny)
+        for _ in range(iters):
+            grad = (g @ w[..., None])[..., 0] - b
+            w = (w - step * grad).clamp(lower, hi)
+    return w if valid is None else torch.where(valid, w, 0.0)
+
+
+def nnls_pgd(
+    matrix: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    lower: float = 0.0,
+    upper: float | None = None,
+    iters: int = 0,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bounded least squares ``min_{lower <= w <= upper} ||M w - y||_2`` by projected gradient.
+
+    Parameters
+    ----------
+    matrix : ``[B, n, p]`` design matrix ``M`` (e.g. shifted features of the kept keys).
+    target : ``[B, n]`` target ``y`` (e.g. shifted attention mass).
+    lower, upper : box bounds on ``w`` (``lower >= 0`` makes it NNLS).
+    iters : projected-gradient steps after the clamped least-squares start.
+    valid : ``[B, p]`` bool mask of real (non-padding) columns.
+
+    Returns
+    -------
+    ``[B, p]`` weights in ``matrix.dtype`` (0 on invalid columns).
+    """
+    if matrix.dim() != 3 or target.shape != matrix.shape[:2]:
+        raise ValueError(f"nnls_pgd needs matrix [B, n, p] and target [B, n], got {tuple(matrix.shape)}, {tuple(target.shape)}")
+    m = matrix.to(GRAM_DTYPE)
+    gram = m.transpose(1, 2) @ m
+    rhs = (m.transpose(1, 2) @ target.to(GRAM_DTYPE)[..., None])[..., 0]
+    return nnls_pgd_gram(gram, rhs, lower=lower, upper=upper, iters=iters, valid=valid).to(matrix.dtype)
+
+
+def lstsq_values(weights: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Least-squares values ``argmin_C ||X C - Y||_F`` through the normal equations.
+
+    Parameters
+    ----------
+    weights : ``[B, n, t]`` compacted attention weights ``X`` (rows sum to 1).
+    targets : ``[B, n, d]`` original attention outputs ``Y``.
+    valid : ``[B, t]`` bool mask of real slots (others get value 0).
+
+    Returns
+    -------
+    ``[B, t, d]`` values in ``targets.dtype``.
+    """
+    x = weights.to(GRAM_DTYPE)
+    xt = x.transpose(1, 2)
+    return solve_normal_equations(xt @ x, xt @ targets.to(GRAM_DTYPE), valid).to(targets.dtype)
+
+
+class SelectedLogits:
+    """Scaled logits ``l = scale * Q C_k^T`` of the kept keys, chunked over queries.
+
+    Padded slots hold ``-inf``. The whole ``[H, n, t]`` tensor is computed once and cached
+    when it fits in ``budget_bytes``; otherwise every pass recomputes it chunk by chunk.
+    Consumers must not modify the yielded chunks in place.
+    """
+
+    def __init__(self, queries_scaled: torch.Tensor, kept_keys: torch.Tensor, valid: torch.Tensor, budget_bytes: int):
+        self._q = queries_scaled  # [H, n, d]
+        self._kt = kept_keys.transpose(1, 2)  # [H, d, t]
+        self._mask = torch.where(valid, 0.0, float("-inf")).to(queries_scaled.dtype)[:, None, :]  # [H, 1, t]
+        h, n, _ = queries_scaled.shape
+        row_bytes = 3 * 4 * h * max(1, kept_keys.shape[1])  # logits + two same-size temporaries
+        self._chunks = query_chunks(n, row_bytes, budget_bytes)
+        self._cached = self._compute(slice(0, n)) if len(self._chunks) == 1 else None
+
+    def _compute(self, sl: slice) -> torch.Tensor:
+        return torch.baddbmm(self._mask, self._q[:, sl], self._kt)
+
+    def __iter__(self) -> Iterator[tuple[slice, torch.Tensor]]:
+        for sl in self._chunks:
+            yield sl, (self._cached if self._cached is not None else self._compute(sl))
+
+
+def fit_beta(
+    logits: SelectedLogits,
+    shift: torch.Tensor,
+    mass: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    bounds: tuple[float, float],
+    iters: int,
+) -> torch.Tensor:
+    """Mass-matching biases: bounded NNLS of shifted features onto the shifted mass.
+
+    Parameters
+    ----------
+    logits : kept-key logits ``[H, n, t]`` by chunk.
+    shift, mass : ``[H, n]`` per-query max logit and shifted mass of the original keys.
+    valid : ``[H, t]`` bool real slots.
+    bounds : ``(lo, hi)`` bounds on ``beta`` (``w = exp(beta)`` in ``[e^lo, e^hi]``).
+    iters : projected-gradient steps.
+
+    Returns
+    -------
+    ``[H, t]`` float32 ``beta`` (0 on padded slots).
+    """
+    h, t = valid.shape
+    gram = shift.new_zeros(h, t, t, dtype=GRAM_DTYPE)
+    rhs = shift.new_zeros(h, t, 1, dtype=GRAM_DTYPE)
+    for sl, chunk in logits:
+        phi = torch.exp(chunk - shift[:, sl, None]).to(GRAM_DTYPE)  # [H, c, t] shifted features
+        gram.baddbmm_(phi.transpose(1, 2), phi)
+        rhs.baddbmm_(phi.transpose(1, 2), mass[:, sl, None].to(GRAM_DTYPE))
+    lo, hi = bounds
+    w = nnls_pgd_gram(gram, rhs[..., 0], lower=math.exp(lo), upper=math.exp(hi), iters=iters, valid=valid)
+    return torch.where(valid, w.clamp_min(torch.finfo(torch.float64).tiny).log(), 0.0).float()
+
+
+def fit_values(logits: SelectedLogits, beta: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Least-squares values for kept keys with biases ``beta [H, t]`` onto ``targets [H, n, d]``.
+
+    Returns ``[H, t, d]`` float32 values (0 on padded slots).
+    """
+    h, t = valid.shape
+    gram = targets.new_zeros(h, t, t, dtype=GRAM_DTYPE)
+    rhs = targets.new_zeros(h, t, targets.shape[-1], dtype=GRAM_DTYPE)
+    bias = beta[:, None, :]
+    for sl, chunk in logits:
+        x = torch.softmax(chunk + bias, dim=-1).nan_to_num_(0.0).to(GRAM_DTYPE)  # [H, c, t]
+        gram.baddbmm_(x.transpose(1, 2), x)
+        rhs.baddbmm_(x.transpose(1, 2), targets[:, sl].to(GRAM_DTYPE))
+    return solve_normal_equations(gram, rhs, valid).float()

@@ -1,0 +1,102 @@
+"""The key-selector protocol: which original keys (columns of ``[H, T, d]``) each head keeps.
+
+A selector is a dataclass whose fields are its hyperparameters (validated in
+``__post_init__``). ``compact_heads`` runs one chunked pass of the original attention first and
+hands the selector what it declared it needs (per-key scores with some aggregation, or the
+full shifted-feature matrix), so no selector recomputes attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from vllm_compaction.am.attention import ReferenceAttention
+
+__all__ = ["Selection", "SelectionProblem", "Selector", "top_by_score", "slot_mask"]
+
+
+@dataclass
+class SelectionProblem:
+    """Everything a selector may look at, for ``H`` heads (all float32).
+
+    Attributes:
+        keys, values: ``[H, T, d]`` original keys (post-RoPE) and values.
+        queries: ``[H, n, d]`` reference queries.
+        scale: softmax scale.
+        budgets: ``[H]`` int64 slots per head, ``0 < t_h < T``.
+        reference: the original attention's statistics (``scores`` / ``features`` present
+            when the selector asked for them).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor
+    scale: float
+    budgets: torch.Tensor
+    reference: ReferenceAttention | None
+
+
+@dataclass
+class Selection:
+    """Kept slots of ``H`` heads, padded to ``t_max = max_h t_h``.
+
+    Attributes:
+        indices: ``[H, t_max]`` int64 key index in ``[0, T)`` of each slot; slots
+            ``>= lengths[h]`` are padding (their index is arbitrary but in range).
+        lengths: ``[H]`` int64 number of real slots (equals the budget).
+        beta: ``[H, t_max]`` float32 biases fitted by the selector itself (OMP), or ``None``.
+        values: ``[H, t_max, d]`` float32 values built by the selector (merging), or ``None``.
+    """
+
+    indices: torch.Tensor
+    lengths: torch.Tensor
+    beta: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Selector(Protocol):
+    """Chooses ``budgets[h]`` keys per head.
+
+    Class attributes declare the inputs: ``score_aggregation`` (``"rms" | "mean" | "max"`` or
+    ``None``) asks for ``reference.scores``; ``needs_features`` for ``reference.features``;
+    ``needs_reference`` for any reference pass at all. ``provides_beta`` / ``provides_values``
+    say whether ``select`` also returns fitted biases / built values.
+    """
+
+    name: ClassVar[str]
+    provides_beta: ClassVar[bool]
+    provides_values: ClassVar[bool]
+
+    @property
+    def score_aggregation(self) -> str | None: ...
+
+    @property
+    def needs_features(self) -> bool: ...
+
+    @property
+    def needs_reference(self) -> bool: ...
+
+    def select(self, problem: SelectionProblem) -> Selection: ...
+
+
+def slot_mask(lengths: torch.Tensor, t_max: int) -> torch.Tensor:
+    """``[H, t_max]`` bool: slot ``i`` of head ``h`` is real iff ``i < lengths[h]``."""
+    return torch.arange(t_max, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def top_by_score(scores: torch.Tensor, budgets: torch.Tensor, tiebreak: torch.Tensor | None = None) -> Selection:
+    """Keep the ``budgets[h]`` highest-scoring keys of each head (``scores [H, T]``).
+
+    Ties (e.g. the plateaus of max-pooled scores) go to the higher ``tiebreak [H, T]`` score,
+    then to the earlier position, so the result never depends on the batch shape.
+    """
+    t_max = int(budgets.max()) if budgets.numel() else 0
+    order = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
+    if tiebreak is not None:
+        order = torch.sort(tiebreak, dim=-1, descending=True, stable=True).indices
+    ranked = torch.sort(scores.gather(-1, order), dim=-1, descending=True, stable=True).indices
+    return Selection(indices=order.gather(-1, ranked[:, :t_max]), lengths=budgets.clone())

@@ -1,0 +1,60 @@
+"""Highest-attention keys (AM-HighestAttnKeys, H2O+, SnapKV, PyramidKV, KVzip-uniform).
+
+Each key is scored by its softmax attention weights under the reference queries, aggregated
+over queries (``rms`` for AM, ``mean`` for H2O/SnapKV, ``max`` for KVzip; paper appendix
+"Mean vs. RMS vs. Max Aggregation"), optionally max-pooled along the sequence as SnapKV does
+(kernel 7), and the top ``t_h`` keys of each head are kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from vllm_compaction.am.attention import AGGREGATIONS, max_pool_scores
+from vllm_compaction.am.selectors.base import Selection, SelectionProblem, top_by_score
+
+__all__ = ["HighestAttentionSelector"]
+
+
+@dataclass(frozen=True)
+class HighestAttentionSelector:
+    """Top-``t_h`` keys by aggregated attention weight.
+
+    Attributes:
+        aggregation: ``"rms" | "mean" | "max"`` over the reference queries.
+        pool_kernel: odd max-pooling kernel along T applied to the scores, or ``None``.
+    """
+
+    name: ClassVar[str] = "highest-attention"
+    provides_beta: ClassVar[bool] = False
+    provides_values: ClassVar[bool] = False
+    aggregation: str = "rms"
+    pool_kernel: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        if self.pool_kernel is not None and (int(self.pool_kernel) < 1 or int(self.pool_kernel) % 2 == 0):
+            raise ValueError(f"pool_kernel must be a positive odd integer or None, got {self.pool_kernel!r}")
+
+    @property
+    def score_aggregation(self) -> str | None:
+        return self.aggregation
+
+    @property
+    def needs_features(self) -> bool:
+        return False
+
+    @property
+    def needs_reference(self) -> bool:
+        return True
+
+    def select(self, problem: SelectionProblem) -> Selection:
+        """Keep the ``budgets[h]`` best-scored keys of each head."""
+        if problem.reference is None or problem.reference.scores is None:
+            raise ValueError("highest-attention selection needs the reference scores")
+        raw = problem.reference.scores  # [H, T]
+        if self.pool_kernel is None or self.pool_kernel == 1:
+            return top_by_score(raw, problem.budgets)
+        return top_by_score(max_pool_scores(raw, self.pool_kernel), problem.budgets, tiebreak=raw)

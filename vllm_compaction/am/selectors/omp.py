@@ -1,0 +1,174 @@
+"""OMP key selection (paper, Algorithm "OMP Key Selection (Periodic Refit)"), batched over heads.
+
+Greedy mass matching on the shifted features ``Phi [n, T]`` (``Phi_ij = exp(l_ij - s_i)``) and
+the shifted mass ``m = Phi 1``: every round picks the ``k * tau`` keys with the largest
+correlation ``c = Phi^T r`` with the residual (the correlation only changes at a refit, so
+``tau`` steps of top-``k`` equal one top-``k tau``), then refits ``w >= 0`` on all kept keys
+and updates ``r = m - Phi_S w``. ``k = tau = 1`` is plain OMP.
+
+Speed: the Gram matrix ``Phi_S^T Phi_S`` and ``Phi_S^T m`` grow by the new columns only (in
+float64 from fp32 products), each refit is one small batched Cholesky solve, and the only pass over the whole
+``Phi`` per round is the correlation ``Phi^T r``.
+
+Stabilisers (paper, "Stabilizing beta"): a refit drops kept keys whose unconstrained weight
+is below ``e^min_beta`` (they are banned and selection continues until every kept key has
+``beta >= min_beta``), and weights are capped at ``e^max_beta``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm_compaction.am.fit import solve_normal_equations
+from vllm_compaction.am.selectors.base import Selection, SelectionProblem, slot_mask
+
+__all__ = ["OMPSelector"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OMPSelector:
+    """Orthogonal matching pursuit on the attention mass; yields ``beta = log w`` too.
+
+    Attributes:
+        keys_per_step: ``k``, keys added per greedy step.
+        refit_interval: ``tau``, greedy steps between weight refits.
+        min_beta: kept keys must end with ``beta >= min_beta`` (smaller ones are dropped).
+        max_beta: weights are capped at ``exp(max_beta)``.
+    """
+
+    name: ClassVar[str] = "omp"
+    provides_beta: ClassVar[bool] = True
+    provides_values: ClassVar[bool] = False
+    keys_per_step: int = 1
+    refit_interval: int = 1
+    min_beta: float = -7.0
+    max_beta: float = 7.0
+
+    def __post_init__(self) -> None:
+        for field in ("keys_per_step", "refit_interval"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if not (math.isfinite(self.min_beta) and math.isfinite(self.max_beta) and self.min_beta < self.max_beta):
+            raise ValueError(f"need finite min_beta < max_beta, got {self.min_beta}, {self.max_beta}")
+
+    @property
+    def score_aggregation(self) -> str | None:
+        return None
+
+    @property
+    def needs_features(self) -> bool:
+        return True
+
+    @property
+    def needs_reference(self) -> bool:
+        return True
+
+    def select(self, problem: SelectionProblem) -> Selection:
+        """Greedy selection of ``budgets[h]`` keys and their mass weights."""
+        ref = problem.reference
+        if ref is None or ref.features is None:
+            raise ValueError("OMP needs the shifted feature matrix of the reference pass")
+        state = _GreedyMassFit(ref.features, ref.mass, problem.budgets, self.keys_per_step * self.refit_interval)
+        lower, upper = math.exp(self.min_beta), math.exp(self.max_beta)
+        for _ in range(2 * ref.features.shape[-1] + 2):  # every round adds or bans a key
+            if state.done.all():
+                break
+            state.add_keys()
+            w = state.refit(lower)
+            state.update_residual(w.clamp(lower, upper))
+        weights = state.final_w.clamp(lower, upper)
+        valid = slot_mask(state.count, state.t_max)
+        beta = torch.where(valid, weights.log(), 0.0).float()
+        return Selection(indices=state.idx[:, : state.t_max].clone(), lengths=state.count.clone(), beta=beta)
+
+
+class _GreedyMassFit:
+    """Mutable state of batched OMP. Slot ``t_max`` is a scratch slot for discarded writes."""
+
+    def __init__(self, phi: torch.Tensor, mass: torch.Tensor, budgets: torch.Tensor, per_round: int):
+        h, n, total = phi.shape
+        self.phi, self.budgets = phi, budgets  # [H, n, T] fp32, [H]
+        self.t_max = int(budgets.max())
+        self.per_round = min(per_round, total)
+        self.mass = mass  # [H, n]
+        dev, slots = phi.device, self.t_max + 1
+        self.idx = torch.zeros(h, slots, dtype=torch.long, device=dev)
+        self.count = torch.zeros(h, dtype=torch.long, device=dev)
+        self.excluded = torch.zeros(h, total, dtype=torch.bool, device=dev)
+        self.phi_s = torch.zeros(h, slots, n, dtype=phi.dtype, device=dev)  # kept columns, as rows
+        self.gram = torch.zeros(h, slots, slots, dtype=torch.float64, device=dev)
+        self.rhs = torch.zeros(h, slots, dtype=torch.float64, device=dev)
+        self.final_w = torch.zeros(h, self.t_max, dtype=torch.float64, device=dev)
+        self.done = budgets <= 0
+        self.corr = torch.bmm(mass[:, None, :], phi)[:, 0]  # [H, T] correlation with r = m
+
+    def add_keys(self) -> None:
+        """Append the best-correlated candidates (up to ``per_round``) to every unfinished head."""
+        h, n, _ = self.phi.shape
+        take = torch.where(self.done, 0, (self.budgets - self.count).clamp(0, self.per_round))
+        cand = self.corr.masked_fill(self.excluded, float("-inf"))
+        top = torch.topk(cand, self.per_round, dim=-1)
+        ok = (torch.arange(self.per_round, device=take.device) < take[:, None]) & (top.values > float("-inf"))
+        slots = torch.where(ok, self.count[:, None] + torch.arange(self.per_round, device=ok.device), self.t_max)
+        self.idx.scatter_(1, slots, top.indices)
+        self.excluded |= torch.zeros_like(self.excluded).scatter_(1, top.indices, ok)
+        new = self.phi.gather(2, top.indices[:, None, :].expand(h, n, self.per_round))  # [H, n, r]
+        new = (new * ok[:, None, :]).transpose(1, 2).contiguous()  # [H, r, n]
+        heads = torch.arange(h, device=slots.device)[:, None]
+        self.phi_s[heads, slots] = new  # rows of the new slots (discarded picks: scratch slot)
+        self.count += ok.sum(1)
+        used = int(self.count.max())
+        cols = torch.bmm(self.phi_s[:, :used], new.transpose(1, 2)).to(torch.float64)  # [H, used, r]
+        self.gram[:, :used].scatter_(2, slots[:, None, :].expand(h, used, self.per_round), cols)
+        self.gram[:, :, :used].scatter_(1, slots[:, :, None].expand(h, self.per_round, used), cols.transpose(1, 2))
+        self.rhs.scatter_(1, slots, torch.bmm(new, self.mass[..., None])[..., 0].to(torch.float64))
+
+    def _solve(self) -> torch.Tensor:
+        valid = slot_mask(self.count, self.t_max)
+        t = self.t_max
+        return solve_normal_equations(self.gram[:, :t, :t], self.rhs[:, :t, None], valid)[..., 0]
+
+    def refit(self, lower: float) -> torch.Tensor:
+        """Unconstrained least-squares weights ``[H, t_max]``; drops keys below ``lower``."""
+        w = self._solve()
+        for _ in range(4):
+            valid = slot_mask(self.count, self.t_max)
+            drop = valid & (w < lower) & ~self.done[:, None]
+            remaining = (~self.excluded).sum(1)
+            drop &= (drop.sum(1) <= remaining)[:, None]  # only if enough keys can replace them
+            if not drop.any():
+                break
+            logger.debug("OMP drops %d keys with beta below the floor", int(drop.sum()))
+            self._remove(drop)
+            w = self._solve()
+        return w
+
+    def _remove(self, drop: torch.Tensor) -> None:
+        """Remove slots ``drop [H, t_max]`` (their keys stay excluded), keeping slots packed."""
+        h, n, _ = self.phi.shape
+        keep = slot_mask(self.count, self.t_max) & ~drop
+        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)  # kept slots first
+        order = torch.cat([order, torch.full_like(order[:, :1], self.t_max)], 1)  # scratch stays
+        heads = torch.arange(h, device=order.device)[:, None]
+        self.idx, self.rhs, self.phi_s = self.idx[heads, order], self.rhs[heads, order], self.phi_s[heads, order]
+        self.gram = self.gram[heads[..., None], order[:, :, None], order[:, None, :]]
+        self.count = keep.sum(1)
+
+    def update_residual(self, w: torch.Tensor) -> None:
+        """Record ``w`` for unfinished heads, mark finished ones, refresh the correlation."""
+        active = ~self.done
+        self.final_w = torch.where(active[:, None], w, self.final_w)
+        self.done = self.done | (self.count >= self.budgets)
+        if self.done.all():
+            return
+        t = self.t_max
+        resid = self.mass - torch.bmm(w.to(self.phi.dtype)[:, None, :], self.phi_s[:, :t])[:, 0]  # [H, n]
+        self.corr = torch.bmm(resid[:, None, :], self.phi)[:, 0]

@@ -1,0 +1,50 @@
+"""Random baseline: keep ``t_h`` keys drawn uniformly without replacement (seeded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm_compaction.am.selectors.base import Selection, SelectionProblem
+
+__all__ = ["RandomSelector"]
+
+
+@dataclass(frozen=True)
+class RandomSelector:
+    """Uniformly random keys; reproducible for a given ``seed`` and shape.
+
+    Attributes:
+        seed: seed of the CPU generator drawing the permutation of every head.
+    """
+
+    name: ClassVar[str] = "random"
+    provides_beta: ClassVar[bool] = False
+    provides_values: ClassVar[bool] = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def score_aggregation(self) -> str | None:
+        return None
+
+    @property
+    def needs_features(self) -> bool:
+        return False
+
+    @property
+    def needs_reference(self) -> bool:
+        return False
+
+    def select(self, problem: SelectionProblem) -> Selection:
+        """The first ``t_h`` entries of a seeded random permutation of each head's keys."""
+        h, total = problem.keys.shape[:2]
+        gen = torch.Generator().manual_seed(self.seed)
+        perm = torch.rand(h, total, generator=gen).argsort(dim=-1)  # [H, T], CPU
+        t_max = int(problem.budgets.max())
+        return Selection(indices=perm[:, :t_max].to(problem.budgets.device), lengths=problem.budgets.clone())

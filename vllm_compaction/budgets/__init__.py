@@ -1,0 +1,69 @@
+"""Head budgets: uniform, global (KVzip-style), pyramid, or a per-model schedule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from vllm_compaction.budgets.allocate import (
+    cap_and_fill,
+    global_budgets,
+    pyramid_budgets,
+    shares_to_budgets,
+    total_budget,
+    uniform_budgets,
+)
+from vllm_compaction.budgets.schedule import Schedule, load_schedule, packaged_schedule
+
+__all__ = [
+    "BUDGET_MODES",
+    "Schedule",
+    "cap_and_fill",
+    "global_budgets",
+    "load_schedule",
+    "packaged_schedule",
+    "pyramid_budgets",
+    "resolve_budgets",
+    "shares_to_budgets",
+    "total_budget",
+    "uniform_budgets",
+]
+
+BUDGET_MODES = ("uniform", "global", "pyramid", "schedule")
+
+
+def resolve_budgets(
+    mode: str,
+    *,
+    ratio: float,
+    n: int,
+    layers: torch.Tensor,
+    num_heads: int,
+    scores: Callable[[], list[torch.Tensor | None]],
+    model_name: str = "",
+    max_head_ratio: float = 1.0,
+    min_head_slots: int = 0,
+) -> torch.Tensor:
+    """Budgets ``[L, H]`` for a mode name or a schedule file path.
+
+    ``scores`` is called only by ``global`` (it costs an off-policy query pass).
+    """
+    if mode == "uniform":
+        budgets = uniform_budgets(ratio, n, layers, num_heads)
+    elif mode == "global":
+        budgets = global_budgets(scores(), ratio, n)
+    elif mode == "pyramid":
+        budgets = pyramid_budgets(ratio, n, layers, num_heads)
+    elif mode == "schedule" or Path(mode).suffix == ".json":
+        schedule = load_schedule(mode, model_name)
+        if schedule.num_layers != len(layers) or schedule.num_kv_heads != num_heads:
+            raise ValueError(
+                f"schedule is for {schedule.num_layers} layers x {schedule.num_kv_heads} heads, "
+                f"the model has {len(layers)} x {num_heads}"
+            )
+        budgets = shares_to_budgets(schedule.tensor(), ratio, n, layers)
+    else:
+        raise ValueError(f"unknown budgets {mode!r}; choose from {', '.join(BUDGET_MODES)} or a .json file")
+    return cap_and_fill(budgets, n, layers, max_head_ratio=max_head_ratio, min_head_slots=min_head_slots)

@@ -1,0 +1,79 @@
+"""Needle-in-a-haystack instances on the Paul Graham essays, generated from a seed.
+
+The question always comes after the context, so compaction never sees it: the prefix is the
+chat-template header plus the haystack; the continuation is the question, the end of the user
+turn, the assistant header and a forced answer prefix.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+import torch
+
+from vllm_compaction.corpus import haystack_text
+
+__all__ = ["NeedleInstance", "NeedlePrompt", "make_needle", "needle_prompt", "score_answer"]
+
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
+ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
+_KEYS = ("bright-river", "silent-harbor", "amber-forest", "crimson-valley", "hollow-meadow",
+         "frozen-canyon", "golden-orchard", "misty-lagoon", "quiet-summit", "rapid-delta",
+         "scarlet-dune", "velvet-grove")
+
+
+@dataclass(frozen=True)
+class NeedleInstance:
+    seed: int
+    key: str
+    value: str
+    depth: float
+    context: str
+
+
+@dataclass
+class NeedlePrompt:
+    """Token-level split of an instance: ``prefix_ids`` (compacted where ``compact_mask``) and
+    the uncompacted ``continuation_ids`` after it."""
+
+    prefix_ids: list[int]
+    compact_mask: torch.Tensor
+    continuation_ids: list[int]
+
+
+def make_needle(tokenizer, n_tokens: int = 2000, *, seed: int) -> NeedleInstance:
+    """A haystack of about ``n_tokens`` tokens with one 7-digit needle at a seeded depth."""
+    rng = random.Random(seed)
+    key = _KEYS[rng.randrange(len(_KEYS))]
+    value = str(rng.randrange(1_000_000, 10_000_000))
+    depth = rng.uniform(0.1, 0.9)
+    hay = haystack_text(n_tokens, tokenizer, seed=seed)
+    cuts = [m.end() for m in re.finditer(r"[.!?]\s", hay)] or [len(hay)]
+    cut = min(cuts, key=lambda c: abs(c - depth * len(hay)))
+    context = hay[:cut].rstrip() + " " + NEEDLE.format(key=key, value=value) + " " + hay[cut:].lstrip()
+    return NeedleInstance(seed=seed, key=key, value=value, depth=depth, context=context)
+
+
+def needle_prompt(adapter, instance: NeedleInstance) -> NeedlePrompt:
+    """Split the chat prompt of an instance at the end of the haystack."""
+    question = QUESTION.format(key=instance.key)
+    messages = [{"role": "user", "content": instance.context + "\n\n" + question}]
+    text = adapter.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text += ANSWER_PREFIX.format(key=instance.key)
+    enc = adapter.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    start = text.index(instance.context)
+    end = start + len(instance.context)
+    offsets = enc["offset_mapping"]
+    split = next(i for i, (a, _) in enumerate(offsets) if a >= end)
+    ids = [int(i) for i in enc["input_ids"]]
+    mask = torch.tensor([a >= start and b <= end and b > a for a, b in offsets[:split]])
+    return NeedlePrompt(prefix_ids=ids[:split], compact_mask=mask, continuation_ids=ids[split:])
+
+
+def score_answer(instance: NeedleInstance, answer: str) -> bool:
+    """Correct when the first number in the answer is the needle's value."""
+    numbers = re.findall(r"\d[\d,]*", answer)
+    return bool(numbers) and numbers[0].replace(",", "") == instance.value

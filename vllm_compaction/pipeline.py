@@ -1,0 +1,274 @@
+"""``compact()``: chat messages -> ``CompactedCache``. The only per-layer loop of the project.
+
+tokens -> prefill (keys/values/queries) -> query plan -> budgets -> per-layer ``compact_heads``
+(on-policy: inside one packed forward pass) -> exact template slots + compacted slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from vllm_compaction.am import CompactedHeads, compact_heads, score_keys
+from vllm_compaction.budgets import resolve_budgets
+from vllm_compaction.cache import CompactedCache
+from vllm_compaction.models import ModelAdapter, PrefixLayer, load_adapter
+from vllm_compaction.queries import PrefixSpec, QueryCollector, parse_sources
+
+__all__ = ["PreparedPrefix", "Recipe", "RECIPES", "compact", "compact_prefix", "compact_prepared", "prepare_prefix"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a named method means end to end: math preset, query source, budgets, on-policy."""
+
+    math: str
+    queries: str
+    budgets: str
+    on_policy: bool
+
+
+_SS_RP = "self-study+repeat-prefill"
+RECIPES: dict[str, Recipe] = {
+    "am-omp": Recipe("am-omp", _SS_RP, "global", True),
+    "am-omp-fast": Recipe("am-omp-fast", _SS_RP, "global", True),
+    "am-highest-attn": Recipe("am-highest-attn", _SS_RP, "global", True),
+    "am-highest-attn-fast": Recipe("am-highest-attn-fast", "repeat-prefill", "global", True),
+    "h2o+": Recipe("h2o+", "context-prefill", "uniform", False),
+    "snapkv": Recipe("snapkv", "mock-question", "uniform", False),
+    "pyramidkv": Recipe("pyramidkv", "mock-question", "pyramid", False),
+    "kvzip": Recipe("kvzip", "repeat-prefill", "global", False),
+    "kvmerger": Recipe("kvmerger", "repeat-prefill", "uniform", False),
+    "random": Recipe("random", "context-prefill", "uniform", False),
+    "truncate": Recipe("truncate", "context-prefill", "uniform", False),
+}
+
+
+def _recipe(method: str, queries: str | None, budgets: str | None, on_policy: bool | None) -> Recipe:
+    if method not in RECIPES:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(RECIPES)}")
+    base = RECIPES[method]
+    return replace(
+        base,
+        queries=queries or base.queries,
+        budgets=budgets or base.budgets,
+        on_policy=base.on_policy if on_policy is None else on_policy,
+    )
+
+
+def compact(
+    model: str | Path | ModelAdapter,
+    messages: Sequence[dict] | str,
+    *,
+    ratio: float | None = None,
+    target_tokens: int | None = None,
+    method: str = "am-omp-fast",
+    queries: str | None = None,
+    budgets: str | None = None,
+    on_policy: bool | None = None,
+    keep_last_tokens: int = 0,
+    query_cap: int = 50_000,
+    seed: int = 0,
+    progress: bool = False,
+    **options: Any,
+) -> CompactedCache:
+    """Compact the content of chat ``messages`` (template tokens stay exact).
+
+    Args:
+        model: a known name (``"smollm2-135m"``), a checkpoint folder, or a loaded adapter.
+        messages: OpenAI-style ``[{"role", "content"}]``; a string is one user message.
+        ratio: slots kept per head on average, as a fraction of the content tokens; or
+        target_tokens: the same as an absolute number of slots per head.
+        method: a name of ``RECIPES`` (math preset + default queries/budgets/on-policy).
+        queries: override the query source (``"repeat-prefill"``, ``"a+b"`` mixtures, ...).
+        budgets: ``"uniform" | "global" | "pyramid" | <schedule file>``.
+        keep_last_tokens: the last content tokens stay exact (the recent turn).
+        progress: show a progress bar over layers.
+        options: math options for ``compact_heads`` (e.g. ``values="direct"``) and budget
+            options (``max_head_ratio``, ``min_head_slots``).
+    """
+    adapter = model if isinstance(model, ModelAdapter) else load_adapter(model)
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if not messages:
+        raise ValueError("nothing to compact: messages is empty")
+    ids, mask = adapter.chat_content(messages)
+    if keep_last_tokens < 0:
+        raise ValueError(f"keep_last_tokens must be >= 0, got {keep_last_tokens}")
+    if keep_last_tokens:
+        content_pos = torch.nonzero(mask).flatten()
+        mask[content_pos[max(0, len(content_pos) - keep_last_tokens):]] = False
+    return compact_prefix(adapter, ids, mask, ratio=ratio, target_tokens=target_tokens, method=method,
+                          queries=queries, budgets=budgets, on_policy=on_policy, query_cap=query_cap,
+                          seed=seed, progress=progress, **options)
+
+
+def _resolve_ratio(ratio: float | None, target_tokens: int | None, n: int) -> float:
+    if (ratio is None) == (target_tokens is None):
+        raise ValueError("give exactly one of ratio or target_tokens")
+    if target_tokens is not None:
+        if target_tokens <= 0:
+            raise ValueError(f"target_tokens must be positive, got {target_tokens}")
+        return min(1.0, target_tokens / n)
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    return float(ratio)
+
+
+@dataclass
+class PreparedPrefix:
+    """A prefix after its prefill and query planning, reusable across ratios and methods.
+
+    Off-policy queries are computed on first use and kept (they do not depend on the ratio).
+    """
+
+    adapter: ModelAdapter
+    spec: PrefixSpec
+    queries: str
+    collector: QueryCollector
+    timings: dict[str, float]
+    _off_policy: list[torch.Tensor] | None = None
+
+    @property
+    def num_content(self) -> int:
+        return int(self.spec.compact_mask.sum())
+
+    def off_policy_queries(self) -> list[torch.Tensor]:
+        if self._off_policy is None:
+            start = time.perf_counter()
+            self._off_policy = self.collector.run(self.spec.kv.exact_prefix())
+            self.timings["queries_s"] = time.perf_counter() - start
+        return self._off_policy
+
+
+def prepare_prefix(adapter: ModelAdapter, token_ids: Sequence[int], compact_mask: torch.Tensor, *,
+                   queries: str, query_cap: int = 50_000, seed: int = 0) -> PreparedPrefix:
+    """Prefill ``token_ids [T]`` and plan the reference queries for the ``compact_mask`` tokens."""
+    mask = torch.as_tensor(compact_mask, dtype=torch.bool)
+    if mask.numel() != len(token_ids):
+        raise ValueError(f"compact_mask has {mask.numel()} entries for {len(token_ids)} tokens")
+    if not mask.any():
+        raise ValueError("the prefix has no content tokens to compact")
+    start = time.perf_counter()
+    kv = adapter.prefill(token_ids)
+    spec = PrefixSpec(torch.as_tensor(token_ids, dtype=torch.long), mask, kv)
+    sources = parse_sources(queries)
+    plan = sources[0].plan(adapter, spec)
+    for source in sources[1:]:
+        plan = plan.merge(source.plan(adapter, spec))
+    collector = QueryCollector(adapter, spec, plan, cap=query_cap, seed=seed)
+    return PreparedPrefix(adapter, spec, queries, collector, {"prefill_and_plan_s": time.perf_counter() - start})
+
+
+def compact_prefix(
+    adapter: ModelAdapter,
+    token_ids: Sequence[int],
+    compact_mask: torch.Tensor,
+    *,
+    method: str = "am-omp-fast",
+    queries: str | None = None,
+    query_cap: int = 50_000,
+    seed: int = 0,
+    **kwargs: Any,
+) -> CompactedCache:
+    """Compact the tokens of ``token_ids [T]`` selected by ``compact_mask [T]`` (see ``compact``)."""
+    recipe = _recipe(method, queries, None, None)
+    prepared = prepare_prefix(adapter, token_ids, compact_mask, queries=recipe.queries,
+                              query_cap=query_cap, seed=seed)
+    return compact_prepared(prepared, method=method, **kwargs)
+
+
+def compact_prepared(
+    prepared: PreparedPrefix,
+    *,
+    ratio: float | None = None,
+    target_tokens: int | None = None,
+    method: str = "am-omp-fast",
+    budgets: str | None = None,
+    on_policy: bool | None = None,
+    progress: bool = False,
+    **options: Any,
+) -> CompactedCache:
+    """Compact a prepared prefix at one ratio with one method."""
+    adapter, kv, mask = prepared.adapter, prepared.spec.kv, prepared.spec.compact_mask
+    recipe = _recipe(method, prepared.queries, budgets, on_policy)
+    budget_options = {k: options.pop(k) for k in ("max_head_ratio", "min_head_slots") if k in options}
+    n = prepared.num_content
+    ratio = _resolve_ratio(ratio, target_tokens, n)
+    timings = dict(prepared.timings)
+    layers = torch.tensor(adapter.compactable_layers)
+    scales = adapter.layer_scales()
+    positions = torch.arange(prepared.spec.length)
+
+    def scores() -> list[torch.Tensor | None]:
+        # KVzip ranks keys by max attention over the whole prefix (template keys included).
+        queries = prepared.off_policy_queries()
+        return [
+            score_keys(kv.keys[i], queries[i], scale=scales[i], aggregation="max")[:, mask]
+            if layers[i] else None
+            for i in range(adapter.num_layers)
+        ]
+
+    layer_budgets = resolve_budgets(recipe.budgets, ratio=ratio, n=n, layers=layers,
+                                    num_heads=adapter.num_kv_heads, scores=scores,
+                                    model_name=adapter.name, **budget_options)
+    compacted: list[CompactedHeads] = [None] * adapter.num_layers  # type: ignore[list-item]
+    fit_time = [0.0]
+    bar = tqdm(total=adapter.num_layers, desc=f"{method} layers", unit="layer", disable=not progress)
+
+    def compact_layer(layer: int, layer_queries: torch.Tensor) -> PrefixLayer | None:
+        keys, values = kv.keys[layer], kv.values[layer]
+        bar.update(1)
+        if not layers[layer]:
+            compacted[layer] = CompactedHeads.exact(keys, values, positions)
+            return None
+        start = time.perf_counter()
+        heads = compact_heads(keys[:, mask], values[:, mask], layer_queries, layer_budgets[layer],
+                              method=recipe.math, scale=scales[layer], positions=positions[mask],
+                              **options)
+        exact = CompactedHeads.exact(keys[:, ~mask], values[:, ~mask], positions[~mask])
+        compacted[layer] = CompactedHeads.concat_slots([exact, heads])
+        fit_time[0] += time.perf_counter() - start
+        k, beta, v, idx = compacted[layer].padded()
+        return PrefixLayer(k, v, beta, idx)
+
+    start = time.perf_counter()
+    if recipe.on_policy:
+        prepared.collector.run(kv.exact_prefix(), on_layer=compact_layer)
+        timings["on_policy_queries_s"] = time.perf_counter() - start - fit_time[0]
+    else:
+        off_policy = prepared.off_policy_queries()
+        for layer in range(adapter.num_layers):
+            compact_layer(layer, off_policy[layer])
+    bar.close()
+    timings.update(prepared.timings)
+    timings["fit_s"] = fit_time[0]
+    timings["total_s"] = sum(v for k, v in timings.items() if k != "total_s")
+    span = torch.nonzero(mask).flatten()
+    cache = CompactedCache(
+        layers=compacted,
+        logical_length=prepared.spec.length,
+        token_ids=prepared.spec.token_ids.tolist(),
+        compacted_span=(int(span[0]), int(span[-1]) + 1),
+        layer_compacted=layers.tolist(),
+        model=adapter.fingerprint(),
+        method=method,
+        ratio=ratio,
+        options={**options, **budget_options, "query_cap": prepared.collector.cap,
+                 "seed": prepared.collector.seed, "on_policy": recipe.on_policy},
+        query_source=recipe.queries,
+        budgets=recipe.budgets,
+        timings=timings,
+    )
+    logger.info("compacted %d content tokens at %.3f with %s: %d -> %d slots in %.1fs", n, ratio,
+                method, prepared.spec.length * int(layers.sum()) * adapter.num_kv_heads,
+                cache.physical_slots, timings["total_s"])
+    return cache

@@ -1,0 +1,81 @@
+"""Reference-query sources: what a source contributes, and the protocol it implements.
+
+A source never runs the model itself for recording: it returns a ``QueryPlan`` (token
+continuations to run after the prefix, plus flags for the prefix's own queries and random
+vectors). ``collect.QueryCollector`` runs every plan of a mixture in one packed forward pass,
+which is what lets on-policy compaction happen layer by layer inside that single pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm_compaction.models.base import ModelAdapter, PrefixKV
+
+__all__ = ["PrefixSpec", "QueryPlan", "QuerySource"]
+
+
+@dataclass
+class PrefixSpec:
+    """The prefix being compacted.
+
+    Attributes:
+        token_ids: ``[T]`` all prefix tokens (template + content).
+        compact_mask: ``[T]`` bool, True for the tokens to compact (content C).
+        kv: the prefix's keys/values/queries from one prefill.
+    """
+
+    token_ids: torch.Tensor
+    compact_mask: torch.Tensor
+    kv: "PrefixKV"
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.numel())
+
+    @property
+    def content_ids(self) -> list[int]:
+        return self.token_ids[self.compact_mask].tolist()
+
+
+@dataclass
+class QueryPlan:
+    """Queries a source asks for.
+
+    Attributes:
+        continuations: token sequences run after the prefix (positions T, T+1, ...), each
+            attending to the prefix and to itself only.
+        record_from: per continuation, the offset from which its queries are recorded.
+        prefix_queries: include the prefix's own queries (context-prefill).
+        random_vectors: random query vectors per KV head, scaled to the head's query norm.
+        weight: relative share of this source when a mixture is capped.
+    """
+
+    continuations: list[list[int]] = field(default_factory=list)
+    record_from: list[int] = field(default_factory=list)
+    prefix_queries: bool = False
+    random_vectors: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.record_from) != len(self.continuations):
+            raise ValueError("record_from needs one offset per continuation")
+
+    def merge(self, other: "QueryPlan") -> "QueryPlan":
+        return QueryPlan(
+            continuations=self.continuations + other.continuations,
+            record_from=self.record_from + other.record_from,
+            prefix_queries=self.prefix_queries or other.prefix_queries,
+            random_vectors=self.random_vectors + other.random_vectors,
+        )
+
+
+class QuerySource(Protocol):
+    """One way of sampling reference queries (one file per source)."""
+
+    name: str
+
+    def plan(self, adapter: "ModelAdapter", prefix: PrefixSpec) -> QueryPlan: ...

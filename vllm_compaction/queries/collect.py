@@ -1,0 +1,100 @@
+"""Run a query plan: one packed forward pass over every continuation, per-KV-head caps.
+
+Continuations are packed into one sequence with segment ids (each attends to the prefix and
+to itself), so the pass visits layers in order exactly once. ``on_layer`` receives layer l's
+final reference queries before layer l attends; if it returns a new prefix for the layer, the
+rest of the pass runs on it: that is on-policy compaction without re-running the prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from vllm_compaction.models.runtime import PrefixLayer
+from vllm_compaction.queries.base import PrefixSpec, QueryPlan
+
+__all__ = ["QueryCollector", "DEFAULT_QUERY_CAP"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_QUERY_CAP = 50_000
+
+OnLayer = Callable[[int, torch.Tensor], PrefixLayer | None]
+
+
+class QueryCollector:
+    """Builds each layer's reference queries ``[H_kv, n, d]`` (float32) from a plan."""
+
+    def __init__(self, adapter, prefix: PrefixSpec, plan: QueryPlan, *, cap: int = DEFAULT_QUERY_CAP,
+                 seed: int = 0):
+        if cap <= 0:
+            raise ValueError(f"the per-head query cap must be positive, got {cap}")
+        self.adapter, self.prefix, self.plan, self.cap, self.seed = adapter, prefix, plan, cap, seed
+        ids, positions, segments, record = [], [], [], []
+        for seg, (cont, start) in enumerate(zip(plan.continuations, plan.record_from)):
+            ids += cont
+            positions += range(prefix.length, prefix.length + len(cont))
+            segments += [seg] * len(cont)
+            record += [i >= start for i in range(len(cont))]
+        self.ids = torch.tensor(ids, dtype=torch.long)
+        self.positions = torch.tensor(positions, dtype=torch.long)
+        self.segments = torch.tensor(segments, dtype=torch.long)
+        self.record = torch.tensor(record, dtype=torch.bool)
+
+    @property
+    def num_continuation_tokens(self) -> int:
+        return int(self.ids.numel())
+
+    def _static(self, layer: int) -> list[torch.Tensor]:
+        parts = []
+        prefix_q = self.prefix.kv.queries[layer] if self.prefix.kv.queries is not None else None
+        if self.plan.prefix_queries:
+            parts.append(prefix_q.float())
+        if self.plan.random_vectors:
+            if prefix_q is None:
+                raise ValueError("random-vectors needs the prefix's queries to scale by their norm")
+            norm = prefix_q.float().norm(dim=-1).mean(dim=-1)  # [H]
+            gen = torch.Generator().manual_seed(self.seed * 1000 + layer)
+            h, d = prefix_q.shape[0], prefix_q.shape[-1]
+            vec = torch.randn(h, self.plan.random_vectors, d, generator=gen)
+            parts.append(vec / vec.norm(dim=-1, keepdim=True) * norm[:, None, None])
+        return parts
+
+    def _recorded(self, pooled: torch.Tensor) -> torch.Tensor:
+        """``[H, G*L, d]`` pooled run queries -> ``[H, G*m, d]`` rows marked for recording."""
+        h, gl, d = pooled.shape
+        length = self.record.numel()
+        grouped = pooled.reshape(h, gl // length, length, d)[:, :, self.record]
+        return grouped.reshape(h, -1, d).float()
+
+    def combine(self, layer: int, pooled: torch.Tensor | None) -> torch.Tensor:
+        parts = self._static(layer) + ([self._recorded(pooled)] if pooled is not None else [])
+        if not parts:
+            raise ValueError("the query plan produced no reference queries")
+        queries = torch.cat(parts, dim=1)
+        if queries.shape[1] > self.cap:
+            gen = torch.Generator().manual_seed(self.seed * 1000 + layer)
+            keep = torch.randperm(queries.shape[1], generator=gen)[: self.cap].sort().values
+            queries = queries[:, keep]
+        return queries
+
+    def run(self, prefix: list[PrefixLayer | None], on_layer: OnLayer | None = None) -> list[torch.Tensor]:
+        """Each layer's reference queries; ``on_layer`` may swap in that layer's compacted prefix."""
+        out: dict[int, torch.Tensor] = {}
+        if self.num_continuation_tokens == 0:
+            for layer in range(self.adapter.num_layers):
+                out[layer] = self.combine(layer, None)
+                if on_layer is not None:
+                    on_layer(layer, out[layer])
+            return [out[i] for i in range(self.adapter.num_layers)]
+
+        def on_queries(layer: int, pooled: torch.Tensor) -> PrefixLayer | None:
+            out[layer] = self.combine(layer, pooled)
+            return on_layer(layer, out[layer]) if on_layer is not None else None
+
+        self.adapter.forward(self.ids, self.positions, prefix=prefix, segments=self.segments,
+                             on_queries=on_queries)
+        return [out[i] for i in range(self.adapter.num_layers)]
