@@ -56,16 +56,15 @@ def query_chunks(n: int, row_bytes: int, budget_bytes: int) -> list[slice]:
     return [slice(a, min(n, a + rows)) for a in range(0, n, rows)]
 
 
-def _shifted_exp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _shifted_exp_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Turn ``logits [H, c, T]`` *in place* into shifted features ``exp(l - s)``.
 
-    Returns ``(features [H, c, T], shift [H, c, 1], shifted_mass [H, c, 1])``. Rows whose
-    logits are all ``-inf`` get shift 0, features 0 and mass 0.
+    Returns ``(features [H, c, T], shift [H, c, 1])``. Rows whose logits are all ``-inf``
+    get shift 0 and features 0.
     """
     shift = logits.amax(-1, keepdim=True)
     shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    features = logits.sub_(shift).exp_()
-    return features, shift, features.sum(-1, keepdim=True)
+    return logits.sub_(shift).exp_(), shift
 
 
 @dataclass
@@ -105,6 +104,10 @@ def reference_attention(
 ) -> ReferenceAttention:
     """One chunked pass of the original attention: mass, outputs, key scores, features.
 
+    Per query chunk: logits ``[H, c, T]`` by one GEMM, shifted exp in place, then one GEMM
+    with ``[V | 1]`` gives both ``P V`` and the shifted mass ``P 1``; key scores are GEMVs of
+    ``P`` (or ``P * P``) with the per-query weights ``1/m`` (or ``1/m^2``).
+
     Parameters
     ----------
     keys : ``[H, T, d]`` float32 keys.
@@ -119,34 +122,40 @@ def reference_attention(
         raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
     h, t, d = keys.shape
     n = queries.shape[1]
-    kt = keys.transpose(1, 2)  # [H, d, T]
-    qs = queries * scale
-    shift = keys.new_empty(h, n)
-    mass = keys.new_empty(h, n)
-    output = keys.new_empty(h, n, d) if values is not None else None
+    kt, qs = keys.transpose(1, 2), queries * scale  # [H, d, T], [H, n, d]
+    v1 = torch.cat([values if values is not None else keys.new_empty(h, t, 0), keys.new_ones(h, t, 1)], -1)
+    dv = v1.shape[-1] - 1
+    shift, mass = keys.new_empty(h, n), keys.new_empty(h, n)
+    output = keys.new_empty(h, n, dv) if values is not None else None
     features = keys.new_empty(h, n, t) if keep_features else None
-    acc = keys.new_zeros(h, t) if aggregation is not None else None
-    for sl in query_chunks(n, 4 * t, CHUNK_BYTES_PER_HEAD):
-        buf = features[:, sl] if features is not None else None
-        p, s, m = _shifted_exp(torch.bmm(qs[:, sl], kt, out=buf))
+    acc = keys.new_zeros(h, 1, t)
+    chunks = query_chunks(n, 4 * t, CHUNK_BYTES_PER_HEAD)
+    rows = chunks[0].stop - chunks[0].start if chunks else 0
+    scratch = keys.new_empty(h, rows, t) if features is None else None
+    for sl in chunks:
+        c = sl.stop - sl.start
+        buf = features[:, sl] if features is not None else scratch[:, :c]
+        p, s = _shifted_exp_(torch.bmm(qs[:, sl], kt, out=buf))
+        pv = torch.bmm(p, v1)  # [H, c, d + 1]: P V and the shifted mass P 1
+        m = pv[..., dv:]
         shift[:, sl], mass[:, sl] = s[..., 0], m[..., 0]
-        inv_m = m.reciprocal()
-        # attention weights A = P / m: in place unless P must be kept as the features
-        a = p * inv_m if features is not None else p.mul_(inv_m)
+        inv_m = m.reciprocal()  # [H, c, 1]
         if output is not None:
-            torch.bmm(a, values, out=output[:, sl])
-        if aggregation == "rms":
-            acc += a.square_().sum(1) if features is not None else a.square().sum(1)
-        elif aggregation == "mean":
-            acc += a.sum(1)
+            torch.mul(pv[..., :dv], inv_m, out=output[:, sl])
+        if aggregation == "mean":
+            acc.baddbmm_(inv_m.transpose(1, 2), p)
+        elif aggregation == "rms":
+            acc.baddbmm_(inv_m.square().transpose(1, 2), p.square() if keep_features else p.square_())
         elif aggregation == "max":
-            torch.maximum(acc, a.amax(1), out=acc)
-    scores = acc
+            torch.maximum(acc, (p * inv_m if keep_features else p.mul_(inv_m)).amax(1, keepdim=True), out=acc)
+    scores = acc[:, 0]
     if aggregation == "rms":
-        scores = acc.div_(max(n, 1)).sqrt_()
+        scores = scores.div_(max(n, 1)).sqrt_()
     elif aggregation == "mean":
-        scores = acc.div_(max(n, 1))
-    return ReferenceAttention(shift=shift, mass=mass, output=output, scores=scores, features=features)
+        scores = scores.div_(max(n, 1))
+    return ReferenceAttention(
+        shift=shift, mass=mass, output=output, scores=scores if aggregation else None, features=features
+    )
 
 
 def max_pool_scores(scores: torch.Tensor, kernel: int | None) -> torch.Tensor:
@@ -239,7 +248,8 @@ def attention_output_and_mass(
         logits = torch.bmm(qs[:, sl], kt)
         if bias is not None:
             logits += bias
-        p, s, m = _shifted_exp(logits)
+        p, s = _shifted_exp_(logits)
+        m = p.sum(-1, keepdim=True)
         output[:, sl] = torch.bmm(p, v) / m.clamp_min(torch.finfo(torch.float32).tiny)
         log_mass[:, sl] = (s + m.log())[..., 0]
     return AttentionResult(output, log_mass)

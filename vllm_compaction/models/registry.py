@@ -86,6 +86,8 @@ class ModelSpec:
             raise ValueError(f"Model spec {self.name!r} needs at least one GGUF part.")
         if len(self.gguf_sha256) != 64:
             raise ValueError(f"Model spec {self.name!r} needs a 64-hex-digit gguf_sha256.")
+        if self.chat_marker and not self.chat_template:
+            raise ValueError(f"Model spec {self.name!r} has a chat_marker but no chat_template.")
 
     def config_problems(self, config: dict[str, Any]) -> list[str]:
         """Why a converted ``config.json`` (as a dict) is unusable for this model; empty if fine."""

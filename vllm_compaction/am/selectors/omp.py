@@ -84,91 +84,98 @@ class OMPSelector:
             state.add_keys()
             w = state.refit(lower)
             state.update_residual(w.clamp(lower, upper))
-        weights = state.final_w.clamp(lower, upper)
-        valid = slot_mask(state.count, state.t_max)
-        beta = torch.where(valid, weights.log(), 0.0).float()
-        return Selection(indices=state.idx[:, : state.t_max].clone(), lengths=state.count.clone(), beta=beta)
+        indices, weights, lengths = state.packed()
+        beta = torch.where(slot_mask(lengths, state.t_max), weights.clamp(lower, upper).log(), 0.0).float()
+        return Selection(indices=indices, lengths=lengths, beta=beta)
 
 
 class _GreedyMassFit:
-    """Mutable state of batched OMP. Slot ``t_max`` is a scratch slot for discarded writes."""
+    """Mutable state of batched OMP over slots ``[H, t_max]`` (+ one scratch slot for discarded
+    writes). A dropped key frees its slot (``occupied`` False, weight 0); new keys fill free
+    slots first, so nothing is ever repacked."""
 
     def __init__(self, phi: torch.Tensor, mass: torch.Tensor, budgets: torch.Tensor, per_round: int):
         h, n, total = phi.shape
-        self.phi, self.budgets = phi, budgets  # [H, n, T] fp32, [H]
+        self.phi, self.mass, self.budgets = phi, mass, budgets  # [H, n, T], [H, n], [H]
         self.t_max = int(budgets.max())
-        self.per_round = min(per_round, total)
-        self.mass = mass  # [H, n]
+        self.per_round = min(per_round, total, self.t_max)
         dev, slots = phi.device, self.t_max + 1
         self.idx = torch.zeros(h, slots, dtype=torch.long, device=dev)
-        self.count = torch.zeros(h, dtype=torch.long, device=dev)
+        self.occupied = torch.zeros(h, slots, dtype=torch.bool, device=dev)
         self.excluded = torch.zeros(h, total, dtype=torch.bool, device=dev)
         self.phi_s = torch.zeros(h, slots, n, dtype=phi.dtype, device=dev)  # kept columns, as rows
         self.gram = torch.zeros(h, slots, slots, dtype=torch.float64, device=dev)
         self.rhs = torch.zeros(h, slots, dtype=torch.float64, device=dev)
         self.final_w = torch.zeros(h, self.t_max, dtype=torch.float64, device=dev)
         self.done = budgets <= 0
+        self.high = 0  # slots [high, t_max) have never been used
         self.corr = torch.bmm(mass[:, None, :], phi)[:, 0]  # [H, T] correlation with r = m
 
+    @property
+    def count(self) -> torch.Tensor:
+        """``[H]`` number of kept keys."""
+        return self.occupied.sum(1)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[H, t_max]`` occupied slots."""
+        return self.occupied[:, : self.t_max]
+
     def add_keys(self) -> None:
-        """Append the best-correlated candidates (up to ``per_round``) to every unfinished head."""
+        """Put the best-correlated candidates (up to ``per_round``) in free slots of every
+        unfinished head and extend the Gram matrix by their columns."""
         h, n, _ = self.phi.shape
-        take = torch.where(self.done, 0, (self.budgets - self.count).clamp(0, self.per_round))
-        cand = self.corr.masked_fill(self.excluded, float("-inf"))
-        top = torch.topk(cand, self.per_round, dim=-1)
-        ok = (torch.arange(self.per_round, device=take.device) < take[:, None]) & (top.values > float("-inf"))
-        slots = torch.where(ok, self.count[:, None] + torch.arange(self.per_round, device=ok.device), self.t_max)
-        self.idx.scatter_(1, slots, top.indices)
-        self.excluded |= torch.zeros_like(self.excluded).scatter_(1, top.indices, ok)
-        new = self.phi.gather(2, top.indices[:, None, :].expand(h, n, self.per_round))  # [H, n, r]
-        new = (new * ok[:, None, :]).transpose(1, 2).contiguous()  # [H, r, n]
+        r = self.per_round
+        take = torch.where(self.done, 0, (self.budgets - self.count).clamp(0, r))
+        top = torch.topk(self.corr.masked_fill(self.excluded, float("-inf")), r, dim=-1)
+        ok = (torch.arange(r, device=take.device) < take[:, None]) & (top.values > float("-inf"))
+        free = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)[:, :r]  # first free slots
+        slots = torch.where(ok, free, self.t_max)  # discarded picks go to the scratch slot
         heads = torch.arange(h, device=slots.device)[:, None]
-        self.phi_s[heads, slots] = new  # rows of the new slots (discarded picks: scratch slot)
-        self.count += ok.sum(1)
-        used = int(self.count.max())
+        self.idx[heads, slots] = top.indices
+        self.occupied[heads, slots] = ok
+        self.occupied[:, self.t_max] = False
+        self.excluded[heads, top.indices] |= ok
+        new = self.phi.gather(2, top.indices[:, None, :].expand(h, n, r))  # [H, n, r]
+        new = (new * ok[:, None, :]).transpose(1, 2).contiguous()  # [H, r, n]
+        self.phi_s[heads, slots] = new
+        self.high = max(self.high, int(torch.where(ok, slots + 1, 0).max()))
+        used = self.high
         cols = torch.bmm(self.phi_s[:, :used], new.transpose(1, 2)).to(torch.float64)  # [H, used, r]
-        self.gram[:, :used].scatter_(2, slots[:, None, :].expand(h, used, self.per_round), cols)
-        self.gram[:, :, :used].scatter_(1, slots[:, :, None].expand(h, self.per_round, used), cols.transpose(1, 2))
-        self.rhs.scatter_(1, slots, torch.bmm(new, self.mass[..., None])[..., 0].to(torch.float64))
+        self.gram[:, :used].scatter_(2, slots[:, None, :].expand(h, used, r), cols)
+        self.gram[:, :, :used].scatter_(1, slots[:, :, None].expand(h, r, used), cols.transpose(1, 2))
+        self.rhs[heads, slots] = torch.bmm(new, self.mass[..., None])[..., 0].to(torch.float64)
 
     def _solve(self) -> torch.Tensor:
-        valid = slot_mask(self.count, self.t_max)
         t = self.t_max
-        return solve_normal_equations(self.gram[:, :t, :t], self.rhs[:, :t, None], valid)[..., 0]
+        return solve_normal_equations(self.gram[:, :t, :t], self.rhs[:, :t, None], self.valid)[..., 0]
 
     def refit(self, lower: float) -> torch.Tensor:
-        """Unconstrained least-squares weights ``[H, t_max]``; drops keys below ``lower``."""
+        """Unconstrained least-squares weights ``[H, t_max]`` (0 on free slots); frees the
+        slots of keys whose weight falls below ``lower`` (they stay excluded) and re-solves."""
         w = self._solve()
         for _ in range(4):
-            valid = slot_mask(self.count, self.t_max)
-            drop = valid & (w < lower) & ~self.done[:, None]
+            drop = self.valid & (w < lower) & ~self.done[:, None]
             remaining = (~self.excluded).sum(1)
             drop &= (drop.sum(1) <= remaining)[:, None]  # only if enough keys can replace them
             if not drop.any():
                 break
             logger.debug("OMP drops %d keys with beta below the floor", int(drop.sum()))
-            self._remove(drop)
+            self.occupied[:, : self.t_max] &= ~drop
             w = self._solve()
         return w
 
-    def _remove(self, drop: torch.Tensor) -> None:
-        """Remove slots ``drop [H, t_max]`` (their keys stay excluded), keeping slots packed."""
-        h, n, _ = self.phi.shape
-        keep = slot_mask(self.count, self.t_max) & ~drop
-        order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)  # kept slots first
-        order = torch.cat([order, torch.full_like(order[:, :1], self.t_max)], 1)  # scratch stays
-        heads = torch.arange(h, device=order.device)[:, None]
-        self.idx, self.rhs, self.phi_s = self.idx[heads, order], self.rhs[heads, order], self.phi_s[heads, order]
-        self.gram = self.gram[heads[..., None], order[:, :, None], order[:, None, :]]
-        self.count = keep.sum(1)
-
     def update_residual(self, w: torch.Tensor) -> None:
         """Record ``w`` for unfinished heads, mark finished ones, refresh the correlation."""
-        active = ~self.done
-        self.final_w = torch.where(active[:, None], w, self.final_w)
+        self.final_w = torch.where(self.done[:, None], self.final_w, w)
         self.done = self.done | (self.count >= self.budgets)
         if self.done.all():
             return
         t = self.t_max
         resid = self.mass - torch.bmm(w.to(self.phi.dtype)[:, None, :], self.phi_s[:, :t])[:, 0]  # [H, n]
         self.corr = torch.bmm(resid[:, None, :], self.phi)[:, 0]
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(indices [H, t_max], weights [H, t_max], lengths [H])`` with kept slots first."""
+        order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)
+        return self.idx[:, : self.t_max].gather(1, order), self.final_w.gather(1, order), self.count

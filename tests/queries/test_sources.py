@@ -1,0 +1,76 @@
+"""Reference-query sources: plans, packing, caps, norms, on-policy collection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_compaction.queries import QueryCollector, QueryPlan, parse_sources
+from vllm_compaction.queries.base import PrefixSpec
+from vllm_compaction.queries.repeat_prefill import REPEAT_INSTRUCTION
+from vllm_compaction.queries.self_study import SelfStudy
+
+IDS = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+
+
+def _spec(adapter, ids=IDS):
+    mask = torch.ones(len(ids), dtype=torch.bool)
+    mask[:3] = False
+    return PrefixSpec(torch.tensor(ids), mask, adapter.prefill(ids))
+
+
+def test_collector_records_only_marked_rows_and_caps(tiny_llama):
+    spec = _spec(tiny_llama)
+    plan = QueryPlan(continuations=[[1, 2, 3, 4], [5, 6]], record_from=[2, 0], prefix_queries=True)
+    queries = QueryCollector(tiny_llama, spec, plan).run(spec.kv.exact_prefix())
+    group = tiny_llama.num_q_heads // tiny_llama.num_kv_heads
+    assert queries[0].shape == (2, group * (40 + 2 + 2), 16)
+    capped = QueryCollector(tiny_llama, spec, plan, cap=10).run(spec.kv.exact_prefix())
+    assert capped[1].shape == (2, 10, 16)
+    with pytest.raises(ValueError, match="cap"):
+        QueryCollector(tiny_llama, spec, plan, cap=0)
+
+
+def test_random_vectors_match_query_norms(tiny_llama):
+    spec = _spec(tiny_llama)
+    q = QueryCollector(tiny_llama, spec, QueryPlan(random_vectors=64)).run(spec.kv.exact_prefix())
+    real = spec.kv.queries[1].norm(dim=-1).mean(-1)
+    torch.testing.assert_close(q[1].norm(dim=-1).mean(-1), real, rtol=1e-4, atol=1e-5)
+
+
+def test_on_policy_layers_see_earlier_compaction(tiny_llama):
+    spec = _spec(tiny_llama)
+    plan = QueryPlan(continuations=[[9, 8, 7, 6, 5]], record_from=[0])
+    collector = QueryCollector(tiny_llama, spec, plan)
+    off = collector.run(spec.kv.exact_prefix())
+    half = [None] * tiny_llama.num_layers
+
+    def drop_half(layer, queries):
+        p = spec.kv.exact_prefix()[layer]
+        keep = slice(0, 20)
+        half[layer] = True
+        return type(p)(p.keys[:, keep], p.values[:, keep], p.bias[:, keep], p.positions[:, keep])
+
+    on = collector.run(spec.kv.exact_prefix(), on_layer=drop_half)
+    torch.testing.assert_close(on[0], off[0])  # layer 0 sees no compaction before it
+    assert not torch.allclose(on[2], off[2])  # later layers do
+    assert all(half)
+
+
+def test_parse_sources_mixture_and_errors():
+    names = [s.name for s in parse_sources("self-study+repeat-prefill")]
+    assert names == ["self-study", "repeat-prefill"]
+    with pytest.raises(ValueError, match="unknown query source"):
+        parse_sources("repeat-prefill+telepathy")
+
+
+@pytest.mark.slow
+def test_real_repeat_prefill_and_self_study_plans(smollm2):
+    text = "Ada Lovelace wrote the first published algorithm for Babbage's Analytical Engine in 1843."
+    ids, mask = smollm2.chat_content([{"role": "user", "content": text}])
+    spec = PrefixSpec(torch.tensor(ids), mask, smollm2.prefill(ids))
+    repeat = parse_sources("repeat-prefill")[0].plan(smollm2, spec)
+    decoded = smollm2.tokenizer.decode(repeat.continuations[0])
+    assert REPEAT_INSTRUCTION in decoded and decoded.rstrip().endswith(text)
+    study = SelfStudy(max_new_tokens=12).plan(smollm2, spec)
+    assert len(study.continuations) >= 4 and all(len(c) > 12 for c in study.continuations)

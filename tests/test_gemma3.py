@@ -1,0 +1,45 @@
+"""Gemma-3-270M: sliding-window layers stay exact, only global layers are compacted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_compaction.corpus import haystack_text
+from vllm_compaction.pipeline import compact_prefix
+from vllm_compaction.reference import ReferenceDecoder
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    from vllm_compaction.models import load_adapter
+
+    return load_adapter("gemma3-270m")
+
+
+def test_gemma3_compacts_only_global_layers_and_decodes_exactly(gemma3):
+    kinds = gemma3.layer_kinds
+    assert kinds.count("sliding") == 15 and kinds.count("global") == 3
+    text = haystack_text(700, gemma3.tokenizer, seed=5)
+    ids = gemma3.tokenizer(text)["input_ids"]  # BOS first: it stays exact
+    mask = torch.ones(len(ids), dtype=torch.bool)
+    mask[0] = False
+    cache = compact_prefix(gemma3, ids, mask, ratio=0.1, method="am-highest-attn",
+                           queries="context-prefill", budgets="uniform", on_policy=False)
+    assert cache.layer_compacted == [k == "global" for k in kinds]
+    lengths = cache.head_lengths
+    assert (lengths[torch.tensor(cache.layer_compacted)] < len(ids) // 5).all()
+    assert (lengths[~torch.tensor(cache.layer_compacted)] == len(ids)).all()
+
+    # full budget: the reference path reproduces the stock model through the sliding window
+    full = compact_prefix(gemma3, ids, mask, ratio=1.0, method="truncate", queries="context-prefill",
+                          budgets="uniform")
+    cont = gemma3.encode(" In summary,")
+    got = ReferenceDecoder(gemma3).logits(full, cont)
+    with torch.inference_mode():
+        want = gemma3.model(input_ids=torch.tensor([ids + cont])).logits[0, len(ids):].float()
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+    gen = ReferenceDecoder(gemma3).generate(cache, cont, max_new_tokens=8)
+    assert len(gen.token_ids) > 0
