@@ -48,7 +48,9 @@ def _rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-def synthesize_layer(heads: int, length: int, num_queries: int, dim: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def synthesize_layer(
+    heads: int, length: int, num_queries: int, dim: int, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
     """Keys/values/queries with the structure real attention has.
 
     Keys: a shared mean, topic segments (~40 tokens, topics recur, so neighbours and
@@ -85,16 +87,31 @@ def load_inputs(path: Path | None, args: argparse.Namespace) -> dict[str, Any]:
     """Per-layer lists of keys/values/queries, from ``path`` or synthesised."""
     if path is not None:
         blob = torch.load(path, map_location="cpu")
-        layers = [{"keys": k, "values": v, "queries": q} for k, v, q in zip(blob["keys"], blob["values"], blob["queries"])]
-        return {"layers": layers[: args.layers], "source": str(path), "synthetic": False, "queries_s": blob.get("queries_s")}
+        layers = [
+            {"keys": k, "values": v, "queries": q} for k, v, q in zip(blob["keys"], blob["values"], blob["queries"])
+        ]
+        return {
+            "layers": layers[: args.layers],
+            "source": str(path),
+            "synthetic": False,
+            "queries_s": blob.get("queries_s"),
+        }
     gen = torch.Generator().manual_seed(args.seed)
-    layers = [synthesize_layer(args.heads, args.length, args.queries, args.dim, gen) for _ in range(args.layers)]
-    return {"layers": layers, "source": "synthetic (benchmarks.compaction_speed.synthesize_layer)", "synthetic": True, "queries_s": None}
+    count = args.layers or 2
+    layers = [synthesize_layer(args.heads, args.length, args.queries, args.dim, gen) for _ in range(count)]
+    return {
+        "layers": layers,
+        "source": "synthetic (benchmarks.compaction_speed.synthesize_layer)",
+        "synthetic": True,
+        "queries_s": None,
+    }
 
 
 # ----------------------------------------------------------------------------- baseline
 def _lstsq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.lstsq(a, b).solution
+    """``torch.linalg.lstsq`` with the QR driver the paper's CUDA runs use (``gels``); the CPU
+    default (``gelsy``) truncates singular values below ``eps * max(n, t)`` and fits worse."""
+    return torch.linalg.lstsq(a, b, driver="gels" if a.device.type == "cpu" else None).solution
 
 
 def _baseline_nnls(m: torch.Tensor, y: torch.Tensor, lower: float, upper: float, iters: int) -> torch.Tensor:
@@ -137,7 +154,9 @@ def _baseline_omp(phi: torch.Tensor, mass: torch.Tensor, t: int, k: int, tau: in
             return torch.tensor(chosen), w
 
 
-def baseline_compact(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, method: str, clock: dict[str, float]) -> CompactedHeads:
+def baseline_compact(
+    keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, method: str, clock: dict[str, float]
+) -> CompactedHeads:
     """The per-head reference pipeline (Python loop over heads), timed by stage into ``clock``."""
     out_k, out_b, out_v, out_i = [], [], [], []
     scale = 1.0 / math.sqrt(keys.shape[-1])
@@ -164,7 +183,9 @@ def baseline_compact(keys: torch.Tensor, values: torch.Tensor, queries: torch.Te
         order = idx.argsort()
         out_k.append(keys[h, idx[order]]), out_b.append(beta[order]), out_v.append(cv[order]), out_i.append(idx[order])
     lengths = [t] * keys.shape[0]
-    return CompactedHeads.from_padded(torch.stack(out_k), torch.stack(out_b), torch.stack(out_v), torch.stack(out_i), lengths)
+    return CompactedHeads.from_padded(
+        torch.stack(out_k), torch.stack(out_b), torch.stack(out_v), torch.stack(out_i), lengths
+    )
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -177,9 +198,20 @@ def _split(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return perm[:cut], perm[cut:]
 
 
-def measure(layers: list[dict[str, torch.Tensor]], ratio: float, method: str, baseline: bool, repeats: int, seed: int) -> dict[str, Any]:
+def _warm_up(layer: dict[str, torch.Tensor], method: str, baseline: bool) -> None:
+    """One small untimed run of each implementation (thread pools, allocator, kernels)."""
+    k, v, q = (layer[name][:, :256].float() for name in ("keys", "values", "queries"))
+    compact_heads(k, v, q, 16, method=method)
+    if baseline:
+        baseline_compact(k, v, q, 16, method, dict.fromkeys(STAGE_KEYS, 0.0))
+
+
+def measure(
+    layers: list[dict[str, torch.Tensor]], ratio: float, method: str, baseline: bool, repeats: int, seed: int
+) -> dict[str, Any]:
     """Per-KV-head seconds (best of ``repeats``) and held-out errors of ours and the baseline."""
     runs: dict[str, dict[str, Any]] = {}
+    _warm_up(layers[0], method, baseline)
     for who in ("ours", "baseline") if baseline else ("ours",):
         clock = dict.fromkeys(STAGE_KEYS, 0.0)
         errs_out, errs_mass, heads_total = [], [], 0
@@ -211,7 +243,14 @@ def measure(layers: list[dict[str, torch.Tensor]], ratio: float, method: str, ba
             "heldout_mass_rel": sum(errs_mass) / len(errs_mass),
             "heldout_output_rel_per_head": errs_out,
         }
-        logger.info("%s %s ratio=%.3f: %.4f s/head, held-out output err %.4f", method, who, ratio, runs[who]["per_head_s"], runs[who]["heldout_output_rel"])
+        logger.info(
+            "%s %s ratio=%.3f: %.4f s/head, held-out output err %.4f",
+            method,
+            who,
+            ratio,
+            runs[who]["per_head_s"],
+            runs[who]["heldout_output_rel"],
+        )
     if baseline:
         runs["speedup"] = runs["baseline"]["per_head_s"] / runs["ours"]["per_head_s"]
     return runs
@@ -254,7 +293,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"compact_heads vs per-head baseline ({result['machine']['threads']} threads)")
+    fig.suptitle(f"compact_heads vs per-head baseline (torch threads={result['machine']['threads']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -263,7 +302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kv", type=Path, default=None, help="torch.save'd dict of per-layer keys/values/queries")
     p.add_argument("--quick", action="store_true", help="small shapes, one layer, few scaling points")
-    p.add_argument("--layers", type=int, default=2, help="layers to use (synthesised or from --kv)")
+    p.add_argument("--layers", type=int, default=None, help="layers to use (default: all of --kv, 2 synthesised)")
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--length", type=int, default=2000, help="T of synthesised inputs")
     p.add_argument("--queries", type=int, default=12500, help="n per KV head (80%% fit, 20%% held out)")
@@ -274,6 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-scaling", dest="scaling", action="store_false")
     p.add_argument("--no-scale-baseline", dest="scale_baseline", action="store_false")
     p.add_argument("--omp-baseline-max-t", type=int, default=200, help="skip slower OMP baselines in scaling")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "compaction_speed.json")
     args = p.parse_args(argv)
@@ -287,6 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     inputs = load_inputs(args.kv, args)
     layers = inputs.pop("layers")
     h, t_len, d = layers[0]["keys"].shape
@@ -307,13 +349,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.write_text(json.dumps(result, indent=2))
     if args.scaling:
         plot(result, args.out.with_suffix(".png"))
-    lines = [f"{'method':<18}{'impl':<10}{'s/head':>9}{'select':>9}{'beta':>9}{'values':>9}{'out err':>9}{'mass err':>9}"]
+    lines = [
+        f"{'method':<18}{'impl':<10}{'s/head':>9}{'select':>9}{'beta':>9}{'values':>9}{'out err':>9}{'mass err':>9}"
+    ]
     for m, runs in result["main"].items():
         for who in ("ours", "baseline"):
             r = runs[who]
             st = r["stages_per_head_s"]
-            lines.append(f"{m:<18}{who:<10}{r['per_head_s']:>9.4f}{r['key_selection_per_head_s']:>9.4f}{st['beta_s']:>9.4f}"
-                         f"{st['values_s']:>9.4f}{r['heldout_output_rel']:>9.4f}{r['heldout_mass_rel']:>9.4f}")
+            lines.append(
+                f"{m:<18}{who:<10}{r['per_head_s']:>9.4f}{r['key_selection_per_head_s']:>9.4f}{st['beta_s']:>9.4f}"
+                f"{st['values_s']:>9.4f}{r['heldout_output_rel']:>9.4f}{r['heldout_mass_rel']:>9.4f}"
+            )
         lines.append(f"{m:<18}{'speedup':<10}{runs['speedup']:>8.1f}x")
     print("\n".join(lines))  # noqa: T201 - the final summary table
     logger.info("wrote %s", args.out)

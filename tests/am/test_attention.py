@@ -56,7 +56,11 @@ def test_pooling_is_a_centred_running_max():
 
 def test_reference_features_and_mass_are_shifted():
     gen = torch.Generator().manual_seed(2)
-    q, k, v = torch.randn(2, 9, 4, generator=gen), torch.randn(2, 6, 4, generator=gen), torch.randn(2, 6, 4, generator=gen)
+    q, k, v = (
+        torch.randn(2, 9, 4, generator=gen),
+        torch.randn(2, 6, 4, generator=gen),
+        torch.randn(2, 6, 4, generator=gen),
+    )
     ref = reference_attention(k, v, q, scale=1.0, keep_features=True)
     assert torch.allclose(ref.features.amax(-1), torch.ones(2, 9))
     torch.testing.assert_close(ref.mass, ref.features.sum(-1))

@@ -41,12 +41,17 @@ def test_budget_T_reproduces_attention_exactly(method):
     assert err.output_rel.max() < 1e-5 and err.mass_rel.max() < 1e-5
 
 
-@pytest.mark.parametrize("method", ["am-highest-attn", "am-omp", "am-omp-fast", "h2o+", "snapkv", "kvzip", "kvmerger", "truncate"])
+@pytest.mark.parametrize(
+    "method", ["am-highest-attn", "am-omp", "am-omp-fast", "h2o+", "snapkv", "kvzip", "kvmerger", "truncate"]
+)
 def test_batched_equals_per_head_loop(method):
     keys, values, queries = _inputs(1)
     budgets = [0, 5, T, 17]
     batched = compact_heads(keys, values, queries, budgets, method=method)
-    looped = [compact_heads(keys[h : h + 1], values[h : h + 1], queries[h : h + 1], [t], method=method) for h, t in enumerate(budgets)]
+    looped = [
+        compact_heads(keys[h : h + 1], values[h : h + 1], queries[h : h + 1], [t], method=method)
+        for h, t in enumerate(budgets)
+    ]
     _assert_heads_equal(batched, _stack(looped))
 
 
@@ -76,7 +81,11 @@ def test_every_preset_runs_on_every_budget_shape(method, budget):
     heads = compact_heads(keys.bfloat16(), values.bfloat16(), queries, budget, method=method, positions=positions)
     want = torch.as_tensor(budget).expand(H) if torch.as_tensor(budget).dim() == 0 else torch.as_tensor(budget)
     assert heads.head_budgets.tolist() == want.tolist()
-    assert heads.keys.dtype == torch.bfloat16 and heads.values.dtype == torch.bfloat16 and heads.beta.dtype == torch.float32
+    assert (
+        heads.keys.dtype == torch.bfloat16
+        and heads.values.dtype == torch.bfloat16
+        and heads.beta.dtype == torch.float32
+    )
     assert torch.isfinite(heads.beta).all() and torch.isfinite(heads.values.float()).all()
     for h in range(H):
         k, _, _, idx = heads.head(h)

@@ -41,7 +41,10 @@ def test_pgd_steps_do_not_increase_the_objective():
     m = _features(4)
     y = torch.rand(3, 200, generator=torch.Generator().manual_seed(5)) * 30
     lo, hi = math.exp(-1), math.exp(1)
-    loss = [((m @ nnls_pgd(m, y, lower=lo, upper=hi, iters=i)[..., None])[..., 0] - y).square().sum(-1) for i in (0, 1, 5, 40)]
+    loss = [
+        ((m @ nnls_pgd(m, y, lower=lo, upper=hi, iters=i)[..., None])[..., 0] - y).square().sum(-1)
+        for i in (0, 1, 5, 40)
+    ]
     for before, after in zip(loss, loss[1:]):
         assert (after <= before * (1 + 1e-5)).all()
 

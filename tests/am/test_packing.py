@@ -12,8 +12,13 @@ def _heads(lengths, d=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     n = sum(lengths)
     idx = torch.cat([torch.randperm(50, generator=g)[:t].sort().values for t in lengths])
-    return CompactedHeads(torch.randn(n, d, generator=g), torch.randn(n, generator=g),
-                          torch.randn(n, d, generator=g), idx, cu_seqlens_from_lengths(lengths))
+    return CompactedHeads(
+        torch.randn(n, d, generator=g),
+        torch.randn(n, generator=g),
+        torch.randn(n, d, generator=g),
+        idx,
+        cu_seqlens_from_lengths(lengths),
+    )
 
 
 def test_padded_round_trip_with_empty_and_full_heads():
@@ -21,8 +26,10 @@ def test_padded_round_trip_with_empty_and_full_heads():
     keys, beta, values, idx = heads.padded()
     assert keys.shape == (4, 50, 4) and torch.isinf(beta[0]).all()
     back = CompactedHeads.from_padded(keys, beta, values, idx, heads.head_budgets)
-    for a, b in zip((heads.keys, heads.beta, heads.values, heads.indices, heads.cu_seqlens),
-                    (back.keys, back.beta, back.values, back.indices, back.cu_seqlens)):
+    for a, b in zip(
+        (heads.keys, heads.beta, heads.values, heads.indices, heads.cu_seqlens),
+        (back.keys, back.beta, back.values, back.indices, back.cu_seqlens),
+    ):
         assert torch.equal(a, b)
     k2, b2, v2, i2 = heads.head(2)
     assert torch.equal(k2, keys[2, :50]) and torch.equal(i2, idx[2])
@@ -45,13 +52,21 @@ def test_exact_keeps_everything_with_zero_bias():
     assert torch.equal(heads.head(1)[0], keys[1])
 
 
-@pytest.mark.parametrize("bad", [
-    dict(cu_seqlens=torch.tensor([0, 2], dtype=torch.int32)),
-    dict(beta=torch.zeros(2)),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(cu_seqlens=torch.tensor([0, 2], dtype=torch.int32)),
+        dict(beta=torch.zeros(2)),
+    ],
+)
 def test_inconsistent_packing_is_refused(bad):
-    fields = dict(keys=torch.zeros(3, 4), beta=torch.zeros(3), values=torch.zeros(3, 4),
-                  indices=torch.arange(3), cu_seqlens=torch.tensor([0, 3], dtype=torch.int32))
+    fields = dict(
+        keys=torch.zeros(3, 4),
+        beta=torch.zeros(3),
+        values=torch.zeros(3, 4),
+        indices=torch.arange(3),
+        cu_seqlens=torch.tensor([0, 3], dtype=torch.int32),
+    )
     fields.update(bad)
     with pytest.raises(ValueError):
         CompactedHeads(**fields)

@@ -57,7 +57,9 @@ def test_concatenated_attention_error_is_bounded_by_output_and_mass_errors():
     kf, vf = 1.5 * torch.randn(H, 40, D, generator=gen), torch.randn(H, 40, D, generator=gen)
     zeros = torch.zeros(H, 40)
     full = attention_output_and_mass(eval_q, torch.cat([keys, kf], 1), torch.cat([values, vf], 1))
-    approx = attention_output_and_mass(eval_q, torch.cat([ck, kf], 1), torch.cat([cv, vf], 1), beta=torch.cat([cbeta, zeros], 1))
+    approx = attention_output_and_mass(
+        eval_q, torch.cat([ck, kf], 1), torch.cat([cv, vf], 1), beta=torch.cat([cbeta, zeros], 1)
+    )
     block = attention_output_and_mass(eval_q, keys, values)
     compact = attention_output_and_mass(eval_q, ck, cv, beta=cbeta)
     fixed = attention_output_and_mass(eval_q, kf, vf)

@@ -13,7 +13,16 @@ from vllm_compaction.am.selectors import KVMergerSelector, OMPSelector, Selectio
 from vllm_compaction.am.selectors.omp import _GreedyMassFit
 
 
-def _problem(seed: int, h: int = 3, t: int = 64, n: int = 300, d: int = 8, budget: int = 16, features: bool = False, aggregation: str | None = None) -> SelectionProblem:
+def _problem(
+    seed: int,
+    h: int = 3,
+    t: int = 64,
+    n: int = 300,
+    d: int = 8,
+    budget: int = 16,
+    features: bool = False,
+    aggregation: str | None = None,
+) -> SelectionProblem:
     gen = torch.Generator().manual_seed(seed)
     keys, values = torch.randn(h, t, d, generator=gen), torch.randn(h, t, d, generator=gen)
     queries = 1.2 * keys[:, torch.randint(0, t, (n,), generator=gen)] + torch.randn(h, n, d, generator=gen)
@@ -87,7 +96,9 @@ def test_truncate_keeps_a_contiguous_span(keep):
 
 def test_random_is_seeded():
     keys = torch.randn(2, 50, 4)
-    pick = lambda seed: compact_heads(keys, keys, torch.empty(2, 0, 4), 10, method="random", seed=seed).indices  # noqa: E731
+    pick = lambda seed: compact_heads(
+        keys, keys, torch.empty(2, 0, 4), 10, method="random", seed=seed
+    ).indices  # noqa: E731
     assert torch.equal(pick(1), pick(1)) and not torch.equal(pick(1), pick(2))
 
 

@@ -20,7 +20,7 @@ from vllm_compaction.am.attention import reference_attention, resolve_scale
 from vllm_compaction.am.fit import SelectedLogits, fit_beta, fit_values
 from vllm_compaction.am.heads import CompactedHeads
 from vllm_compaction.am.presets import ResolvedMethod, resolve_method
-from vllm_compaction.am.selectors.base import SelectionProblem, slot_mask
+from vllm_compaction.am.selectors.base import Selection, SelectionProblem, slot_mask
 
 __all__ = ["DEFAULT_MEMORY_LIMIT", "STAGES", "compact_heads"]
 
@@ -36,7 +36,9 @@ def _check_inputs(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point [H, *, d] tensor, got {getattr(x, 'shape', type(x))}")
     if keys.shape != values.shape:
-        raise ValueError(f"keys and values must have the same [H, T, d] shape, got {tuple(keys.shape)} and {tuple(values.shape)}")
+        raise ValueError(
+            f"keys and values must have the same [H, T, d] shape, got {tuple(keys.shape)} and {tuple(values.shape)}"
+        )
     if queries.shape[0] != keys.shape[0] or queries.shape[2] != keys.shape[2]:
         raise ValueError(f"queries must be [H, n, d] matching keys {tuple(keys.shape)}, got {tuple(queries.shape)}")
 
@@ -72,6 +74,8 @@ def _head_groups(heads: torch.Tensor, bytes_per_head: int, memory_limit: int) ->
     if heads.numel() == 0:
         return []
     size = max(1, memory_limit // max(1, bytes_per_head)) if bytes_per_head else heads.numel()
+    if bytes_per_head > memory_limit:
+        logger.warning("one head needs %d bytes of features, above memory_limit=%d", bytes_per_head, memory_limit)
     if heads.numel() > size:
         logger.info("compacting %d heads in groups of %d to stay under %d bytes", heads.numel(), size, memory_limit)
     return list(torch.split(heads, max(1, size)))
@@ -86,8 +90,9 @@ def _compact_group(
     scale: float,
     memory_limit: int,
     clock: dict[str, float],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Compact fp32 heads with ``0 < t_h < T``: ``(indices, lengths, beta, values)``, padded."""
+) -> Selection:
+    """Compact fp32 heads with ``0 < t_h < T``: kept indices with their fitted (or selector-
+    given, or zero) ``beta`` and values, padded to the group's ``t_max``."""
     start = time.perf_counter()
     ref = None
     if plan.needs_reference:
@@ -124,7 +129,19 @@ def _compact_group(
     else:
         fitted = values.gather(1, sel.indices[..., None].expand(h, t_max, values.shape[-1]))
     clock["values_s"] += time.perf_counter() - mark
-    return sel.indices, sel.lengths, beta, fitted
+    return Selection(indices=sel.indices, lengths=sel.lengths, beta=beta, values=fitted)
+
+
+def _pack(keys: torch.Tensor, padded: Selection, positions: torch.Tensor) -> CompactedHeads:
+    """Sort each head's slots by key index and pack them varlen (padding dropped)."""
+    h, total, d = keys.shape
+    t_max = padded.indices.shape[1]
+    valid = slot_mask(padded.lengths, t_max)
+    order = torch.where(valid, padded.indices, total).argsort(dim=1)  # real slots first, by index
+    idx, beta = padded.indices.gather(1, order), padded.beta.gather(1, order)
+    vals = padded.values.gather(1, order[..., None].expand(h, t_max, d))
+    kept = keys.gather(1, idx[..., None].expand(h, t_max, d))
+    return CompactedHeads.from_padded(kept, beta, vals, positions[idx], padded.lengths)
 
 
 def compact_heads(
@@ -186,21 +203,16 @@ def compact_heads(
     vals = values[:, :t_max].float().clone()
     n, per_head = queries.shape[1], 0
     if plan.selector.needs_features:
-        per_head = n * total * 4 + n * (t_max + 1) * 8
+        per_head = 4 * n * (total + t_max + 1)  # features [n, T] and kept columns [t + 1, n]
     for group in _head_groups(work.to(dev), per_head, memory_limit):
-        g_idx, g_len, g_beta, g_vals = _compact_group(
+        fitted = _compact_group(
             keys[group].float(), values[group].float(), queries[group].float(),
             lengths[group], plan, scale, memory_limit, clock,
         )  # fmt: skip
-        width = g_idx.shape[1]
-        idx[group, :width], beta[group, :width], vals[group, :width] = g_idx, g_beta, g_vals
-        lengths[group] = g_len
-    valid = slot_mask(lengths, t_max)
-    order = torch.where(valid, idx, total).argsort(dim=1)  # real slots by position, padding last
-    idx, beta = idx.gather(1, order), beta.gather(1, order)
-    vals = vals.gather(1, order[..., None].expand(h, t_max, d))
-    kept = keys.gather(1, idx[..., None].expand(h, t_max, d))
-    heads = CompactedHeads.from_padded(kept, beta, vals.to(values.dtype), pos[idx], lengths)
+        width = fitted.indices.shape[1]
+        idx[group, :width], beta[group, :width] = fitted.indices, fitted.beta
+        vals[group, :width], lengths[group] = fitted.values, fitted.lengths
+    heads = _pack(keys, Selection(idx, lengths, beta, vals.to(values.dtype)), pos)
     clock["total_s"] = time.perf_counter() - start
     if timings is not None:
         timings.update(clock)

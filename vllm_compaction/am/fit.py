@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from vllm_compaction.am.attention import query_chunks
+from vllm_compaction.am.attention import CHUNK_BYTES_PER_HEAD, query_chunks
 
 __all__ = [
     "SelectedLogits",
@@ -152,7 +152,9 @@ def nnls_pgd(
     ``[B, p]`` weights in ``matrix.dtype`` (0 on invalid columns).
     """
     if matrix.dim() != 3 or target.shape != matrix.shape[:2]:
-        raise ValueError(f"nnls_pgd needs matrix [B, n, p] and target [B, n], got {tuple(matrix.shape)}, {tuple(target.shape)}")
+        raise ValueError(
+            f"nnls_pgd needs matrix [B, n, p] and target [B, n], got {tuple(matrix.shape)}, {tuple(target.shape)}"
+        )
     m = matrix.to(GRAM_DTYPE)
     gram = m.transpose(1, 2) @ m
     rhs = (m.transpose(1, 2) @ target.to(GRAM_DTYPE)[..., None])[..., 0]
@@ -178,10 +180,11 @@ def lstsq_values(weights: torch.Tensor, targets: torch.Tensor, valid: torch.Tens
 
 
 class SelectedLogits:
-    """Scaled logits ``l = scale * Q C_k^T`` of the kept keys, chunked over queries.
+    """Scaled logits ``l = scale * Q C_k^T`` of the kept keys, by chunks of query rows.
 
-    Padded slots hold ``-inf``. The whole ``[H, n, t]`` tensor is computed once and cached
-    when it fits in ``budget_bytes``; otherwise every pass recomputes it chunk by chunk.
+    Padded slots hold ``-inf``. Chunks are cache-sized (``CHUNK_BYTES_PER_HEAD``) so that the
+    consumers' temporaries stay small; the whole ``[H, n, t]`` tensor is computed once and
+    cached when it fits in ``budget_bytes``, otherwise every pass recomputes its chunks.
     Consumers must not modify the yielded chunks in place.
     """
 
@@ -190,16 +193,16 @@ class SelectedLogits:
         self._kt = kept_keys.transpose(1, 2)  # [H, d, t]
         self._mask = torch.where(valid, 0.0, float("-inf")).to(queries_scaled.dtype)[:, None, :]  # [H, 1, t]
         h, n, _ = queries_scaled.shape
-        row_bytes = 3 * 4 * h * max(1, kept_keys.shape[1])  # logits + two same-size temporaries
-        self._chunks = query_chunks(n, row_bytes, budget_bytes)
-        self._cached = self._compute(slice(0, n)) if len(self._chunks) == 1 else None
+        t = max(1, kept_keys.shape[1])
+        self.chunks = query_chunks(n, 4 * t, CHUNK_BYTES_PER_HEAD)
+        self._cached = self._compute(slice(0, n)) if 3 * 4 * h * n * t <= budget_bytes else None
 
     def _compute(self, sl: slice) -> torch.Tensor:
         return torch.baddbmm(self._mask, self._q[:, sl], self._kt)
 
     def __iter__(self) -> Iterator[tuple[slice, torch.Tensor]]:
-        for sl in self._chunks:
-            yield sl, (self._cached if self._cached is not None else self._compute(sl))
+        for sl in self.chunks:
+            yield sl, (self._cached[:, sl] if self._cached is not None else self._compute(sl))
 
 
 def fit_beta(
@@ -229,7 +232,7 @@ def fit_beta(
     gram = shift.new_zeros(h, t, t, dtype=GRAM_DTYPE)
     rhs = shift.new_zeros(h, t, 1, dtype=GRAM_DTYPE)
     for sl, chunk in logits:
-        phi = torch.exp(chunk - shift[:, sl, None]).to(GRAM_DTYPE)  # [H, c, t] shifted features
+        phi = torch.sub(chunk, shift[:, sl, None]).exp_().to(GRAM_DTYPE)  # [H, c, t] shifted features
         gram.baddbmm_(phi.transpose(1, 2), phi)
         rhs.baddbmm_(phi.transpose(1, 2), mass[:, sl, None].to(GRAM_DTYPE))
     lo, hi = bounds

@@ -117,7 +117,9 @@ def resolve_method(method: str, options: Mapping[str, Any]) -> ResolvedMethod:
     unknown = sorted(set(options) - selector_fields - fit_fields)
     if unknown:
         valid = sorted(selector_fields | fit_fields | {"selector"})
-        raise ValueError(f"unknown option(s) {', '.join(unknown)} for method {method!r}; valid options: {', '.join(valid)}")
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)} for method {method!r}; valid options: {', '.join(valid)}"
+        )
     base_selector = dict(spec.selector_options) if selector_name == spec.selector else {}
     base_selector.update({k: v for k, v in options.items() if k in selector_fields})
     selector = selector_cls(**base_selector)

@@ -35,8 +35,11 @@ class HighestAttentionSelector:
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
-        if self.pool_kernel is not None and (int(self.pool_kernel) < 1 or int(self.pool_kernel) % 2 == 0):
-            raise ValueError(f"pool_kernel must be a positive odd integer or None, got {self.pool_kernel!r}")
+        kernel = self.pool_kernel
+        if kernel is not None and (
+            not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 1 or kernel % 2 == 0
+        ):
+            raise ValueError(f"pool_kernel must be a positive odd integer or None, got {kernel!r}")
 
     @property
     def score_aggregation(self) -> str | None:

@@ -72,7 +72,9 @@ class KVMergerSelector:
         anchors = _cluster_argmax(problem.reference.scores, cluster, t_max)  # [H, t_max]
         anchor_of = unit.gather(1, anchors.gather(1, cluster)[..., None].expand(h, total, d))
         weight = torch.exp(-(unit - anchor_of).square().sum(-1) / (2 * self.sigma**2))  # [H, T]
-        num = values.new_zeros(h, t_max, d).scatter_add_(1, cluster[..., None].expand(h, total, d), weight[..., None] * values)
+        num = values.new_zeros(h, t_max, d).scatter_add_(
+            1, cluster[..., None].expand(h, total, d), weight[..., None] * values
+        )
         den = values.new_zeros(h, t_max).scatter_add_(1, cluster, weight)
         merged = num / den.clamp_min(torch.finfo(values.dtype).tiny)[..., None]
         return Selection(indices=anchors, lengths=budgets.clone(), values=merged)

@@ -6,9 +6,11 @@ correlation ``c = Phi^T r`` with the residual (the correlation only changes at a
 ``tau`` steps of top-``k`` equal one top-``k tau``), then refits ``w >= 0`` on all kept keys
 and updates ``r = m - Phi_S w``. ``k = tau = 1`` is plain OMP.
 
-Speed: the Gram matrix ``Phi_S^T Phi_S`` and ``Phi_S^T m`` grow by the new columns only (in
-float64 from fp32 products), each refit is one small batched Cholesky solve, and the only pass over the whole
-``Phi`` per round is the correlation ``Phi^T r``.
+Speed: the Gram matrix ``Phi_S^T Phi_S`` and ``Phi_S^T m`` grow by the new columns only
+(fp32 products kept in float64), each refit is one small batched Cholesky solve instead of a
+least-squares solve from scratch, and the only pass over the whole ``Phi`` per round is the
+correlation ``Phi^T r`` (a memory-bound GEMV: OMP costs about ``t / (k tau)`` reads of
+``Phi``).
 
 Stabilisers (paper, "Stabilizing beta"): a refit drops kept keys whose unconstrained weight
 is below ``e^min_beta`` (they are banned and selection continues until every kept key has
@@ -83,7 +85,7 @@ class OMPSelector:
                 break
             state.add_keys()
             w = state.refit(lower)
-            state.update_residual(w.clamp(lower, upper))
+            state.update_residual(torch.where(state.valid, w.clamp(lower, upper), 0.0))
         indices, weights, lengths = state.packed()
         beta = torch.where(slot_mask(lengths, state.t_max), weights.clamp(lower, upper).log(), 0.0).float()
         return Selection(indices=indices, lengths=lengths, beta=beta)
