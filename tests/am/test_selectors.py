@@ -110,3 +110,16 @@ def test_highest_attention_keeps_the_top_scored_keys(method, aggregation):
     for h in range(3):
         want = torch.topk(scores[h], 12).indices.sort().values
         assert torch.equal(heads.head(h)[3], want)
+
+
+def test_omp_round_bound_only_changes_large_heads():
+    p = _problem(3, budget=16, features=True)
+    plain = OMPSelector(keys_per_step=2, refit_interval=1).select(p)
+    bounded = OMPSelector(keys_per_step=2, refit_interval=1, max_rounds=8).select(p)  # 16 <= 8 * 2
+    assert torch.equal(plain.indices, bounded.indices)
+    big = SelectionProblem(p.keys, p.values, p.queries, p.scale, torch.tensor([4, 60, 16]), p.reference)
+    fast = OMPSelector(keys_per_step=1, refit_interval=1, max_rounds=4).select(big)
+    assert fast.lengths.tolist() == [4, 60, 16]
+    for h in range(3):  # distinct keys per head
+        kept = fast.indices[h, : fast.lengths[h]]
+        assert kept.unique().numel() == kept.numel()

@@ -74,7 +74,7 @@ METHODS: Mapping[str, MethodSpec] = MappingProxyType(
         "am-highest-attn": _spec("highest-attention", _AM_HAK, aggregation="rms"),
         "am-highest-attn-fast": _spec("highest-attention", _AM_HAK, aggregation="rms"),
         "am-omp": _spec("omp", _AM_OMP, keys_per_step=1, refit_interval=1),
-        "am-omp-fast": _spec("omp", _AM_OMP, keys_per_step=4, refit_interval=2),
+        "am-omp-fast": _spec("omp", _AM_OMP, keys_per_step=4, refit_interval=2, max_rounds=32),
         "h2o+": _spec("highest-attention", _EVICT, aggregation="mean"),
         "snapkv": _spec("highest-attention", _EVICT, aggregation="mean", pool_kernel=7),
         # PyramidKV's layer-decreasing budgets are decided upstream; per head it is SnapKV.

@@ -43,6 +43,11 @@ class OMPSelector:
         refit_interval: ``tau``, greedy steps between weight refits.
         min_beta: kept keys must end with ``beta >= min_beta`` (smaller ones are dropped).
         max_beta: weights are capped at ``exp(max_beta)``.
+        max_rounds: if set, a head whose budget would need more than this many refits takes
+            ``ceil(t_h / max_rounds)`` keys per round instead of ``k * tau``. Global budgets give
+            some heads almost every key; without a bound their refits (one Cholesky of size
+            t_h each) dominate the whole compaction. Heads with ``t_h <= max_rounds * k * tau``
+            run the paper's algorithm unchanged.
     """
 
     name: ClassVar[str] = "omp"
@@ -52,8 +57,11 @@ class OMPSelector:
     refit_interval: int = 1
     min_beta: float = -7.0
     max_beta: float = 7.0
+    max_rounds: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_rounds is not None and (not isinstance(self.max_rounds, int) or self.max_rounds < 1):
+            raise ValueError(f"max_rounds must be a positive integer or None, got {self.max_rounds!r}")
         for field in ("keys_per_step", "refit_interval"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -78,7 +86,10 @@ class OMPSelector:
         ref = problem.reference
         if ref is None or ref.features is None:
             raise ValueError("OMP needs the shifted feature matrix of the reference pass")
-        state = _GreedyMassFit(ref.features, ref.mass, problem.budgets, self.keys_per_step * self.refit_interval)
+        per_round = torch.full_like(problem.budgets, self.keys_per_step * self.refit_interval)
+        if self.max_rounds is not None:
+            per_round = torch.maximum(per_round, -(-problem.budgets // self.max_rounds))
+        state = _GreedyMassFit(ref.features, ref.mass, problem.budgets, per_round)
         lower, upper = math.exp(self.min_beta), math.exp(self.max_beta)
         for _ in range(2 * ref.features.shape[-1] + 2):  # every round adds or bans a key
             if state.done.all():
@@ -96,11 +107,12 @@ class _GreedyMassFit:
     writes). A dropped key frees its slot (``occupied`` False, weight 0); new keys fill free
     slots first, so nothing is ever repacked."""
 
-    def __init__(self, phi: torch.Tensor, mass: torch.Tensor, budgets: torch.Tensor, per_round: int):
+    def __init__(self, phi: torch.Tensor, mass: torch.Tensor, budgets: torch.Tensor, per_round: torch.Tensor | int):
         h, n, total = phi.shape
         self.phi, self.mass, self.budgets = phi, mass, budgets  # [H, n, T], [H, n], [H]
         self.t_max = int(budgets.max())
-        self.per_round = min(per_round, total, self.t_max)
+        per_round = torch.as_tensor(per_round, device=budgets.device).expand(h)
+        self.per_round = per_round.clamp(1, max(1, min(total, self.t_max)))  # [H] keys per round
         dev, slots = phi.device, self.t_max + 1
         self.idx = torch.zeros(h, slots, dtype=torch.long, device=dev)
         self.occupied = torch.zeros(h, slots, dtype=torch.bool, device=dev)
@@ -127,8 +139,8 @@ class _GreedyMassFit:
         """Put the best-correlated candidates (up to ``per_round``) in free slots of every
         unfinished head and extend the Gram matrix by their columns."""
         h, n, _ = self.phi.shape
-        r = self.per_round
-        take = torch.where(self.done, 0, (self.budgets - self.count).clamp(0, r))
+        r = int(self.per_round.max())
+        take = torch.where(self.done, 0, torch.minimum(self.budgets - self.count, self.per_round).clamp_min(0))
         top = torch.topk(self.corr.masked_fill(self.excluded, float("-inf")), r, dim=-1)
         ok = (torch.arange(r, device=take.device) < take[:, None]) & (top.values > float("-inf"))
         free = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)[:, :r]  # first free slots
