@@ -1,9 +1,10 @@
 """The key-selector protocol: which original keys (columns of ``[H, T, d]``) each head keeps.
 
 A selector is a dataclass whose fields are its hyperparameters (validated in
-``__post_init__``). ``compact_heads`` runs one chunked pass of the original attention first and
-hands the selector what it declared it needs (per-key scores with some aggregation, or the
-full shifted-feature matrix), so no selector recomputes attention.
+``__post_init__``); it subclasses ``SelectorBase`` (or ``ScoredSelector``) and overrides only
+the declarations that differ from their defaults. ``compact_heads`` runs one chunked pass of
+the original attention first and hands the selector what it declared it needs (per-key scores
+with some aggregation, or the full shifted-feature matrix), so no selector recomputes attention.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from vllm_compaction.am.attention import ReferenceAttention
+from vllm_compaction.am.attention import AGGREGATIONS, ReferenceAttention
 
-__all__ = ["Selection", "SelectionProblem", "Selector", "top_by_score", "slot_mask"]
+__all__ = ["ScoredSelector", "Selection", "SelectionProblem", "Selector", "SelectorBase", "top_by_score", "slot_mask"]
 
 
 @dataclass
@@ -81,6 +82,40 @@ class Selector(Protocol):
     def needs_reference(self) -> bool: ...
 
     def select(self, problem: SelectionProblem) -> Selection: ...
+
+
+class SelectorBase:
+    """Default ``Selector`` declarations, so that a selector states only what differs.
+
+    By default a selector returns neither biases nor values and needs no reference pass (so
+    neither scores nor features).
+    """
+
+    name: ClassVar[str]
+    provides_beta: ClassVar[bool] = False
+    provides_values: ClassVar[bool] = False
+    needs_features: ClassVar[bool] = False
+    needs_reference: ClassVar[bool] = False
+
+    @property
+    def score_aggregation(self) -> str | None:
+        return None
+
+
+class ScoredSelector(SelectorBase):
+    """A selector driven by ``reference.scores`` aggregated by its ``aggregation`` field
+    (``"rms" | "mean" | "max"``), which ``_check_aggregation`` validates."""
+
+    needs_reference: ClassVar[bool] = True
+    aggregation: str
+
+    @property
+    def score_aggregation(self) -> str | None:
+        return self.aggregation
+
+    def _check_aggregation(self) -> None:
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
 
 
 def slot_mask(lengths: torch.Tensor, t_max: int) -> torch.Tensor:

@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vllm_compaction.am.attention import AGGREGATIONS, max_pool_scores
-from vllm_compaction.am.selectors.base import Selection, SelectionProblem, top_by_score
+from vllm_compaction.am.attention import max_pool_scores
+from vllm_compaction.am.selectors.base import ScoredSelector, Selection, SelectionProblem, top_by_score
 
 __all__ = ["HighestAttentionSelector"]
 
 
 @dataclass(frozen=True)
-class HighestAttentionSelector:
+class HighestAttentionSelector(ScoredSelector):
     """Top-``t_h`` keys by aggregated attention weight.
 
     Attributes:
@@ -27,31 +27,16 @@ class HighestAttentionSelector:
     """
 
     name: ClassVar[str] = "highest-attention"
-    provides_beta: ClassVar[bool] = False
-    provides_values: ClassVar[bool] = False
     aggregation: str = "rms"
     pool_kernel: int | None = None
 
     def __post_init__(self) -> None:
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+        self._check_aggregation()
         kernel = self.pool_kernel
         if kernel is not None and (
             not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 1 or kernel % 2 == 0
         ):
             raise ValueError(f"pool_kernel must be a positive odd integer or None, got {kernel!r}")
-
-    @property
-    def score_aggregation(self) -> str | None:
-        return self.aggregation
-
-    @property
-    def needs_features(self) -> bool:
-        return False
-
-    @property
-    def needs_reference(self) -> bool:
-        return True
 
     def select(self, problem: SelectionProblem) -> Selection:
         """Keep the ``budgets[h]`` best-scored keys of each head."""

@@ -17,14 +17,13 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from vllm_compaction.am.attention import AGGREGATIONS
-from vllm_compaction.am.selectors.base import Selection, SelectionProblem
+from vllm_compaction.am.selectors.base import ScoredSelector, Selection, SelectionProblem
 
 __all__ = ["KVMergerSelector"]
 
 
 @dataclass(frozen=True)
-class KVMergerSelector:
+class KVMergerSelector(ScoredSelector):
     """Cluster consecutive keys, keep each cluster's anchor key and a merged value.
 
     Attributes:
@@ -34,7 +33,6 @@ class KVMergerSelector:
     """
 
     name: ClassVar[str] = "kvmerger"
-    provides_beta: ClassVar[bool] = False
     provides_values: ClassVar[bool] = True
     sigma: float = 0.5
     aggregation: str = "mean"
@@ -42,20 +40,7 @@ class KVMergerSelector:
     def __post_init__(self) -> None:
         if not (isinstance(self.sigma, (int, float)) and math.isfinite(self.sigma) and self.sigma > 0):
             raise ValueError(f"sigma must be a finite positive number, got {self.sigma!r}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
-
-    @property
-    def score_aggregation(self) -> str | None:
-        return self.aggregation
-
-    @property
-    def needs_features(self) -> bool:
-        return False
-
-    @property
-    def needs_reference(self) -> bool:
-        return True
+        self._check_aggregation()
 
     def select(self, problem: SelectionProblem) -> Selection:
         """Anchors as indices and merged values, ``t_h`` clusters per head."""

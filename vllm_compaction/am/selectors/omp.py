@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 
 from vllm_compaction.am.fit import solve_normal_equations
-from vllm_compaction.am.selectors.base import Selection, SelectionProblem, slot_mask
+from vllm_compaction.am.selectors.base import Selection, SelectionProblem, SelectorBase, slot_mask
 
 __all__ = ["OMPSelector"]
 
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class OMPSelector:
+class OMPSelector(SelectorBase):
     """Orthogonal matching pursuit on the attention mass; yields ``beta = log w`` too.
 
     Attributes:
@@ -52,7 +52,8 @@ class OMPSelector:
 
     name: ClassVar[str] = "omp"
     provides_beta: ClassVar[bool] = True
-    provides_values: ClassVar[bool] = False
+    needs_features: ClassVar[bool] = True
+    needs_reference: ClassVar[bool] = True
     keys_per_step: int = 1
     refit_interval: int = 1
     min_beta: float = -7.0
@@ -68,18 +69,6 @@ class OMPSelector:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
         if not (math.isfinite(self.min_beta) and math.isfinite(self.max_beta) and self.min_beta < self.max_beta):
             raise ValueError(f"need finite min_beta < max_beta, got {self.min_beta}, {self.max_beta}")
-
-    @property
-    def score_aggregation(self) -> str | None:
-        return None
-
-    @property
-    def needs_features(self) -> bool:
-        return True
-
-    @property
-    def needs_reference(self) -> bool:
-        return True
 
     def select(self, problem: SelectionProblem) -> Selection:
         """Greedy selection of ``budgets[h]`` keys and their mass weights."""

@@ -7,13 +7,13 @@ from typing import ClassVar
 
 import torch
 
-from vllm_compaction.am.selectors.base import Selection, SelectionProblem
+from vllm_compaction.am.selectors.base import Selection, SelectionProblem, SelectorBase
 
 __all__ = ["RandomSelector"]
 
 
 @dataclass(frozen=True)
-class RandomSelector:
+class RandomSelector(SelectorBase):
     """Uniformly random keys; reproducible for a given ``seed`` and shape.
 
     Attributes:
@@ -21,25 +21,11 @@ class RandomSelector:
     """
 
     name: ClassVar[str] = "random"
-    provides_beta: ClassVar[bool] = False
-    provides_values: ClassVar[bool] = False
     seed: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-
-    @property
-    def score_aggregation(self) -> str | None:
-        return None
-
-    @property
-    def needs_features(self) -> bool:
-        return False
-
-    @property
-    def needs_reference(self) -> bool:
-        return False
 
     def select(self, problem: SelectionProblem) -> Selection:
         """The first ``t_h`` entries of a seeded random permutation of each head's keys."""

@@ -7,13 +7,13 @@ from typing import ClassVar
 
 import torch
 
-from vllm_compaction.am.selectors.base import Selection, SelectionProblem
+from vllm_compaction.am.selectors.base import Selection, SelectionProblem, SelectorBase
 
 __all__ = ["TruncateSelector"]
 
 
 @dataclass(frozen=True)
-class TruncateSelector:
+class TruncateSelector(SelectorBase):
     """Keep a contiguous span of tokens.
 
     Attributes:
@@ -21,25 +21,11 @@ class TruncateSelector:
     """
 
     name: ClassVar[str] = "truncate"
-    provides_beta: ClassVar[bool] = False
-    provides_values: ClassVar[bool] = False
     keep: str = "last"
 
     def __post_init__(self) -> None:
         if self.keep not in ("last", "first"):
             raise ValueError(f"keep must be 'last' or 'first', got {self.keep!r}")
-
-    @property
-    def score_aggregation(self) -> str | None:
-        return None
-
-    @property
-    def needs_features(self) -> bool:
-        return False
-
-    @property
-    def needs_reference(self) -> bool:
-        return False
 
     def select(self, problem: SelectionProblem) -> Selection:
         """Slots ``0..t_h-1`` (first) or ``T-t_h..T-1`` (last) of each head."""
