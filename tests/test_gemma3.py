@@ -43,3 +43,14 @@ def test_gemma3_compacts_only_global_layers_and_decodes_exactly(gemma3):
     torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
     gen = ReferenceDecoder(gemma3).generate(cache, cont, max_new_tokens=8)
     assert len(gen.token_ids) > 0
+
+
+def test_gemma3_base_model_runs_repeat_prefill_without_chat_template(gemma3):
+    """Gemma-3-270M is a base model: turns render as plain text, so the default recipes run."""
+    from vllm_compaction.pipeline import compact
+
+    text = haystack_text(300, gemma3.tokenizer, seed=6)
+    ids, mask = gemma3.chat_content([{"role": "user", "content": text}])
+    assert ids[0] == gemma3.tokenizer.bos_token_id and not mask[0] and mask.sum() > 250
+    cache = compact(gemma3, text, ratio=0.2, method="am-highest-attn-fast", budgets="uniform")
+    assert cache.query_source == "repeat-prefill" and cache.layer_compacted.count(True) == 3

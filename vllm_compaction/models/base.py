@@ -161,13 +161,31 @@ class ModelAdapter:
         return self._fingerprint
 
     # ------------------------------------------------------------------ tokens
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> str:
+        """The conversation as text: the chat template, or for base models without one,
+        the contents separated by blank lines (a BOS is added when tokenizing)."""
+        if self.has_chat_template:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        return "".join(f"{m['content']}\n\n" for m in messages)
+
     def chat_ids(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> list[int]:
+        if not self.has_chat_template:
+            return self._tokenize(self.render(messages), special=True)
         ids = self.tokenizer.apply_chat_template(
             list(messages), tokenize=True, add_generation_prompt=add_generation_prompt
         )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]
+
+    def _tokenize(self, text: str, *, special: bool) -> list[int]:
+        return [int(i) for i in self.tokenizer(text, add_special_tokens=special)["input_ids"]]
 
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
@@ -229,6 +247,8 @@ class ModelAdapter:
         Rendered after a fixed system turn and stripped of it, so no default system prompt or
         BOS is repeated mid-conversation.
         """
+        if not self.has_chat_template:  # base model: plain text continuing the prefix
+            return self._tokenize(self.render(messages), special=False)
         anchor = [{"role": "system", "content": "."}]
         base = self.chat_ids(anchor)
         full = self.chat_ids(anchor + list(messages), add_generation_prompt=add_generation_prompt)
@@ -295,8 +315,9 @@ class ModelAdapter:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
                 raise ValueError("each message needs a 'role' and a string 'content'")
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        text = self.render(messages)
+        enc = self.tokenizer(text, add_special_tokens=not self.has_chat_template,
+                             return_offsets_mapping=True)
         ids = [int(i) for i in enc["input_ids"]]
         if ids != self.chat_ids(messages):
             raise UnsupportedModelError("the tokenizer does not reproduce the chat template's tokens")
