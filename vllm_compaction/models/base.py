@@ -188,7 +188,8 @@ class ModelAdapter:
         return [int(i) for i in self.tokenizer(text, add_special_tokens=special)["input_ids"]]
 
     def encode(self, text: str) -> list[int]:
-        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+        """Plain text -> token ids, without special tokens."""
+        return self._tokenize(text, special=False)
 
     # ------------------------------------------------------------------ forward passes
     @torch.inference_mode()
@@ -248,7 +249,7 @@ class ModelAdapter:
         BOS is repeated mid-conversation.
         """
         if not self.has_chat_template:  # base model: plain text continuing the prefix
-            return self._tokenize(self.render(messages), special=False)
+            return self.encode(self.render(messages))
         anchor = [{"role": "system", "content": "."}]
         base = self.chat_ids(anchor)
         full = self.chat_ids(anchor + list(messages), add_generation_prompt=add_generation_prompt)
