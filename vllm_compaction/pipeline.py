@@ -203,7 +203,7 @@ def compact_prepared(
     budget_options = {k: options.pop(k) for k in ("max_head_ratio", "min_head_slots") if k in options}
     n = prepared.num_content
     ratio = _resolve_ratio(ratio, target_tokens, n)
-    timings = dict(prepared.timings)
+    timings: dict[str, float] = {}  # this call's stages; the prepared prefix's are merged at the end
     layers = torch.tensor(adapter.compactable_layers)
     scales = adapter.layer_scales()
     positions = torch.arange(prepared.spec.length)
@@ -249,8 +249,8 @@ def compact_prepared(
         for layer in range(adapter.num_layers):
             compact_layer(layer, off_policy[layer])
     bar.close()
-    timings.update(prepared.timings)
-    timings["fit_s"] = fit_time[0]
+    # prepared.timings gains queries_s when the off-policy pass ran during this call
+    timings = {**prepared.timings, **timings, "fit_s": fit_time[0]}
     timings["total_s"] = sum(v for k, v in timings.items() if k != "total_s")
     span = torch.nonzero(mask).flatten()
     cache = CompactedCache(
