@@ -178,7 +178,7 @@ def read_metadata(path: str | Path, *, expect_model: ModelFingerprint | None = N
     """The verified metadata of a cache file without loading its tensors.
 
     Returns every :class:`CompactedCache` field except ``layers`` and ``token_ids``, plus
-    ``format_version``, ``num_layers`` and ``dtype`` (a ``torch.dtype``); ``model`` is a
+    ``format_version``, ``num_layers``, ``dtype`` (a ``torch.dtype``) and ``tensors_sha256``; ``model`` is a
     :class:`ModelFingerprint`. Raises like :func:`load_cache`.
     """
     path = Path(path)
@@ -192,7 +192,9 @@ def read_metadata(path: str | Path, *, expect_model: ModelFingerprint | None = N
         raise
     except OSError as exc:
         raise CacheCorruptError(f"{path} cannot be read: {exc.strerror or exc}.") from None
-    meta = _parse_meta(_parse_header(raw, size, path), path)
+    header = _parse_header(raw, size, path)
+    meta = _parse_meta(header, path)
+    meta["tensors_sha256"] = header.get("tensors_sha256", "")
     if expect_model is not None:
         _check_model(meta["model"], expect_model, path)
     return meta

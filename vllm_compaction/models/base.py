@@ -19,6 +19,8 @@ import torch
 
 from vllm_compaction.cache.format import ModelFingerprint
 from vllm_compaction.models import runtime
+from vllm_compaction.models.chat import ChatTemplateError, ChatTokenizer
+from vllm_compaction.models.fingerprint import checkpoint_fingerprint
 from vllm_compaction.models.runtime import AttentionRun, PrefixLayer
 
 __all__ = ["ModelAdapter", "PrefixKV", "ForwardResult", "UnsupportedModelError"]
@@ -71,6 +73,7 @@ class ModelAdapter:
         runtime.install()
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.chat = ChatTokenizer(tokenizer)
         self.path = Path(path) if path is not None else None
         self.name = name
         self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -139,6 +142,10 @@ class ModelAdapter:
             )
 
     def fingerprint(self) -> ModelFingerprint:
+        if self._fingerprint is None and self.path is not None and (Path(self.path) / "config.json").is_file():
+            # from the files, so the serving engine (which loads the same folder) agrees
+            self._fingerprint = checkpoint_fingerprint(
+                self.path, dtype=str(self.dtype).removeprefix("torch."), name=self.name)
         if self._fingerprint is None:
             cfg = json.dumps(self.config.to_dict(), sort_keys=True, default=str)
             weights = hashlib.sha256()
@@ -160,36 +167,35 @@ class ModelAdapter:
             )
         return self._fingerprint
 
-    # ------------------------------------------------------------------ tokens
+    # ------------------------------------------------------------------ tokens (see .chat)
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return self.chat.has_chat_template
 
     def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> str:
-        """The conversation as text: the chat template, or for base models without one,
-        the contents separated by blank lines (a BOS is added when tokenizing)."""
-        if self.has_chat_template:
-            return self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-        return "".join(f"{m['content']}\n\n" for m in messages)
+        return self.chat.render(messages, add_generation_prompt=add_generation_prompt)
 
     def chat_ids(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> list[int]:
-        if not self.has_chat_template:
-            return self._tokenize(self.render(messages), special=True)
-        ids = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=True, add_generation_prompt=add_generation_prompt
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
-
-    def _tokenize(self, text: str, *, special: bool) -> list[int]:
-        return [int(i) for i in self.tokenizer(text, add_special_tokens=special)["input_ids"]]
+        return self.chat.chat_ids(messages, add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         """Plain text -> token ids, without special tokens."""
-        return self._tokenize(text, special=False)
+        return self.chat.encode(text)
+
+    def turn_ids(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` continuing an existing conversation (see ``ChatTokenizer``)."""
+        return self._chat_call(self.chat.turn_ids, messages, add_generation_prompt=add_generation_prompt)
+
+    def chat_content(self, messages: Sequence[dict]) -> tuple[list[int], torch.Tensor]:
+        """Token ids of a conversation and a ``[T]`` bool mask of its message-content tokens."""
+        return self._chat_call(self.chat.chat_content, messages)
+
+    @staticmethod
+    def _chat_call(fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ChatTemplateError as exc:
+            raise UnsupportedModelError(str(exc)) from None
 
     # ------------------------------------------------------------------ forward passes
     @torch.inference_mode()
@@ -241,22 +247,7 @@ class ModelAdapter:
             queries=[run.queries[i] for i in layers] if capture_queries else None,
         )
 
-    # ------------------------------------------------------------------ turns and generation
-    def turn_ids(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` as they continue an existing conversation.
-
-        Rendered after a fixed system turn and stripped of it, so no default system prompt or
-        BOS is repeated mid-conversation.
-        """
-        if not self.has_chat_template:  # base model: plain text continuing the prefix
-            return self.encode(self.render(messages))
-        anchor = [{"role": "system", "content": "."}]
-        base = self.chat_ids(anchor)
-        full = self.chat_ids(anchor + list(messages), add_generation_prompt=add_generation_prompt)
-        if full[: len(base)] != base:
-            raise UnsupportedModelError("the chat template does not render turns incrementally")
-        return full[len(base):]
-
+    # ------------------------------------------------------------------ generation
     @torch.inference_mode()
     def generate(
         self,
@@ -306,30 +297,3 @@ class ModelAdapter:
             if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
                 ids.add(tid)
         return sorted(i for i in ids if i is not None)
-
-    def chat_content(self, messages: Sequence[dict]) -> tuple[list[int], torch.Tensor]:
-        """Token ids of a conversation and a ``[T]`` bool mask of its message-content tokens.
-
-        Template tokens (role headers, separators, default system prompt) are False: they stay
-        exact when the content is compacted.
-        """
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
-                raise ValueError("each message needs a 'role' and a string 'content'")
-        text = self.render(messages)
-        enc = self.tokenizer(text, add_special_tokens=not self.has_chat_template,
-                             return_offsets_mapping=True)
-        ids = [int(i) for i in enc["input_ids"]]
-        if ids != self.chat_ids(messages):
-            raise UnsupportedModelError("the tokenizer does not reproduce the chat template's tokens")
-        spans, cursor = [], 0
-        for m in messages:
-            start = text.find(m["content"], cursor)
-            if start < 0:
-                raise UnsupportedModelError("a message's content is not verbatim in the chat template")
-            spans.append((start, start + len(m["content"])))
-            cursor = start + len(m["content"])
-        mask = torch.zeros(len(ids), dtype=torch.bool)
-        for i, (a, b) in enumerate(enc["offset_mapping"]):
-            mask[i] = b > a and any(a >= s and b <= e for s, e in spans)
-        return ids, mask

@@ -1,0 +1,1 @@
+"""Triton kernels for the CUDA serving path, each with a plain-torch reference."""

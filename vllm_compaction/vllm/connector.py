@@ -1,0 +1,225 @@
+"""``CompactionConnector``: loads compacted prefixes into a request's paged KV blocks.
+
+Scheduler side: a request whose ``cache_salt`` names a compacted prefix (see
+:mod:`.prompt`) has its ``P`` placeholder tokens claimed as externally computed, minus what the
+prefix cache already holds; the blocks allocated for them are sent to the workers.
+
+Worker side: before the forward pass the cache is read from the store, checked (checksum, model,
+slot count), laid out by :func:`.layout.physical_prefix` and written into those blocks through the
+attention backend's ``write_slots`` (the engine's own packing op). A cache that cannot be loaded
+fails only its request: its blocks are reported as load errors and vLLM's default
+``kv_load_failure_policy="fail"`` finishes that request with an error while the others run on.
+
+Configure with ``--kv-transfer-config '{"kv_connector": "CompactionConnector",
+"kv_role": "kv_both", "kv_connector_extra_config": {"store": "/path/to/store"}}'``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from vllm_compaction.cache import CacheError, CompactedCache, read_metadata
+from vllm_compaction.vllm.layout import PhysicalPrefix, physical_prefix
+from vllm_compaction.vllm.plugin import check_vllm_version
+from vllm_compaction.vllm.prompt import PLACEHOLDER_TOKEN_ID, CompactedRef, open_store
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["CompactionConnector", "CompactionMetadata", "PrefixLoad"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefixLoad:
+    """Write physical slots ``[start, end)`` of ``ref`` into ``block_ids`` of one request."""
+
+    request_id: str
+    ref: CompactedRef
+    start: int
+    end: int
+    block_ids: list[int]
+    problem: str | None = None  # set by the scheduler when the request itself is malformed
+
+
+@dataclass
+class CompactionMetadata(KVConnectorMetadata):
+    loads: list[PrefixLoad] = field(default_factory=list)
+
+
+class CompactionConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None):
+        check_vllm_version()
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._scheduler = _SchedulerSide() if role == KVConnectorRole.SCHEDULER else None
+        self._worker = _WorkerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        return self._scheduler.num_new_matched(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._scheduler.take_metadata()
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.forget(request.request_id)
+        return False, None
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        self._worker.kv_caches = kv_caches
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, CompactionMetadata)
+        for load in metadata.loads:
+            self._worker.load(load, forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous, done in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # nothing is saved: caches come from the compaction worker's store
+
+    def wait_for_save(self):
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+
+class _SchedulerSide:
+    def __init__(self) -> None:
+        self._pending: dict[str, tuple[CompactedRef, int, str | None]] = {}
+        self._loads: list[PrefixLoad] = []
+
+    def num_new_matched(self, request: "Request", num_computed_tokens: int) -> int:
+        try:
+            ref = CompactedRef.parse(request.cache_salt)
+        except ValueError as exc:
+            logger.warning("request %s: %s; served as an ordinary prompt", request.request_id, exc)
+            return 0
+        if ref is None:
+            return 0
+        problem = None
+        claim = ref.num_slots
+        if request.num_prompt_tokens <= ref.num_slots:
+            problem = (f"the prompt has {request.num_prompt_tokens} tokens, not the {ref.num_slots} "
+                       f"placeholders of the compacted prefix plus at least one more")
+            claim = request.num_prompt_tokens - 1
+        elif any(t != PLACEHOLDER_TOKEN_ID for t in request.prompt_token_ids[: ref.num_slots]):
+            problem = "its placeholder positions hold other tokens (build prompts with compacted_prompt)"
+        remaining = claim - num_computed_tokens
+        if remaining <= 0:
+            return 0
+        self._pending[request.request_id] = (ref, num_computed_tokens, problem)
+        return remaining
+
+    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        pending = self._pending.pop(request.request_id, None)
+        if pending is None or num_external_tokens == 0:
+            return
+        ref, start, problem = pending
+        groups = blocks.get_block_ids()
+        if len(groups) != 1:
+            problem = problem or "models with several KV cache groups are not supported yet"
+        self._loads.append(PrefixLoad(request.request_id, ref, start, start + num_external_tokens,
+                                      list(groups[0]), problem))
+
+    def take_metadata(self) -> CompactionMetadata:
+        metadata, self._loads = CompactionMetadata(self._loads), []
+        return metadata
+
+    def forget(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+
+class _WorkerSide:
+    _MAX_PREPARED = 8
+
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        self.store = open_store(extra.get("store"))
+        self.model_config = vllm_config.model_config
+        self.hf_config = vllm_config.model_config.hf_config
+        self.dtype = vllm_config.model_config.dtype
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        self.block_size = groups[0].kv_cache_spec.block_size if groups else vllm_config.cache_config.block_size
+        if getattr(self.hf_config, "sliding_window", None) and any(
+                t == "sliding_attention" for t in getattr(self.hf_config, "layer_types", None) or []):
+            raise ValueError("compacted prefixes on hybrid sliding-window models are not supported yet")
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self._prepared: OrderedDict[str, PhysicalPrefix] = OrderedDict()
+        self._failed: set[int] = set()
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def load(self, load: PrefixLoad, forward_context: "ForwardContext") -> None:
+        try:
+            if load.problem:
+                raise CacheError(load.problem)
+            prefix = self._prepare(load.ref)
+            self._write(load, prefix, forward_context)
+        except Exception as exc:  # any failure fails this request only
+            logger.error("Compacted prefix %r for request %s could not be loaded: %s",
+                         load.ref.entry_id, load.request_id, exc)
+            first, last = load.start // self.block_size, (load.end - 1) // self.block_size
+            self._failed.update(load.block_ids[first : last + 1])
+
+    def _prepare(self, ref: CompactedRef) -> PhysicalPrefix:
+        if ref.salt in self._prepared:
+            self._prepared.move_to_end(ref.salt)
+            return self._prepared[ref.salt]
+        from vllm_compaction.vllm.engine import engine_fingerprint
+
+        path = self.store.path_for(ref.entry_id)
+        if not path.is_file():
+            raise CacheError(f"no compacted cache {ref.entry_id!r} in the store at {self.store.root}")
+        expect = engine_fingerprint(self.model_config)
+        if read_metadata(path, expect_model=expect)["tensors_sha256"][:32] != ref.digest:
+            raise CacheError(f"the store entry {ref.entry_id!r} changed since the prompt was built")
+        cache = CompactedCache.load(path, expect_model=expect)
+        if cache.max_head_length != ref.num_slots:
+            raise CacheError(f"the cache has {cache.max_head_length} physical slots, "
+                             f"the prompt {ref.num_slots} placeholders")
+        prefix = physical_prefix(cache, self.hf_config, dtype=self.dtype)
+        self._prepared[ref.salt] = prefix
+        while len(self._prepared) > self._MAX_PREPARED:
+            self._prepared.popitem(last=False)
+        return prefix
+
+    def _write(self, load: PrefixLoad, prefix: PhysicalPrefix, forward_context: "ForwardContext") -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        positions = torch.arange(load.start, load.end)
+        blocks = torch.as_tensor(load.block_ids, dtype=torch.long)
+        slot_mapping = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+        rows = slice(load.start, load.end)
+        for name, kv_cache in self.kv_caches.items():
+            layer = forward_context.no_compile_layers[name]
+            index = extract_layer_index(name)
+            layer.impl.write_slots(layer, kv_cache, slot_mapping.to(kv_cache.device),
+                                   prefix.keys[index][rows], prefix.values[index][rows],
+                                   prefix.beta[index][rows])

@@ -1,0 +1,52 @@
+"""Engine-side helpers: the model fingerprint of a running engine and the engine arguments that
+turn compaction on."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from vllm_compaction.cache.format import ModelFingerprint
+from vllm_compaction.models.fingerprint import checkpoint_fingerprint
+from vllm_compaction.vllm.plugin import CONNECTOR_NAME
+
+__all__ = ["engine_fingerprint", "kv_transfer_config", "engine_kwargs"]
+
+
+@functools.lru_cache(maxsize=4)
+def _fingerprint(model: str, dtype: str) -> ModelFingerprint:
+    folder = Path(model)
+    if not (folder / "config.json").is_file():
+        raise ValueError(
+            f"compacted prefixes need the model as a local checkpoint folder (got {model!r}); "
+            f"pass the folder, e.g. the one `vllm-compaction models prepare` prints"
+        )
+    return checkpoint_fingerprint(folder, dtype=dtype)
+
+
+def engine_fingerprint(model_config) -> ModelFingerprint:
+    """Fingerprint of the checkpoint a vLLM ``ModelConfig`` serves (caches are checked against it)."""
+    return _fingerprint(str(model_config.model), str(model_config.dtype).removeprefix("torch."))
+
+
+def kv_transfer_config(store: str | Path | None = None) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` value that enables compacted prefixes."""
+    from vllm_compaction.vllm.prompt import default_store_dir
+
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": "vllm_compaction.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store": str(store or default_store_dir())},
+    }
+
+
+def engine_kwargs(store: str | Path | None = None, **overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` with compaction enabled.
+
+    Prefix caching stays on: it is what lets requests on the same cache share loaded pages.
+    """
+    kwargs: dict[str, Any] = {"kv_transfer_config": kv_transfer_config(store), "enable_prefix_caching": True}
+    kwargs.update(overrides)
+    return kwargs

@@ -1,0 +1,68 @@
+"""A ``CompactedCache`` as the rows a paged KV cache holds: one physical prefix per request.
+
+Every layer and head of the prefix gets the same number of physical slots ``P`` (the longest head
+of the cache): head ``h`` of layer ``l`` fills its first ``t_{l,h}`` slots and the rest are masked
+padding (``MASKED_BETA``, zero keys and values). Keys are re-based by ``-(T - P)`` positions so
+continuation tokens at physical positions ``P, P+1, ...`` see them as at ``T, T+1, ...``.
+
+The padding costs ``P * L * H - sum(t)`` slots per cache; packed varlen pages would remove it and
+only this module and the attention kernels would change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_compaction.cache.format import CompactedCache
+from vllm_compaction.models.rope import rotate_keys
+from vllm_compaction.vllm.bias import MASKED_BETA
+
+__all__ = ["PhysicalPrefix", "physical_prefix"]
+
+
+@dataclass(frozen=True)
+class PhysicalPrefix:
+    """Per layer ``keys [P, H, d]``, ``values [P, H, d]`` and ``beta [P, H]`` (fp32)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    beta: list[torch.Tensor]
+    logical_length: int
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.keys[0].shape[0]) if self.keys else 0
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of the physical slots that are masked padding."""
+        total = sum(b.numel() for b in self.beta)
+        masked = sum(int((b <= MASKED_BETA).sum()) for b in self.beta)
+        return masked / total if total else 0.0
+
+
+def physical_prefix(cache: CompactedCache, rope_config, *, dtype: torch.dtype | None = None) -> PhysicalPrefix:
+    """Lay ``cache`` out as ``P = cache.max_head_length`` physical slots per head.
+
+    ``rope_config`` is the model's HF config (for the RoPE frequencies); ``dtype`` casts keys and
+    values (beta stays fp32).
+    """
+    slots = cache.max_head_length
+    shift = slots - cache.logical_length  # <= 0: keys move back by T - P positions
+    keys_out, values_out, beta_out = [], [], []
+    for layer in cache.layers:
+        keys, beta, values, _ = layer.padded()  # [H, t_l, d], [H, t_l] with -inf padding
+        pad = slots - keys.shape[1]
+        keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
+        values = torch.nn.functional.pad(values, (0, 0, 0, pad))
+        beta = torch.nn.functional.pad(beta, (0, pad), value=float("-inf"))
+        beta = torch.where(torch.isfinite(beta), beta, torch.full_like(beta, MASKED_BETA))
+        if shift:
+            keys = rotate_keys(keys, shift, rope_config)
+        cast = dtype or keys.dtype
+        keys_out.append(keys.transpose(0, 1).to(cast).contiguous())
+        values_out.append(values.transpose(0, 1).to(cast).contiguous())
+        beta_out.append(beta.transpose(0, 1).contiguous())
+    return PhysicalPrefix(keys_out, values_out, beta_out, cache.logical_length)

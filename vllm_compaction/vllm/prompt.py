@@ -1,0 +1,132 @@
+"""Prompts that start from a compacted prefix: ``compacted_prompt(cache, continuation)``.
+
+A compacted prompt is ``P`` placeholder token ids (``P`` = physical slots of the cache) followed
+by the continuation's ids, plus a ``cache_salt`` naming the store entry. The connector reads the
+salt, claims the placeholders as already computed and writes the cache's slots into their pages,
+so placeholders are never prefilled as text. The salt also keys vLLM's prefix cache: requests on
+the same cache share the loaded pages, and different caches (or a changed entry) never do.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+from vllm_compaction.cache import CacheError, CompactedCache, LocalDiskStore, read_metadata
+from vllm_compaction.cache.format import ModelFingerprint
+from vllm_compaction.models.chat import ChatTokenizer
+
+__all__ = ["CompactedRef", "PLACEHOLDER_TOKEN_ID", "compacted_prompt", "default_store_dir", "open_store"]
+
+PLACEHOLDER_TOKEN_ID = 0
+"""Token id of the placeholder positions; never embedded, since the connector claims them."""
+
+_SALT_RE = re.compile(r"vllm-compaction:1:([A-Za-z0-9_-]{1,128}):(\d{1,9}):([0-9a-f]{32})")
+
+Continuation = Union[str, Sequence[int], Sequence[dict]]
+
+
+def default_store_dir() -> Path:
+    """``$VLLM_COMPACTION_HOME/store`` (default ``~/.cache/vllm-compaction/store``)."""
+    from vllm_compaction.models.prepare import home
+
+    return home() / "store"
+
+
+def open_store(root: str | Path | None = None) -> LocalDiskStore:
+    return LocalDiskStore(root or default_store_dir())
+
+
+@dataclass(frozen=True)
+class CompactedRef:
+    """What a request's ``cache_salt`` says about its compacted prefix."""
+
+    entry_id: str
+    num_slots: int
+    digest: str  # first 32 hex of the entry's tensors_sha256: a changed entry is a new prefix
+
+    @property
+    def salt(self) -> str:
+        return f"vllm-compaction:1:{self.entry_id}:{self.num_slots}:{self.digest}"
+
+    @classmethod
+    def parse(cls, salt: str | None) -> "CompactedRef | None":
+        """The reference in ``salt``, or None for an ordinary request."""
+        if not salt or not salt.startswith("vllm-compaction:"):
+            return None
+        match = _SALT_RE.fullmatch(salt)
+        if match is None:
+            raise ValueError(f"malformed compaction cache_salt {salt!r}")
+        return cls(match.group(1), int(match.group(2)), match.group(3))
+
+
+def _entry_for(cache: CompactedCache | str, store: LocalDiskStore,
+               expect_model: ModelFingerprint | None) -> tuple[str, CompactedCache]:
+    if isinstance(cache, CompactedCache):
+        if expect_model is not None:
+            cache.model.check_compatible(expect_model)
+        entry_id = cache.fingerprint_key()[:40]
+        if not store.contains_id(entry_id):
+            store.put_id(entry_id, cache)
+        return entry_id, cache
+    if not isinstance(cache, str):
+        raise TypeError(f"cache must be a CompactedCache or a store entry id, not {type(cache).__name__}")
+    path = store.path_for(cache)
+    if not path.is_file():
+        raise CacheError(f"No compacted cache {cache!r} in the store at {store.root}.")
+    return cache, CompactedCache.load(path, expect_model=expect_model)
+
+
+def _continuation_ids(continuation: Continuation, tokenizer) -> list[int]:
+    if isinstance(continuation, str):
+        if tokenizer is None:
+            raise ValueError("a text continuation needs the tokenizer (pass llm= or tokenizer=)")
+        return ChatTokenizer(tokenizer).encode(continuation)
+    items = list(continuation)
+    if items and all(isinstance(m, dict) for m in items):
+        if tokenizer is None:
+            raise ValueError("a chat continuation needs the tokenizer (pass llm= or tokenizer=)")
+        return ChatTokenizer(tokenizer).turn_ids(items, add_generation_prompt=True)
+    if items and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):
+        return [int(t) for t in items]
+    raise ValueError("the continuation must be text, a non-empty list of token ids, or chat messages")
+
+
+def compacted_prompt(
+    cache: CompactedCache | str,
+    continuation: Continuation,
+    *,
+    llm: Any = None,
+    tokenizer: Any = None,
+    store: LocalDiskStore | str | Path | None = None,
+) -> dict:
+    """A vLLM ``TokensPrompt`` dict that continues ``cache`` with ``continuation``.
+
+    Args:
+        cache: a ``CompactedCache`` (stored on the fly under a content-derived id) or the id of
+            an entry already in ``store``.
+        continuation: text, token ids, or chat messages (rendered as turns that continue the
+            cached conversation, ending with the assistant generation prompt).
+        llm: a ``vllm.LLM``; supplies the tokenizer and the model the cache is checked against.
+        store: the store the engine's connector reads (default :func:`default_store_dir`).
+
+    Raises:
+        CacheError: missing, corrupt or wrong-model cache (one sentence saying which).
+        ValueError: an empty or malformed continuation.
+    """
+    store = store if isinstance(store, LocalDiskStore) else open_store(store)
+    expect = None
+    if llm is not None:
+        tokenizer = tokenizer or llm.get_tokenizer()
+        from vllm_compaction.vllm.engine import engine_fingerprint
+
+        expect = engine_fingerprint(llm.llm_engine.vllm_config.model_config)
+    entry_id, loaded = _entry_for(cache, store, expect)
+    ids = _continuation_ids(continuation, tokenizer)
+    if not ids:
+        raise ValueError("the continuation is empty: at least one token must follow the compacted prefix")
+    digest = read_metadata(store.path_for(entry_id))["tensors_sha256"][:32]
+    ref = CompactedRef(entry_id, loaded.max_head_length, digest)
+    return {"prompt_token_ids": [PLACEHOLDER_TOKEN_ID] * ref.num_slots + ids, "cache_salt": ref.salt}
