@@ -49,3 +49,26 @@ def smollm2():
     from vllm_compaction.models import load_adapter
 
     return load_adapter("smollm2-135m")
+
+
+NIAH_SEEDS = (0, 1)
+
+
+@pytest.fixture(scope="session")
+def niah_cases(smollm2):
+    """Seeded 2,000-token needle instances with their am-highest-attn-fast caches at 10%.
+
+    Shared by the reference-decoder floor (test_niah) and the vLLM agreement tests, so each
+    cache is computed once per session.
+    """
+    from vllm_compaction.eval import make_needle, needle_prompt
+    from vllm_compaction.pipeline import compact_prepared, prepare_prefix
+
+    cases = []
+    for seed in NIAH_SEEDS:
+        inst = make_needle(smollm2.tokenizer, 2000, seed=seed)
+        prompt = needle_prompt(smollm2, inst)
+        prepared = prepare_prefix(smollm2, prompt.prefix_ids, prompt.compact_mask, queries="repeat-prefill")
+        cache = compact_prepared(prepared, ratio=0.1, method="am-highest-attn-fast")
+        cases.append((inst, prompt, cache))
+    return cases

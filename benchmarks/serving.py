@@ -1,0 +1,226 @@
+"""Serving compacted prefixes through vLLM vs full prefixes, measured side by side in one run.
+
+Run ``python -m benchmarks.serving [--prefix-tokens 4000] [--sessions 16] [--quick]``. Writes
+``benchmarks/results/serving.json`` and ``serving.png``:
+
+1. time to first token of a follow-up question on a ``--prefix-tokens`` essay prefix, served from
+   an am-highest-attn-fast cache at 10% (first request: load from the store; second: prefix-cache
+   hit) vs the full prefix re-prefilled (a fresh ``cache_salt`` per trial defeats prefix caching);
+2. ``--sessions`` concurrent sessions decoding ``--decode-tokens`` tokens each: decode tokens/s
+   and KV blocks per session, compacted (each session its own store entry, so nothing is shared)
+   vs full;
+3. decode tokens/s on ordinary uncompacted traffic with the plugin on (compaction connector
+   configured: widened head dim) vs off (stock engine), alternating runs of the same batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("benchmarks.serving")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+QUESTION = [{"role": "user", "content": "Summarize the essay above in one sentence."}]
+
+
+def _engine(dtype: str, store: Path | None, max_len: int, kv_bytes: int):
+    from vllm import LLM
+
+    from vllm_compaction.models import resolve
+    from vllm_compaction.vllm import engine_kwargs
+
+    extra = engine_kwargs(store=store) if store is not None else {"enable_prefix_caching": True}
+    return LLM(str(resolve("smollm2-135m")), dtype=dtype, enforce_eager=True, max_model_len=max_len,
+               kv_cache_memory_bytes=kv_bytes, max_num_seqs=32, seed=0, **extra)
+
+
+def _stop(llm) -> None:
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+def _params(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _timed(llm, prompts: list, max_tokens: int) -> tuple[float, list]:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, _params(max_tokens), use_tqdm=False)
+    return time.perf_counter() - start, outputs
+
+
+def _kv_bytes_per_token(llm) -> int:
+    """Bytes of K+V per token over all layers, with the head size the engine really allocated."""
+    config = llm.llm_engine.vllm_config
+    from vllm_compaction.vllm.cpu_backend import _AUGMENTED
+
+    hf = config.model_config.hf_config
+    head = hf.hidden_size // hf.num_attention_heads
+    width = _AUGMENTED.get(head, head) if config.kv_transfer_config is not None else head
+    itemsize = 4 if str(config.model_config.dtype).endswith("float32") else 2
+    return hf.num_hidden_layers * hf.num_key_value_heads * 2 * width * itemsize
+
+
+def measure(args) -> dict[str, Any]:
+    from vllm_compaction.cache import LocalDiskStore
+    from vllm_compaction.corpus import haystack_text
+    from vllm_compaction.models import load_adapter
+    from vllm_compaction.pipeline import compact
+    from vllm_compaction.vllm import compacted_prompt
+
+    adapter = load_adapter("smollm2-135m")
+    messages = [{"role": "user", "content": "Read this essay.\n\n" +
+                 haystack_text(args.prefix_tokens, adapter.tokenizer, seed=args.seed)}]
+    prefix_ids = adapter.chat_ids(messages)
+    question_ids = adapter.turn_ids(QUESTION)
+    logger.warning("compacting a %d-token prefix at %.0f%% (am-highest-attn-fast)", len(prefix_ids), 100 * args.ratio)
+    start = time.perf_counter()
+    cache = compact(adapter, messages, ratio=args.ratio, method="am-highest-attn-fast")
+    compaction_s = time.perf_counter() - start
+    store = LocalDiskStore(Path(args.store))
+    block = 128
+    max_len = len(prefix_ids) + len(question_ids) + args.decode_tokens + 64
+    result: dict[str, Any] = dict(
+        model="smollm2-135m", dtype=args.dtype, prefix_tokens=len(prefix_ids), ratio=args.ratio,
+        compaction_s=compaction_s, physical_slots=cache.max_head_length,
+        padding_fraction=1 - cache.physical_slots / (cache.max_head_length * cache.num_layers * cache.model.num_kv_heads),
+        sessions=args.sessions, decode_tokens=args.decode_tokens, trials=args.trials, created=time.time())
+
+    llm = _engine(args.dtype, Path(args.store), max_len, args.kv_gib << 30)
+    try:
+        bytes_per_token = _kv_bytes_per_token(llm)
+        result["kv_bytes_per_token_plugin_on"] = bytes_per_token
+        compacted = compacted_prompt(cache, question_ids, llm=llm, store=store)
+        # 1. time to first token
+        ttft = {"full": [], "compacted_cold": [], "compacted_warm": []}
+        for trial in range(args.trials):
+            entry = f"ttft-{trial}-{int(time.time() * 1000)}"
+            store.put_id(entry, cache)
+            cold = compacted_prompt(entry, question_ids, llm=llm, store=store)
+            ttft["compacted_cold"].append(_timed(llm, [cold], 1)[0])
+            ttft["compacted_warm"].append(_timed(llm, [cold], 1)[0])
+            full = {"prompt_token_ids": prefix_ids + question_ids, "cache_salt": f"full-{entry}"}
+            ttft["full"].append(_timed(llm, [full], 1)[0])
+            store.delete_id(entry)
+        result["ttft_s"] = {k: statistics.median(v) for k, v in ttft.items()}
+        result["ttft_s_all"] = ttft
+        result["ttft_speedup_cold"] = result["ttft_s"]["full"] / result["ttft_s"]["compacted_cold"]
+        result["ttft_speedup_warm"] = result["ttft_s"]["full"] / result["ttft_s"]["compacted_warm"]
+        logger.warning("TTFT: %s", result["ttft_s"])
+
+        # 2. concurrent sessions
+        sessions: dict[str, Any] = {}
+        for kind in ("compacted", "full"):
+            prompts = []
+            for i in range(args.sessions):
+                if kind == "compacted":
+                    store.put_id(f"session-{i}", cache)
+                    prompts.append(compacted_prompt(f"session-{i}", question_ids, llm=llm, store=store))
+                else:
+                    prompts.append({"prompt_token_ids": prefix_ids + question_ids,
+                                    "cache_salt": f"session-full-{i}-{time.time()}"})
+            prompt_tokens = len(prompts[0]["prompt_token_ids"])
+            prefill_s, _ = _timed(llm, prompts, 1)
+            # same prompts again now hit the prefix cache, so this run is (almost) all decode
+            total_s, outputs = _timed(llm, prompts, args.decode_tokens)
+            generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+            blocks = math.ceil((prompt_tokens + args.decode_tokens) / block)
+            sessions[kind] = dict(prompt_tokens=prompt_tokens, prefill_s=prefill_s, decode_run_s=total_s,
+                                  decode_tokens_per_s=generated / total_s, kv_blocks_per_session=blocks,
+                                  kv_bytes_per_session=blocks * block * bytes_per_token)
+            for i in range(args.sessions):
+                store.delete_id(f"session-{i}")
+        sessions["decode_speedup"] = sessions["compacted"]["decode_tokens_per_s"] / sessions["full"]["decode_tokens_per_s"]
+        sessions["kv_block_ratio"] = sessions["compacted"]["kv_blocks_per_session"] / sessions["full"]["kv_blocks_per_session"]
+        result["sessions_result"] = sessions
+        logger.warning("sessions: %s", json.dumps(sessions))
+        # 3. plugin on (this engine) vs off (a stock engine), plain prompts, alternating
+        plain = [{"prompt_token_ids": adapter.chat_ids([{"role": "user", "content": haystack_text(
+            args.plain_tokens, adapter.tokenizer, seed=100 + i)}], add_generation_prompt=True)}
+                 for i in range(args.sessions)]
+        stock = _engine(args.dtype, None, max_len, args.kv_gib << 30)
+        try:
+            result["kv_bytes_per_token_plugin_off"] = _kv_bytes_per_token(stock)
+            rates: dict[str, list[float]] = {"on": [], "off": []}
+            for _ in range(args.trials):
+                for name, engine in (("on", llm), ("off", stock)):
+                    _timed(engine, plain, 1)  # prefill (then cached)
+                    seconds, outputs = _timed(engine, plain, args.decode_tokens)
+                    rates[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds)
+            result["plain_decode_tokens_per_s"] = {k: statistics.median(v) for k, v in rates.items()}
+            result["plain_decode_tokens_per_s_all"] = rates
+            result["plugin_decode_overhead"] = 1 - result["plain_decode_tokens_per_s"]["on"] / result["plain_decode_tokens_per_s"]["off"]
+            logger.warning("plugin overhead on plain decode: %.1f%%", 100 * result["plugin_decode_overhead"])
+        finally:
+            _stop(stock)
+    finally:
+        _stop(llm)
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib missing: no plot")
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    ttft = result["ttft_s"]
+    axes[0].bar(["full\nre-prefill", "compacted\n(load)", "compacted\n(cached)"],
+                [ttft["full"], ttft["compacted_cold"], ttft["compacted_warm"]], color=["grey", "C0", "C2"])
+    axes[0].set_ylabel("seconds")
+    axes[0].set_title(f"TTFT, {result['prefix_tokens']}-token prefix")
+    s = result["sessions_result"]
+    axes[1].bar(["full", "compacted"], [s["full"]["decode_tokens_per_s"], s["compacted"]["decode_tokens_per_s"]],
+                color=["grey", "C0"])
+    axes[1].set_title(f"decode tok/s, {result['sessions']} sessions")
+    axes[2].bar(["full", "compacted"], [s["full"]["kv_blocks_per_session"], s["compacted"]["kv_blocks_per_session"]],
+                color=["grey", "C0"])
+    axes[2].set_title("KV blocks (128 tokens) per session")
+    fig.suptitle(f"SmolLM2-135M on vLLM CPU ({result['dtype']}), am-highest-attn-fast at {result['ratio']:.0%}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prefix-tokens", type=int, default=4000)
+    parser.add_argument("--ratio", type=float, default=0.1)
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--plain-tokens", type=int, default=1000)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-gib", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--store", default="/tmp/vllm-compaction-bench-store")
+    parser.add_argument("--quick", action="store_true", help="small sizes, to check the script runs")
+    parser.add_argument("--out", default=str(RESULTS / "serving.json"))
+    args = parser.parse_args()
+    if args.quick:
+        args.prefix_tokens, args.sessions, args.decode_tokens, args.trials, args.plain_tokens = 600, 2, 8, 1, 200
+        args.kv_gib = 1
+    logging.basicConfig(level=logging.WARNING)
+    result = measure(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    logger.warning("wrote %s", out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The bias carrier, RoPE re-basing and the physical layout, against plain torch (no engine)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_compaction.am.heads import CompactedHeads
+from vllm_compaction.models.rope import rope_inv_freq, rotate_keys
+from vllm_compaction.vllm.bias import (
+    MASKED_BETA,
+    augment_kv,
+    augment_query,
+    augmented_head_size,
+    decode_beta,
+    encode_beta,
+)
+
+SUPPORTED = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]
+
+
+def test_augmented_head_size_leaves_room_for_two_coordinates():
+    assert augmented_head_size(64, SUPPORTED) == 80
+    assert augmented_head_size(128, SUPPORTED) == 160
+    assert augmented_head_size(78, SUPPORTED) == 80
+    with pytest.raises(ValueError, match="head_size=512"):
+        augmented_head_size(512, SUPPORTED)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_beta_survives_the_cache_dtype(dtype):
+    beta = torch.linspace(-7, 7, 1001)
+    decoded = decode_beta(encode_beta(beta, dtype))
+    one_coordinate = beta.to(dtype).float()
+    assert (decoded - beta).abs().max() <= (one_coordinate - beta).abs().max() / 64 + 1e-7
+
+
+def _reference(q, k, v, beta, scale):
+    """Causal attention of the last q rows with an additive per-key bias (float mask)."""
+    n, t = q.shape[0], k.shape[0]
+    mask = torch.full((n, t), float("-inf"))
+    for i in range(n):
+        mask[i, : t - n + i + 1] = 0
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    bias = beta.repeat_interleave(group, 1).T[:, None, :]  # [H, 1, t]
+    scores = torch.einsum("nhd,thd->hnt", q.double(), kk.double()) * scale + mask + bias
+    return torch.einsum("hnt,thd->nhd", torch.softmax(scores, -1), vv.double())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_cpu_kernel_adds_beta_and_masks_padding(dtype, tol):
+    """Widened q/k/v through vLLM's own CPU ops give biased attention; masked slots weigh 0."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    torch.manual_seed(0)
+    t, n, hq, hkv, d, bs = 150, 5, 9, 3, 64, 128
+    aug = augmented_head_size(d, SUPPORTED)
+    scale = 1 / math.sqrt(d)
+    q = torch.randn(n, hq, d)
+    k, v = torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    beta = torch.zeros(t, hkv)
+    beta[: t - n] = torch.randn(t - n, hkv) * 2
+    beta[10:30, 1] = MASKED_BETA
+    v[10:30, 1] = 1e4  # would dominate the output if a masked slot leaked
+    isa = _get_attn_isa(dtype, bs, aug)
+    cache = torch.zeros(3, hkv, bs, 2 * aug, dtype=dtype)
+    key_cache, value_cache = cache.view(3, hkv, 2 * bs, aug).chunk(2, dim=2)
+    key_aug, value_aug = augment_kv(k.to(dtype), v.to(dtype), aug, beta)
+    slots = torch.cat([torch.arange(128) + 2 * bs, torch.arange(t - 128)])  # blocks 2 then 0
+    ops.cpu_attn_reshape_and_cache(key_aug, value_aug, key_cache, value_cache, slots, isa)
+    qsl, seq = torch.tensor([0, n], dtype=torch.int32), torch.tensor([t], dtype=torch.int32)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=hq, num_kv_heads=hkv, head_dim=aug, seq_lens=seq, dtype=dtype,
+        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+    out = torch.empty(n, hq, aug, dtype=dtype)
+    ops.cpu_attention_with_kv_cache(
+        query=augment_query(q.to(dtype), aug, scale), key_cache=key_cache, value_cache=value_cache,
+        output=out, query_start_loc=qsl, seq_lens=seq, scale=scale, causal=True, alibi_slopes=None,
+        sliding_window=-1, block_table=torch.tensor([[2, 0]], dtype=torch.int32), softcap=0.0,
+        scheduler_metadata=meta, s_aux=None)
+    expected = _reference(q, k.to(dtype).float(), v.to(dtype).float(), beta, scale)
+    assert torch.allclose(out[..., :d].double(), expected, atol=tol, rtol=tol)
+    assert out[..., :d].abs().max() < 100  # nothing of the 1e4 values
+
+
+def _hf_rope(x, positions, config):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cos, sin = LlamaRotaryEmbedding(config)(x, positions[None])
+    return apply_rotary_pos_emb(x[None], x[None], cos, sin)[0][0]
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 512}])
+def test_rotate_keys_matches_transformers_and_composes(rope):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                         rope_theta=10000.0, rope_scaling=rope)
+    torch.manual_seed(0)
+    raw = torch.randn(1, 40, 64)  # [H, T, d]
+    positions = torch.arange(1000, 1040)
+    rotated = _hf_rope(raw, positions, config)
+    assert torch.allclose(rotate_keys(raw, positions, config), rotated, atol=2e-4)
+    # re-basing by -(T - P) equals computing the keys at the shifted positions
+    assert torch.allclose(rotate_keys(rotated, -700, config), _hf_rope(raw, positions - 700, config), atol=2e-4)
+
+
+def test_rotate_keys_refuses_sequence_dependent_rope():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="dynamic"):
+        rope_inv_freq(config)
+
+
+def test_physical_prefix_pads_heads_and_rebases_keys(tiny_llama):
+    from vllm_compaction.cache import CompactedCache
+    from vllm_compaction.vllm.layout import physical_prefix
+
+    adapter = tiny_llama
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (30,)).tolist()
+    prefix = adapter.prefill(ids, capture_queries=False)
+    layers = []
+    for l in range(adapter.num_layers):
+        keep = [torch.tensor([0, 3, 7]), torch.arange(0, 30, 2)][: adapter.num_kv_heads]
+        keep += [torch.arange(5)] * (adapter.num_kv_heads - len(keep))
+        keys = torch.cat([prefix.keys[l][h, idx] for h, idx in enumerate(keep)])
+        values = torch.cat([prefix.values[l][h, idx] for h, idx in enumerate(keep)])
+        lengths = [len(idx) for idx in keep]
+        beta = torch.linspace(-1, 1, sum(lengths))
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        layers.append(CompactedHeads(keys=keys, beta=beta, values=values, indices=torch.cat(keep), cu_seqlens=cu))
+    cache = CompactedCache(layers=layers, logical_length=30, token_ids=ids, compacted_span=(0, 30),
+                           layer_compacted=[True] * adapter.num_layers, model=adapter.fingerprint(),
+                           method="test", ratio=0.5)
+    phys = physical_prefix(cache, adapter.model.config)
+    assert phys.num_slots == 15 and phys.keys[0].shape == (15, adapter.num_kv_heads, adapter.head_dim)
+    beta0 = phys.beta[0]
+    assert (beta0[3:, 0] == MASKED_BETA).all() and (beta0[:, 1] > MASKED_BETA).all()
+    assert torch.allclose(beta0[:3, 0], layers[0].head(0)[1])
+    assert phys.padding_fraction > 0
+    # keys of head 0 re-based by -(30 - 15) positions equal keys prefilled 15 positions earlier
+    shifted = adapter.prefill(ids, capture_queries=False)  # same ids, keys at p; compare rotations
+    expect = rotate_keys(shifted.keys[0][0, [0, 3, 7]], -15, adapter.model.config)
+    assert torch.allclose(phys.keys[0][:3, 0], expect, atol=1e-5)
+    assert (phys.values[0][3:, 0] == 0).all()

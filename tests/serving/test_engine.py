@@ -1,0 +1,186 @@
+"""Compacted prefixes served by the real vLLM engine (fp32, CPU) agree with vanilla vLLM and with
+the reference decoder; bad caches fail only their own request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serving.engines import exact_cache, start_llm, stop_llm
+from vllm_compaction.cache import CacheError, CacheMismatchError
+from vllm_compaction.corpus import haystack_text
+from vllm_compaction.eval import score_answer
+from vllm_compaction.pipeline import compact
+from vllm_compaction.reference import ReferenceDecoder
+from vllm_compaction.vllm import CompactedRef, compacted_prompt
+from vllm_compaction.vllm.prompt import PLACEHOLDER_TOKEN_ID
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "In two sentences, what is the essay above about?"}]
+
+
+def greedy(max_tokens: int, logprobs: int | None = None):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs)
+
+
+def essay_messages(adapter, tokens: int, seed: int) -> list[dict]:
+    return [{"role": "user", "content": "Read this essay.\n\n" + haystack_text(tokens, adapter.tokenizer, seed=seed)}]
+
+
+@pytest.fixture(scope="module")
+def vanilla():
+    """A stock engine: no connector, so the plugin's backend behaves exactly like vLLM's."""
+    engine = start_llm("float32", compaction=False)
+    yield engine
+    stop_llm(engine)
+
+
+@pytest.fixture(scope="module")
+def essay(smollm2):
+    ids = smollm2.chat_ids(essay_messages(smollm2, 600, seed=3))
+    return ids, smollm2.turn_ids(QUESTION)
+
+
+def top_logprobs(step: dict) -> dict[int, float]:
+    return {token: lp.logprob for token, lp in step.items()}
+
+
+def test_identity_cache_matches_vanilla_vllm(llm, vanilla, smollm2, essay, store_dir):
+    prefix_ids, question_ids = essay
+    prompt = compacted_prompt(exact_cache(smollm2, prefix_ids), question_ids, llm=llm, store=store_dir)
+    assert prompt["prompt_token_ids"][: len(prefix_ids)] == [PLACEHOLDER_TOKEN_ID] * len(prefix_ids)
+    served = llm.generate([prompt], greedy(64, logprobs=5))[0].outputs[0]
+    plain = vanilla.generate([{"prompt_token_ids": prefix_ids + question_ids}], greedy(64, logprobs=5))[0].outputs[0]
+    assert served.token_ids == plain.token_ids
+    assert len(served.token_ids) >= 16
+    worst = 0.0
+    for mine, theirs in zip(served.logprobs, plain.logprobs):
+        mine, theirs = top_logprobs(mine), top_logprobs(theirs)
+        for token in mine.keys() & theirs.keys():
+            worst = max(worst, abs(mine[token] - theirs[token]))
+    assert worst < 1e-4, worst
+
+
+def test_plain_prompts_unchanged_by_the_plugin(llm, vanilla, essay):
+    prefix_ids, question_ids = essay
+    ours = llm.generate([{"prompt_token_ids": prefix_ids + question_ids}], greedy(32))[0].outputs[0]
+    theirs = vanilla.generate([{"prompt_token_ids": prefix_ids + question_ids}], greedy(32))[0].outputs[0]
+    assert ours.token_ids == theirs.token_ids
+
+
+def _first_logprob_gap(output, reference_logits: torch.Tensor) -> float:
+    reference = torch.log_softmax(reference_logits.float(), dim=-1)
+    step = top_logprobs(output.logprobs[0])
+    return max(abs(lp - float(reference[token])) for token, lp in step.items())
+
+
+def test_niah_caches_agree_with_reference_decoder(llm, smollm2, niah_cases, store_dir):
+    """am-highest-attn-fast at 10% with global (nonuniform) budgets: same answer, same logits."""
+    decoder = ReferenceDecoder(smollm2)
+    for inst, prompt, cache in niah_cases:
+        lengths = cache.head_lengths
+        assert lengths.min() < lengths.max()  # per-head budgets really differ
+        reference = decoder.generate(cache, prompt.continuation_ids, max_new_tokens=12)
+        served = llm.generate([compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir)],
+                              greedy(12, logprobs=5))[0].outputs[0]
+        assert served.token_ids == reference.token_ids, (served.text, reference.text)
+        assert _first_logprob_gap(served, reference.first_logits) < 1e-3
+        assert score_answer(inst, served.text) == score_answer(inst, reference.text)
+
+
+def test_uniform_budget_cache_agrees_with_reference_decoder(llm, smollm2, store_dir):
+    messages = essay_messages(smollm2, 700, seed=5)
+    cache = compact(smollm2, messages, ratio=0.1, method="am-highest-attn-fast", budgets="uniform")
+    decoder = ReferenceDecoder(smollm2)
+    reference = decoder.generate(cache, QUESTION, max_new_tokens=24)
+    served = llm.generate([compacted_prompt(cache, QUESTION, llm=llm, store=store_dir)],
+                          greedy(24, logprobs=5))[0].outputs[0]
+    assert served.token_ids == reference.token_ids, (served.text, reference.text)
+    assert _first_logprob_gap(served, reference.first_logits) < 1e-3
+
+
+def test_second_request_reuses_loaded_blocks(llm, niah_cases, store_dir):
+    _, prompt, cache = niah_cases[0]
+    request = compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir)
+    first, second = (llm.generate([request], greedy(8))[0] for _ in range(2))
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    full_blocks = (len(request["prompt_token_ids"]) - 1) // 128 * 128
+    assert second.num_cached_tokens >= full_blocks > 0
+
+
+def test_mixed_batch_matches_solo_requests(llm, smollm2, niah_cases, essay, store_dir):
+    prefix_ids, question_ids = essay
+    batch = [{"prompt_token_ids": prefix_ids + question_ids}]
+    batch += [compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir)
+              for _, prompt, cache in niah_cases]
+    batch.append({"prompt_token_ids": smollm2.chat_ids(QUESTION, add_generation_prompt=True)})
+    together = [o.outputs[0].token_ids for o in llm.generate(batch, greedy(16))]
+    alone = [llm.generate([p], greedy(16))[0].outputs[0].token_ids for p in batch]
+    assert together == alone
+
+
+def _failed(output) -> bool:
+    return output.outputs[0].finish_reason not in ("stop", "length") or not output.outputs[0].token_ids
+
+
+def test_bad_caches_fail_only_their_request(llm, smollm2, niah_cases, store_dir):
+    _, prompt, cache = niah_cases[0]
+    good = compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir)
+    ref = CompactedRef.parse(good["cache_salt"])
+    n = ref.num_slots
+    missing = dict(good, cache_salt=CompactedRef("no-such-entry", n, ref.digest).salt)
+    changed = dict(good, cache_salt=CompactedRef(ref.entry_id, n, "0" * 32).salt)
+    wrong_count = {"prompt_token_ids": good["prompt_token_ids"][1:],
+                   "cache_salt": CompactedRef(ref.entry_id, n - 1, ref.digest).salt}
+    as_text = {"prompt_token_ids": [1] * n + prompt.continuation_ids, "cache_salt": ref.salt}
+    outputs = llm.generate([missing, good, changed, wrong_count, as_text], greedy(8))
+    assert [_failed(o) for o in outputs] == [True, False, True, True, True]
+    # the engine keeps serving
+    again = llm.generate([good], greedy(8))[0]
+    assert again.outputs[0].token_ids == outputs[1].outputs[0].token_ids
+
+
+def test_corrupt_and_foreign_caches_are_refused(llm, smollm2, niah_cases, store_dir, tmp_path):
+    import dataclasses
+
+    from vllm_compaction.cache import LocalDiskStore
+
+    _, prompt, cache = niah_cases[0]
+    store = LocalDiskStore(store_dir)
+    foreign = dataclasses.replace(cache, model=dataclasses.replace(cache.model, weights_digest="0" * 64))
+    with pytest.raises(CacheMismatchError, match="weights_digest"):
+        compacted_prompt(foreign, prompt.continuation_ids, llm=llm, store=store)
+    with pytest.raises(CacheError, match="No compacted cache"):
+        compacted_prompt("absent-entry", prompt.continuation_ids, llm=llm, store=store)
+    # an entry damaged after the prompt was built fails in the engine, not silently
+    good = compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store)
+    entry = CompactedRef.parse(good["cache_salt"]).entry_id
+    store.put_id("damaged", cache)
+    damaged_prompt = compacted_prompt("damaged", prompt.continuation_ids, llm=llm, store=store)
+    path = store.path_for("damaged")
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    outputs = llm.generate([damaged_prompt, good], greedy(8))
+    assert _failed(outputs[0]) and not _failed(outputs[1])
+    with pytest.raises(CacheError):
+        compacted_prompt("damaged", prompt.continuation_ids, llm=llm, store=store)
+    assert store.contains_id(entry)
+
+
+def test_continuations_as_text_ids_and_messages(llm, smollm2, niah_cases, store_dir):
+    _, prompt, cache = niah_cases[0]
+    text = smollm2.tokenizer.decode(prompt.continuation_ids)
+    by_ids = compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir)
+    by_text = compacted_prompt(cache, "Hello there", llm=llm, store=store_dir)
+    by_chat = compacted_prompt(cache, QUESTION, llm=llm, store=store_dir)
+    assert by_text["prompt_token_ids"][-2:] == smollm2.encode("Hello there")[-2:]
+    turn = smollm2.turn_ids(QUESTION)
+    assert by_chat["prompt_token_ids"][-len(turn):] == turn
+    assert text and by_ids["cache_salt"] == by_text["cache_salt"] == by_chat["cache_salt"]
+    for bad in ([], "", [{"role": "user"}], [-1]):
+        with pytest.raises(ValueError):
+            compacted_prompt(cache, bad, llm=llm, store=store_dir)
