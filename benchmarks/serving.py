@@ -4,8 +4,9 @@ Run ``python -m benchmarks.serving [--prefix-tokens 4000] [--sessions 16] [--qui
 ``benchmarks/results/serving.json`` and ``serving.png``:
 
 1. time to first token of a follow-up question on a ``--prefix-tokens`` essay prefix, served from
-   an am-highest-attn-fast cache at 10% (first request: load from the store; second: prefix-cache
-   hit) vs the full prefix re-prefilled (a fresh ``cache_salt`` per trial defeats prefix caching);
+   am-highest-attn-fast caches at 10% (global budgets, uncapped and with ``--max-head-ratios``
+   caps: the padded layout costs the longest head) (first request: load from the store; second:
+   prefix-cache hit) vs the full prefix re-prefilled (a fresh ``cache_salt`` defeats prefix caching);
 2. ``--sessions`` concurrent sessions decoding ``--decode-tokens`` tokens each: decode tokens/s
    and KV blocks per session, compacted (each session its own store entry, so nothing is shared)
    vs full;
@@ -83,67 +84,79 @@ def measure(args) -> dict[str, Any]:
                  haystack_text(args.prefix_tokens, adapter.tokenizer, seed=args.seed)}]
     prefix_ids = adapter.chat_ids(messages)
     question_ids = adapter.turn_ids(QUESTION)
-    logger.warning("compacting a %d-token prefix at %.0f%% (am-highest-attn-fast)", len(prefix_ids), 100 * args.ratio)
-    start = time.perf_counter()
-    cache = compact(adapter, messages, ratio=args.ratio, method="am-highest-attn-fast")
-    compaction_s = time.perf_counter() - start
     store = LocalDiskStore(Path(args.store))
     block = 128
     max_len = len(prefix_ids) + len(question_ids) + args.decode_tokens + 64
     result: dict[str, Any] = dict(
         model="smollm2-135m", dtype=args.dtype, prefix_tokens=len(prefix_ids), ratio=args.ratio,
-        compaction_s=compaction_s, physical_slots=cache.max_head_length,
-        padding_fraction=1 - cache.physical_slots / (cache.max_head_length * cache.num_layers * cache.model.num_kv_heads),
-        sessions=args.sessions, decode_tokens=args.decode_tokens, trials=args.trials, created=time.time())
+        sessions=args.sessions, decode_tokens=args.decode_tokens, trials=args.trials, variants={},
+        created=time.time())
+    caches = {}
+    for cap in args.max_head_ratios:
+        logger.warning("compacting a %d-token prefix at %.0f%% (am-highest-attn-fast, max_head_ratio=%s)",
+                       len(prefix_ids), 100 * args.ratio, cap)
+        start = time.perf_counter()
+        caches[cap] = compact(adapter, messages, ratio=args.ratio, method="am-highest-attn-fast",
+                              max_head_ratio=cap)
+        cache = caches[cap]
+        result["variants"][str(cap)] = dict(
+            max_head_ratio=cap, compaction_s=time.perf_counter() - start, physical_slots=cache.max_head_length,
+            padding_fraction=1 - cache.physical_slots / (cache.max_head_length * cache.num_layers * cache.model.num_kv_heads))
 
     llm = _engine(args.dtype, Path(args.store), max_len, args.kv_gib << 30)
     try:
         bytes_per_token = _kv_bytes_per_token(llm)
         result["kv_bytes_per_token_plugin_on"] = bytes_per_token
-        compacted = compacted_prompt(cache, question_ids, llm=llm, store=store)
-        # 1. time to first token
-        ttft = {"full": [], "compacted_cold": [], "compacted_warm": []}
-        for trial in range(args.trials):
-            entry = f"ttft-{trial}-{int(time.time() * 1000)}"
-            store.put_id(entry, cache)
-            cold = compacted_prompt(entry, question_ids, llm=llm, store=store)
-            ttft["compacted_cold"].append(_timed(llm, [cold], 1)[0])
-            ttft["compacted_warm"].append(_timed(llm, [cold], 1)[0])
-            full = {"prompt_token_ids": prefix_ids + question_ids, "cache_salt": f"full-{entry}"}
-            ttft["full"].append(_timed(llm, [full], 1)[0])
-            store.delete_id(entry)
-        result["ttft_s"] = {k: statistics.median(v) for k, v in ttft.items()}
-        result["ttft_s_all"] = ttft
-        result["ttft_speedup_cold"] = result["ttft_s"]["full"] / result["ttft_s"]["compacted_cold"]
-        result["ttft_speedup_warm"] = result["ttft_s"]["full"] / result["ttft_s"]["compacted_warm"]
-        logger.warning("TTFT: %s", result["ttft_s"])
-
-        # 2. concurrent sessions
-        sessions: dict[str, Any] = {}
-        for kind in ("compacted", "full"):
-            prompts = []
-            for i in range(args.sessions):
-                if kind == "compacted":
-                    store.put_id(f"session-{i}", cache)
-                    prompts.append(compacted_prompt(f"session-{i}", question_ids, llm=llm, store=store))
-                else:
-                    prompts.append({"prompt_token_ids": prefix_ids + question_ids,
-                                    "cache_salt": f"session-full-{i}-{time.time()}"})
-            prompt_tokens = len(prompts[0]["prompt_token_ids"])
-            prefill_s, _ = _timed(llm, prompts, 1)
-            # same prompts again now hit the prefix cache, so this run is (almost) all decode
-            total_s, outputs = _timed(llm, prompts, args.decode_tokens)
-            generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-            blocks = math.ceil((prompt_tokens + args.decode_tokens) / block)
-            sessions[kind] = dict(prompt_tokens=prompt_tokens, prefill_s=prefill_s, decode_run_s=total_s,
-                                  decode_tokens_per_s=generated / total_s, kv_blocks_per_session=blocks,
-                                  kv_bytes_per_session=blocks * block * bytes_per_token)
-            for i in range(args.sessions):
-                store.delete_id(f"session-{i}")
-        sessions["decode_speedup"] = sessions["compacted"]["decode_tokens_per_s"] / sessions["full"]["decode_tokens_per_s"]
-        sessions["kv_block_ratio"] = sessions["compacted"]["kv_blocks_per_session"] / sessions["full"]["kv_blocks_per_session"]
-        result["sessions_result"] = sessions
-        logger.warning("sessions: %s", json.dumps(sessions))
+        full_ttft: list[float] = []
+        full_sessions: dict[str, Any] | None = None
+        for cap, cache in caches.items():
+            variant = result["variants"][str(cap)]
+            # 1. time to first token (full re-prefill measured once per trial, side by side)
+            ttft: dict[str, list[float]] = {"compacted_cold": [], "compacted_warm": []}
+            for trial in range(args.trials):
+                entry = f"ttft-{trial}-{int(time.time() * 1000)}"
+                store.put_id(entry, cache)
+                cold = compacted_prompt(entry, question_ids, llm=llm, store=store)
+                ttft["compacted_cold"].append(_timed(llm, [cold], 1)[0])
+                ttft["compacted_warm"].append(_timed(llm, [cold], 1)[0])
+                full = {"prompt_token_ids": prefix_ids + question_ids, "cache_salt": f"full-{entry}"}
+                full_ttft.append(_timed(llm, [full], 1)[0])
+                store.delete_id(entry)
+            variant["ttft_s"] = {k: statistics.median(v) for k, v in ttft.items()}
+            variant["ttft_s_all"] = ttft
+            # 2. concurrent sessions
+            kinds = ("compacted", "full") if full_sessions is None else ("compacted",)
+            sessions: dict[str, Any] = {}
+            for kind in kinds:
+                prompts = []
+                for i in range(args.sessions):
+                    if kind == "compacted":
+                        store.put_id(f"session-{i}", cache)
+                        prompts.append(compacted_prompt(f"session-{i}", question_ids, llm=llm, store=store))
+                    else:
+                        prompts.append({"prompt_token_ids": prefix_ids + question_ids,
+                                        "cache_salt": f"session-full-{i}-{time.time()}"})
+                prompt_tokens = len(prompts[0]["prompt_token_ids"])
+                prefill_s, _ = _timed(llm, prompts, 1)
+                # the same prompts again hit the prefix cache, so this run is (almost) all decode
+                total_s, outputs = _timed(llm, prompts, args.decode_tokens)
+                generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+                blocks = math.ceil((prompt_tokens + args.decode_tokens) / block)
+                sessions[kind] = dict(prompt_tokens=prompt_tokens, prefill_s=prefill_s, decode_run_s=total_s,
+                                      decode_tokens_per_s=generated / total_s, kv_blocks_per_session=blocks,
+                                      kv_bytes_per_session=blocks * block * bytes_per_token)
+                for i in range(args.sessions):
+                    store.delete_id(f"session-{i}")
+            if full_sessions is None:
+                full_sessions = sessions.pop("full")
+            variant["sessions"] = sessions["compacted"]
+            variant["decode_speedup"] = sessions["compacted"]["decode_tokens_per_s"] / full_sessions["decode_tokens_per_s"]
+            variant["kv_block_ratio"] = sessions["compacted"]["kv_blocks_per_session"] / full_sessions["kv_blocks_per_session"]
+            logger.warning("variant %s: %s", cap, json.dumps({k: v for k, v in variant.items() if k != "ttft_s_all"}))
+        result["full"] = dict(ttft_s=statistics.median(full_ttft), ttft_s_all=full_ttft, sessions=full_sessions)
+        for variant in result["variants"].values():
+            variant["ttft_speedup_cold"] = result["full"]["ttft_s"] / variant["ttft_s"]["compacted_cold"]
+            variant["ttft_speedup_warm"] = result["full"]["ttft_s"] / variant["ttft_s"]["compacted_warm"]
         # 3. plugin on (this engine) vs off (a stock engine), plain prompts, alternating
         plain = [{"prompt_token_ids": adapter.chat_ids([{"role": "user", "content": haystack_text(
             args.plain_tokens, adapter.tokenizer, seed=100 + i)}], add_generation_prompt=True)}
@@ -177,19 +190,22 @@ def plot(result: dict, path: Path) -> None:
     except ImportError:
         logger.warning("matplotlib missing: no plot")
         return
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    ttft = result["ttft_s"]
-    axes[0].bar(["full\nre-prefill", "compacted\n(load)", "compacted\n(cached)"],
-                [ttft["full"], ttft["compacted_cold"], ttft["compacted_warm"]], color=["grey", "C0", "C2"])
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    names = ["full"] + [f"AM cap {k}" for k in result["variants"]]
+    variants = list(result["variants"].values())
+    full = result["full"]
+    colors = ["grey"] + [f"C{i}" for i in range(len(variants))]
+    axes[0].bar(names, [full["ttft_s"]] + [v["ttft_s"]["compacted_cold"] for v in variants], color=colors)
     axes[0].set_ylabel("seconds")
-    axes[0].set_title(f"TTFT, {result['prefix_tokens']}-token prefix")
-    s = result["sessions_result"]
-    axes[1].bar(["full", "compacted"], [s["full"]["decode_tokens_per_s"], s["compacted"]["decode_tokens_per_s"]],
-                color=["grey", "C0"])
+    axes[0].set_title(f"TTFT, {result['prefix_tokens']}-token prefix (cold load)")
+    axes[1].bar(names, [full["sessions"]["decode_tokens_per_s"]] + [v["sessions"]["decode_tokens_per_s"] for v in variants],
+                color=colors)
     axes[1].set_title(f"decode tok/s, {result['sessions']} sessions")
-    axes[2].bar(["full", "compacted"], [s["full"]["kv_blocks_per_session"], s["compacted"]["kv_blocks_per_session"]],
-                color=["grey", "C0"])
+    axes[2].bar(names, [full["sessions"]["kv_blocks_per_session"]] + [v["sessions"]["kv_blocks_per_session"] for v in variants],
+                color=colors)
     axes[2].set_title("KV blocks (128 tokens) per session")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8)
     fig.suptitle(f"SmolLM2-135M on vLLM CPU ({result['dtype']}), am-highest-attn-fast at {result['ratio']:.0%}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -199,6 +215,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix-tokens", type=int, default=4000)
     parser.add_argument("--ratio", type=float, default=0.1)
+    parser.add_argument("--max-head-ratios", default="1.0,0.25",
+                        help="comma-separated per-head caps on the global budgets (1.0 = uncapped)")
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--plain-tokens", type=int, default=1000)
@@ -213,6 +231,7 @@ def main() -> None:
     if args.quick:
         args.prefix_tokens, args.sessions, args.decode_tokens, args.trials, args.plain_tokens = 600, 2, 8, 1, 200
         args.kv_gib = 1
+    args.max_head_ratios = [float(x) for x in args.max_head_ratios.split(",")]
     logging.basicConfig(level=logging.WARNING)
     result = measure(args)
     out = Path(args.out)
