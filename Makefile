@@ -35,6 +35,9 @@ test-fast: setup
 bench: setup
 	$(PYTHON) -m benchmarks.compaction_speed
 	$(PYTHON) -m benchmarks.niah
+	$(PYTHON) -m benchmarks.bias_attention
+	$(PYTHON) -m benchmarks.niah_serving
+	$(PYTHON) -m benchmarks.serving
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -61,15 +61,9 @@ def _timed(llm, prompts: list, max_tokens: int) -> tuple[float, list]:
 
 
 def _kv_bytes_per_token(llm) -> int:
-    """Bytes of K+V per token over all layers, with the head size the engine really allocated."""
-    config = llm.llm_engine.vllm_config
-    from vllm_compaction.vllm.cpu_backend import _AUGMENTED
+    from vllm_compaction.vllm.engine import kv_bytes_per_token
 
-    hf = config.model_config.hf_config
-    head = hf.hidden_size // hf.num_attention_heads
-    width = _AUGMENTED.get(head, head) if config.kv_transfer_config is not None else head
-    itemsize = 4 if str(config.model_config.dtype).endswith("float32") else 2
-    return hf.num_hidden_layers * hf.num_key_value_heads * 2 * width * itemsize
+    return kv_bytes_per_token(llm.llm_engine.vllm_config)
 
 
 def measure(args) -> dict[str, Any]:

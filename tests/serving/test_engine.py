@@ -71,6 +71,14 @@ def test_plain_prompts_unchanged_by_the_plugin(llm, vanilla, essay):
     assert ours.token_ids == theirs.token_ids
 
 
+def test_engine_allocates_widened_pages_only_with_the_connector(llm, vanilla):
+    from vllm_compaction.vllm.engine import kv_bytes_per_token
+
+    layers_heads_fp32 = 30 * 3 * 2 * 4
+    assert kv_bytes_per_token(llm.llm_engine.vllm_config) == layers_heads_fp32 * 80
+    assert kv_bytes_per_token(vanilla.llm_engine.vllm_config) == layers_heads_fp32 * 64
+
+
 def _first_logprob_gap(output, reference_logits: torch.Tensor) -> float:
     reference = torch.log_softmax(reference_logits.float(), dim=-1)
     step = top_logprobs(output.logprobs[0])

@@ -9,31 +9,20 @@ class behaves exactly like ``CPUAttentionBackend``.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
+from vllm_compaction.vllm.backend_common import AugmentedHeadSizes, compaction_enabled
 from vllm_compaction.vllm.bias import augment_kv, augment_query, augmented_head_size
-from vllm_compaction.vllm.plugin import CONNECTOR_NAME
 
 __all__ = ["CompactionCPUAttentionBackend", "CompactionCPUAttentionImpl", "compaction_enabled"]
 
 # model head size -> augmented head size, filled by the layers of this process at model build
 # time and read when the runner asks the backend to customize the KV cache spec (later, same
 # process): the spec hook gets no config of its own.
-_AUGMENTED: dict[int, int] = {}
-
-
-def compaction_enabled(vllm_config) -> bool:
-    """Whether this engine was configured with the compaction connector."""
-    kv = getattr(vllm_config, "kv_transfer_config", None)
-    if kv is None:
-        return False
-    path = kv.kv_connector_module_path or ""
-    return kv.kv_connector == CONNECTOR_NAME or path.startswith("vllm_compaction")
+_AUGMENTED = AugmentedHeadSizes("CPU_ATTN")
 
 
 class CompactionCPUAttentionBackend(CPUAttentionBackend):
@@ -43,10 +32,8 @@ class CompactionCPUAttentionBackend(CPUAttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec):
-        spec = super().customize_spec(spec)
-        augmented = _AUGMENTED.get(spec.head_size)
         # values are widened too: the CPU pages hold K and V of one head size side by side
-        return replace(spec, head_size=augmented, head_size_v=augmented) if augmented else spec
+        return _AUGMENTED.widen_spec(super().customize_spec(spec))
 
 
 class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -58,7 +45,7 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         if self.attn_type == AttentionType.DECODER and compaction_enabled(get_current_vllm_config()):
             self.augmented = augmented_head_size(
                 self.head_size, CPUAttentionBackend.get_supported_head_sizes())
-            _AUGMENTED[self.head_size] = self.augmented
+            _AUGMENTED.record(self.head_size, self.augmented)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None) -> torch.Tensor:

@@ -7,11 +7,13 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vllm_compaction.cache.format import ModelFingerprint
 from vllm_compaction.models.fingerprint import checkpoint_fingerprint
 from vllm_compaction.vllm.plugin import CONNECTOR_NAME
 
-__all__ = ["engine_fingerprint", "kv_transfer_config", "engine_kwargs"]
+__all__ = ["engine_fingerprint", "kv_transfer_config", "engine_kwargs", "kv_bytes_per_token"]
 
 
 @functools.lru_cache(maxsize=4)
@@ -50,3 +52,19 @@ def engine_kwargs(store: str | Path | None = None, **overrides: Any) -> dict[str
     kwargs: dict[str, Any] = {"kv_transfer_config": kv_transfer_config(store), "enable_prefix_caching": True}
     kwargs.update(overrides)
     return kwargs
+
+
+def kv_bytes_per_token(vllm_config) -> int:
+    """KV cache bytes per token over all layers, as the engine allocates them (widened pages
+    when compaction is enabled). For full-attention models with one head size."""
+    from vllm_compaction.vllm.bias import augmented_head_size
+
+    model = vllm_config.model_config
+    head = model.get_head_size()
+    if vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector == CONNECTOR_NAME:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head = augmented_head_size(head, CPUAttentionBackend.get_supported_head_sizes())
+    layers = model.get_num_layers(vllm_config.parallel_config)
+    kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
+    return layers * kv_heads * 2 * head * torch.empty((), dtype=model.dtype).element_size()

