@@ -7,7 +7,8 @@ Triton, so vLLM's op cannot run here at all). Everything around them is the real
 widening and beta encoding, the split of vLLM's logical ``[B, H, N, 2 * A]`` page tensor (in both
 physical layouts vLLM may allocate), the slot arithmetic, the impl's metadata plumbing, and the
 KV-spec widening through a real ``FullAttentionSpec``. The kernel itself is checked against the
-same reference in ``tests/kernels``.
+same reference in ``tests/kernels``; it is not run here because the Triton interpreter must be
+switched on before ``triton`` is first imported, and importing vLLM imports it.
 
 Caches start as NaN, so a read of a slot that was never written (wrong page, wrong half of the
 page, a tail slot past ``seq_len``) turns the output NaN instead of passing by luck.
@@ -63,6 +64,10 @@ TOL = {
 REQUESTS = [(24, 12, 1), (0, 0, 20), (30, 0, 7), (0, 4, 1)]
 PADDING_TOKENS = 2  # CUDA-graph style padding rows past num_actual_tokens (slot -1)
 NUM_BLOCKS = 12
+
+
+def _dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +193,7 @@ def test_augmented_head_size_is_16_aligned_with_room_for_beta():
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=_dtype_id)
 def test_widened_forward_matches_dense_reference(dtype, layout):
     """write_augmented_kv + biased_paged_forward (the impl's two halves) with the torch twins."""
     step = _step(dtype)
@@ -199,14 +204,17 @@ def test_widened_forward_matches_dense_reference(dtype, layout):
     write_augmented_kv(kv_cache, *step.context, None, **write)
     write_augmented_kv(kv_cache, *step.new, None, **write)
 
-    # the page holds exactly the encoding of bias.py: beta in key coords d, d+1, zeros beyond
-    key_cache, value_cache = split_kv_cache(kv_cache, AUG)
-    written = key_cache[slots // BLOCK, slots % BLOCK]
-    assert torch.equal(written[..., :D], k.to(dtype))
-    torch.testing.assert_close(decode_beta(written[..., D : D + 2]),
+    # read straight from the logical [B, H, N, 2A] tensor, not through split_kv_cache, so the
+    # layout is pinned to TRITON_ATTN's (key = first half of the content, value = second half)
+    # and beta sits where bias.py puts it: key coords d, d+1, zeros beyond, zeros in values
+    rows = kv_cache[slots // BLOCK, :, slots % BLOCK]  # [N, Hkv, 2A]
+    key_rows, value_rows = rows[..., :AUG], rows[..., AUG:]
+    assert torch.equal(key_rows[..., :D], k.to(dtype))
+    assert torch.equal(value_rows[..., :D], v.to(dtype))
+    torch.testing.assert_close(decode_beta(key_rows[..., D : D + 2]),
                                decode_beta(encode_beta(beta, dtype)), atol=0, rtol=0)
-    assert not written[..., D + 2 :].any()
-    assert not value_cache[slots // BLOCK, slots % BLOCK][..., D:].any()
+    assert not key_rows[..., D + 2 :].any()
+    assert not value_rows[..., D:].any()
 
     out = torch.full((step.query.shape[0], HQ, D), 7.0, dtype=dtype)
     n = step.num_actual_tokens
@@ -220,7 +228,7 @@ def test_widened_forward_matches_dense_reference(dtype, layout):
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
 def test_impl_methods_end_to_end(compaction_config, monkeypatch, dtype, layout):
     """The impl's write_slots / do_kv_cache_update / forward, with the GPU ops swapped for twins."""
     monkeypatch.setattr(cuda_backend, "triton_reshape_and_cache_flash", reshape_and_cache_reference)
@@ -307,3 +315,22 @@ def test_a_cache_that_was_not_widened_is_refused():
     cache = torch.zeros(2, HKV, BLOCK, 2 * D)
     with pytest.raises(RuntimeError, match="not widened"):
         split_kv_cache(cache, AUG)
+
+
+def test_plugin_registers_the_backend_as_custom_on_cuda(monkeypatch):
+    """``--attention-backend CUSTOM`` resolves to this backend once the plugin ran on CUDA."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends import registry
+
+    from vllm_compaction.vllm import plugin
+
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(registry, "_ATTN_OVERRIDES", {})  # restored after the test
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda *_: False)
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda *_: True)
+    plugin.register()
+    custom = registry.AttentionBackendEnum.CUSTOM
+    assert custom.get_class() is CompactionTritonBackend
+    # vLLM maps a layer's backend name back through the enum; it must land on the same class
+    assert registry.AttentionBackendEnum[CompactionTritonBackend.get_name()] is custom
+    assert list(registry._ATTN_OVERRIDES) == [custom]  # the CPU override is CPU-only

@@ -219,6 +219,9 @@ class _WorkerSide:
         rows = slice(load.start, load.end)
         for name, kv_cache in self.kv_caches.items():
             layer = forward_context.no_compile_layers[name]
+            if not hasattr(layer.impl, "write_slots"):
+                raise CacheError("the engine's attention backend cannot hold per-slot bias; on CUDA "
+                                 "start it with --attention-backend CUSTOM")
             index = extract_layer_index(name)
             layer.impl.write_slots(layer, kv_cache, slot_mapping.to(kv_cache.device),
                                    prefix.keys[index][rows], prefix.values[index][rows],

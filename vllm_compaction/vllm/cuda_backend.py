@@ -82,7 +82,9 @@ def triton_augmented_head_size(head_size: int) -> int:
     return -(-need // HEAD_SIZE_MULTIPLE) * HEAD_SIZE_MULTIPLE
 
 
-def split_kv_cache(kv_cache: torch.Tensor, head_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def split_kv_cache(
+    kv_cache: torch.Tensor, head_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logical ``[B, H, N, 2 * A]`` page tensor -> ``[B, N, H, A]`` key and value views.
 
     The same ``transpose(1, 2).split`` ``TRITON_ATTN`` does, so the views (and their strides,
@@ -92,7 +94,8 @@ def split_kv_cache(kv_cache: torch.Tensor, head_size: int | None = None) -> tupl
     """
     content = kv_cache.shape[-1]
     if kv_cache.dim() != 4 or content % 2:
-        raise ValueError(f"expected a logical [B, H, N, 2 * A] KV cache; got {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"expected a logical [B, H, N, 2 * A] KV cache; got {tuple(kv_cache.shape)}")
     if head_size is not None and content != 2 * head_size:
         raise RuntimeError(
             f"KV cache pages hold {content} coordinates per head, expected 2 * {head_size}: the "
@@ -161,7 +164,8 @@ def write_augmented_kv(
     key_aug, value_aug = augment_kv(key.to(dtype), value.to(dtype), augmented, beta)
     key_cache, value_cache = split_kv_cache(kv_cache, augmented)
     write = writer if writer is not None else triton_reshape_and_cache_flash
-    write(key_aug, value_aug, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    write(key_aug, value_aug, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+          k_scale, v_scale)
 
 
 def biased_paged_forward(
@@ -283,7 +287,8 @@ class CompactionTritonImpl(TritonAttentionImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("fused output quantization with the compaction Triton backend")
+            raise NotImplementedError(
+                "fused output quantization with the compaction Triton backend")
         causal = attn_metadata.causal
         if isinstance(causal, torch.Tensor) or not causal:  # a tensor: per-request flags
             raise NotImplementedError("non-causal attention with the compaction Triton backend")
@@ -331,7 +336,7 @@ class CompactionTritonImpl(TritonAttentionImpl):
         values: torch.Tensor,
         beta: torch.Tensor,
     ) -> None:
-        """Write ``keys/values [N, Hkv, d]`` with per-slot ``beta [N, Hkv]`` at ``slot_mapping [N]``.
+        """Write ``keys/values [N, Hkv, d]``, per-slot ``beta [N, Hkv]``, at ``slot_mapping [N]``.
 
         Called by the compaction connector for the slots of a compacted prefix; goes through
         the same widening and the same vLLM op as the forward pass, so both agree on layout.

@@ -47,9 +47,12 @@ def kv_transfer_config(store: str | Path | None = None) -> dict[str, Any]:
 def engine_kwargs(store: str | Path | None = None, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` with compaction enabled.
 
-    Prefix caching stays on: it is what lets requests on the same cache share loaded pages.
+    Prefix caching stays on: it is what lets requests on the same cache share loaded pages. On
+    CUDA the compaction backend is selected (``attention_backend="CUSTOM"``).
     """
     kwargs: dict[str, Any] = {"kv_transfer_config": kv_transfer_config(store), "enable_prefix_caching": True}
+    if torch.cuda.is_available():
+        kwargs["attention_backend"] = "CUSTOM"  # the Triton bias kernel; the CPU platform has no choice
     kwargs.update(overrides)
     return kwargs
 
@@ -62,9 +65,16 @@ def kv_bytes_per_token(vllm_config) -> int:
     model = vllm_config.model_config
     head = model.get_head_size()
     if vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector == CONNECTOR_NAME:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        from vllm.platforms import current_platform
 
-        head = augmented_head_size(head, CPUAttentionBackend.get_supported_head_sizes())
+        if current_platform.is_cuda():
+            from vllm_compaction.vllm.cuda_backend import triton_augmented_head_size
+
+            head = triton_augmented_head_size(head)
+        else:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            head = augmented_head_size(head, CPUAttentionBackend.get_supported_head_sizes())
     layers = model.get_num_layers(vllm_config.parallel_config)
     kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
     return layers * kv_heads * 2 * head * torch.empty((), dtype=model.dtype).element_size()
