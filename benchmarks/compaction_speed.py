@@ -30,6 +30,8 @@ import torch
 
 from vllm_compaction.am import CompactedHeads, attention_output_error, compact_heads
 
+from benchmarks.plotting import pyplot
+
 logger = logging.getLogger("benchmarks.compaction_speed")
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -272,13 +274,8 @@ def scaling(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Per-head time versus T and versus ratio (log scale), ours against the baseline."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed; skipping %s", path)
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, axis in zip(axes, ("T", "ratio")):

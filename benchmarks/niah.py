@@ -23,6 +23,8 @@ from vllm_compaction.models import load_adapter
 from vllm_compaction.pipeline import RECIPES, compact_prepared, prepare_prefix
 from vllm_compaction.reference import ReferenceDecoder
 
+from benchmarks.plotting import pyplot
+
 logger = logging.getLogger("benchmarks.niah")
 
 
@@ -73,13 +75,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     n = result["instances"]

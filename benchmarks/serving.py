@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.plotting import pyplot
+
 logger = logging.getLogger("benchmarks.serving")
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -176,13 +178,8 @@ def measure(args) -> dict[str, Any]:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     names = ["full"] + [f"AM cap {k}" for k in result["variants"]]
