@@ -46,4 +46,5 @@ def test_identity_cache_matches_vanilla_vllm_in_bf16(smollm2, tmp_path):
     assert common >= 32, (common, served.text, plain.text)
     first_served = {t: lp.logprob for t, lp in served.logprobs[0].items()}
     first_plain = {t: lp.logprob for t, lp in plain.logprobs[0].items()}
-    assert max(abs(first_served[t] - first_plain[t]) for t in first_served.keys() & first_plain.keys()) < 0.05
+    # bf16 logits near 20 are 0.125 apart: allow two bf16 steps
+    assert max(abs(first_served[t] - first_plain[t]) for t in first_served.keys() & first_plain.keys()) < 0.25
