@@ -145,8 +145,7 @@ def test_physical_prefix_pads_heads_and_rebases_keys(tiny_llama):
     assert (beta0[3:, 0] == MASKED_BETA).all() and (beta0[:, 1] > MASKED_BETA).all()
     assert torch.allclose(beta0[:3, 0], layers[0].head(0)[1])
     assert phys.padding_fraction > 0
-    # keys of head 0 re-based by -(30 - 15) positions equal keys prefilled 15 positions earlier
-    shifted = adapter.prefill(ids, capture_queries=False)  # same ids, keys at p; compare rotations
-    expect = rotate_keys(shifted.keys[0][0, [0, 3, 7]], -15, adapter.model.config)
+    # head 0's slots are its kept keys, re-based by -(T - P) = -15 positions
+    expect = rotate_keys(prefix.keys[0][0, [0, 3, 7]], -15, adapter.model.config)
     assert torch.allclose(phys.keys[0][:3, 0], expect, atol=1e-5)
     assert (phys.values[0][3:, 0] == 0).all()

@@ -190,6 +190,10 @@ class ModelAdapter:
         """Token ids of a conversation and a ``[T]`` bool mask of its message-content tokens."""
         return self._chat_call(self.chat.chat_content, messages)
 
+    def continuation_ids(self, continuation) -> list[int]:
+        """Text, token ids or chat messages following a prefix, as token ids."""
+        return self._chat_call(self.chat.continuation_ids, continuation)
+
     @staticmethod
     def _chat_call(fn, *args, **kwargs):
         try:

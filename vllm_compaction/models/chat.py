@@ -6,11 +6,14 @@ both render turns identically.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 
-__all__ = ["ChatTokenizer", "ChatTemplateError"]
+__all__ = ["ChatTokenizer", "ChatTemplateError", "Continuation"]
+
+Continuation = Union[str, Sequence[int], Sequence[dict]]
+"""What follows a prefix: text, token ids, or chat messages."""
 
 
 class ChatTemplateError(ValueError):
@@ -68,6 +71,18 @@ class ChatTokenizer:
         if full[: len(base)] != base:
             raise ChatTemplateError("the chat template does not render turns incrementally")
         return full[len(base):]
+
+    def continuation_ids(self, continuation: Continuation) -> list[int]:
+        """What follows a prefix: text -> plain tokens; chat messages -> their turn tokens with
+        the generation prompt; token ids -> themselves. ValueError for anything else."""
+        if isinstance(continuation, str):
+            return self.encode(continuation)
+        items = list(continuation)
+        if items and all(isinstance(m, dict) for m in items):
+            return self.turn_ids(items, add_generation_prompt=True)
+        if items and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):
+            return [int(t) for t in items]
+        raise ValueError("the continuation must be text, a non-empty list of token ids, or chat messages")
 
     def chat_content(self, messages: Sequence[dict]) -> tuple[list[int], torch.Tensor]:
         """Token ids of a conversation and a ``[T]`` bool mask of its message-content tokens.

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Union
 
 import torch
 
 from vllm_compaction.cache import CompactedCache
 from vllm_compaction.models import ModelAdapter, PrefixKV, PrefixLayer, load_adapter
+from vllm_compaction.models.chat import Continuation
 
 __all__ = ["ReferenceDecoder", "Generation", "prefix_layers", "Continuation"]
 
-Continuation = Union[str, Sequence[int], Sequence[dict]]
 
 
 @dataclass
@@ -45,12 +44,7 @@ class ReferenceDecoder:
 
     def continuation_ids(self, continuation: Continuation) -> list[int]:
         """Chat messages -> their turn tokens with the generation prompt; text -> plain tokens."""
-        if isinstance(continuation, str):
-            return self.adapter.encode(continuation)
-        items = list(continuation)
-        if items and isinstance(items[0], dict):
-            return self.adapter.turn_ids(items, add_generation_prompt=True)
-        return [int(i) for i in items]
+        return self.adapter.continuation_ids(continuation)
 
     def _prefix(self, source: CompactedCache | PrefixKV) -> tuple[list[PrefixLayer], int]:
         if isinstance(source, PrefixKV):

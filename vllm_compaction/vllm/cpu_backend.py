@@ -17,12 +17,14 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from vllm_compaction.vllm.backend_common import AugmentedHeadSizes, compaction_enabled
 from vllm_compaction.vllm.bias import augment_kv, augment_query, augmented_head_size
 
-__all__ = ["CompactionCPUAttentionBackend", "CompactionCPUAttentionImpl", "compaction_enabled"]
+__all__ = ["CompactionCPUAttentionBackend", "CompactionCPUAttentionImpl", "cpu_augmented_head_size"]
 
-# model head size -> augmented head size, filled by the layers of this process at model build
-# time and read when the runner asks the backend to customize the KV cache spec (later, same
-# process): the spec hook gets no config of its own.
 _AUGMENTED = AugmentedHeadSizes("CPU_ATTN")
+
+
+def cpu_augmented_head_size(head_size: int) -> int:
+    """The widened page size of a head: the next size the CPU kernels support (64 -> 80)."""
+    return augmented_head_size(head_size, CPUAttentionBackend.get_supported_head_sizes())
 
 
 class CompactionCPUAttentionBackend(CPUAttentionBackend):
@@ -32,7 +34,6 @@ class CompactionCPUAttentionBackend(CPUAttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec):
-        # values are widened too: the CPU pages hold K and V of one head size side by side
         return _AUGMENTED.widen_spec(super().customize_spec(spec))
 
 
@@ -43,8 +44,7 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         super().__init__(*args, **kwargs)
         self.augmented: int | None = None
         if self.attn_type == AttentionType.DECODER and compaction_enabled(get_current_vllm_config()):
-            self.augmented = augmented_head_size(
-                self.head_size, CPUAttentionBackend.get_supported_head_sizes())
+            self.augmented = cpu_augmented_head_size(self.head_size)
             _AUGMENTED.record(self.head_size, self.augmented)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,

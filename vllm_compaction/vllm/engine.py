@@ -60,21 +60,18 @@ def engine_kwargs(store: str | Path | None = None, **overrides: Any) -> dict[str
 def kv_bytes_per_token(vllm_config) -> int:
     """KV cache bytes per token over all layers, as the engine allocates them (widened pages
     when compaction is enabled). For full-attention models with one head size."""
-    from vllm_compaction.vllm.bias import augmented_head_size
+    from vllm_compaction.vllm.backend_common import compaction_enabled
 
     model = vllm_config.model_config
     head = model.get_head_size()
-    if vllm_config.kv_transfer_config is not None and vllm_config.kv_transfer_config.kv_connector == CONNECTOR_NAME:
+    if compaction_enabled(vllm_config):  # the same test the backends use to widen their pages
         from vllm.platforms import current_platform
 
         if current_platform.is_cuda():
-            from vllm_compaction.vllm.cuda_backend import triton_augmented_head_size
-
-            head = triton_augmented_head_size(head)
+            from vllm_compaction.vllm.cuda_backend import triton_augmented_head_size as widen
         else:
-            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-            head = augmented_head_size(head, CPUAttentionBackend.get_supported_head_sizes())
+            from vllm_compaction.vllm.cpu_backend import cpu_augmented_head_size as widen
+        head = widen(head)
     layers = model.get_num_layers(vllm_config.parallel_config)
     kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
     return layers * kv_heads * 2 * head * torch.empty((), dtype=model.dtype).element_size()

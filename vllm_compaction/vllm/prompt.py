@@ -12,11 +12,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any
 
 from vllm_compaction.cache import CacheError, CompactedCache, LocalDiskStore, read_metadata
 from vllm_compaction.cache.format import ModelFingerprint
-from vllm_compaction.models.chat import ChatTokenizer
+from vllm_compaction.models.chat import ChatTokenizer, Continuation
 
 __all__ = ["CompactedRef", "PLACEHOLDER_TOKEN_ID", "compacted_prompt", "default_store_dir", "open_store"]
 
@@ -24,9 +24,6 @@ PLACEHOLDER_TOKEN_ID = 0
 """Token id of the placeholder positions; never embedded, since the connector claims them."""
 
 _SALT_RE = re.compile(r"vllm-compaction:1:([A-Za-z0-9_-]{1,128}):(\d{1,9}):([0-9a-f]{32})")
-
-Continuation = Union[str, Sequence[int], Sequence[dict]]
-
 
 def default_store_dir() -> Path:
     """``$VLLM_COMPACTION_HOME/store`` (default ``~/.cache/vllm-compaction/store``)."""
@@ -80,18 +77,10 @@ def _entry_for(cache: CompactedCache | str, store: LocalDiskStore,
 
 
 def _continuation_ids(continuation: Continuation, tokenizer) -> list[int]:
-    if isinstance(continuation, str):
-        if tokenizer is None:
-            raise ValueError("a text continuation needs the tokenizer (pass llm= or tokenizer=)")
-        return ChatTokenizer(tokenizer).encode(continuation)
-    items = list(continuation)
-    if items and all(isinstance(m, dict) for m in items):
-        if tokenizer is None:
-            raise ValueError("a chat continuation needs the tokenizer (pass llm= or tokenizer=)")
-        return ChatTokenizer(tokenizer).turn_ids(items, add_generation_prompt=True)
-    if items and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):
-        return [int(t) for t in items]
-    raise ValueError("the continuation must be text, a non-empty list of token ids, or chat messages")
+    items = continuation if isinstance(continuation, str) else list(continuation)
+    if tokenizer is None and (isinstance(items, str) or any(isinstance(m, dict) for m in items)):
+        raise ValueError("a text or chat continuation needs the tokenizer (pass llm= or tokenizer=)")
+    return ChatTokenizer(tokenizer).continuation_ids(items)
 
 
 def compacted_prompt(
