@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.output import save_result
+
 logger = logging.getLogger("benchmarks.bias_attention")
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -120,9 +122,7 @@ def main() -> None:
                   widened_vs_stock=times["widened"] / times["stock"],
                   side_table_vs_stock=times["side-table"] / times["stock"],
                   kv_bytes_per_token={"stock": 2 * d * 4, "widened": 2 * 80 * 4}, created=time.time())
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    save_result(result, args.out)
     logger.warning("%s", json.dumps(result))
 
 

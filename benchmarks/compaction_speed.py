@@ -30,7 +30,7 @@ import torch
 
 from vllm_compaction.am import CompactedHeads, attention_output_error, compact_heads
 
-from benchmarks.plotting import pyplot
+from benchmarks.output import pyplot
 
 logger = logging.getLogger("benchmarks.compaction_speed")
 

@@ -23,7 +23,7 @@ from vllm_compaction.models import load_adapter
 from vllm_compaction.pipeline import RECIPES, compact_prepared, prepare_prefix
 from vllm_compaction.reference import ReferenceDecoder
 
-from benchmarks.plotting import pyplot
+from benchmarks.output import pyplot, save_result
 
 logger = logging.getLogger("benchmarks.niah")
 
@@ -108,10 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    plot(result, out.with_suffix(".png"))
+    out = save_result(result, args.out, plot)
     logger.warning("summary: %s", json.dumps(result["summary"]))
 
 

@@ -10,12 +10,13 @@ by later runs. Writes ``benchmarks/results/niah_serving.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from pathlib import Path
 
 from tqdm import tqdm
+
+from benchmarks.output import save_result
 
 logger = logging.getLogger("benchmarks.niah_serving")
 
@@ -79,9 +80,7 @@ def main() -> None:
                   vllm_correct=sum(r["vllm_correct"] for r in rows),
                   reference_correct=sum(r["reference_correct"] for r in rows),
                   identical_answers=sum(r["same_answer"] for r in rows), rows=rows, created=time.time())
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    save_result(result, args.out)
     logger.warning("vLLM %d/%d, reference %d/%d, identical answers %d/%d",
                    result["vllm_correct"], args.instances, result["reference_correct"], args.instances,
                    result["identical_answers"], args.instances)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.plotting import pyplot
+from benchmarks.output import pyplot, save_result
 
 logger = logging.getLogger("benchmarks.serving")
 
@@ -239,10 +239,7 @@ def main() -> None:
     args.max_head_ratios = [float(x) for x in args.max_head_ratios.split(",")]
     logging.basicConfig(level=logging.WARNING)
     result = measure(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    plot(result, out.with_suffix(".png"))
+    out = save_result(result, args.out, plot)
     logger.warning("wrote %s", out)
 
 
