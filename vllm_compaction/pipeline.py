@@ -6,11 +6,12 @@ tokens -> prefill (keys/values/queries) -> query plan -> budgets -> per-layer ``
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -78,6 +79,8 @@ def compact(
     query_cap: int = 50_000,
     seed: int = 0,
     progress: bool = False,
+    on_progress: Callable[[float], None] | None = None,
+    chunk_tokens: int | None = None,
     **options: Any,
 ) -> CompactedCache:
     """Compact the content of chat ``messages`` (template tokens stay exact).
@@ -92,6 +95,10 @@ def compact(
         budgets: ``"uniform" | "global" | "pyramid" | <schedule file>``.
         keep_last_tokens: the last content tokens stay exact (the recent turn).
         progress: show a progress bar over layers.
+        chunk_tokens: compact contiguous chunks of about this many content tokens separately, each
+            at ``ratio`` with its own budgets (default: one chunk).
+        on_progress: called with the fraction of layers done (0 after the prefill, then after
+            each layer); the compaction worker reports it and may raise from it to cancel.
         options: math options for ``compact_heads`` (e.g. ``values="direct"``) and budget
             options (``max_head_ratio``, ``min_head_slots``).
     """
@@ -108,7 +115,28 @@ def compact(
         mask[content_pos[max(0, len(content_pos) - keep_last_tokens):]] = False
     return compact_prefix(adapter, ids, mask, ratio=ratio, target_tokens=target_tokens, method=method,
                           queries=queries, budgets=budgets, on_policy=on_policy, query_cap=query_cap,
-                          seed=seed, progress=progress, **options)
+                          seed=seed, progress=progress, on_progress=on_progress,
+                          chunk_tokens=chunk_tokens, **options)
+
+
+def content_chunks(mask: torch.Tensor, chunk_tokens: int | None) -> list[torch.Tensor]:
+    """Split the ``True`` positions of ``mask [T]`` into contiguous chunks of ``chunk_tokens``
+    (a last chunk under half that joins the one before); one chunk when ``chunk_tokens`` is None."""
+    if chunk_tokens is None:
+        return [mask]
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    content = torch.nonzero(mask).flatten()
+    starts = list(range(0, len(content), chunk_tokens))
+    if len(starts) > 1 and len(content) - starts[-1] < chunk_tokens / 2:
+        starts.pop()
+    chunks = []
+    for i, start in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else len(content)
+        chunk = torch.zeros_like(mask)
+        chunk[content[start:end]] = True
+        chunks.append(chunk)
+    return chunks
 
 
 def _resolve_ratio(ratio: float | None, target_tokens: int | None, n: int) -> float:
@@ -195,9 +223,12 @@ def compact_prepared(
     budgets: str | None = None,
     on_policy: bool | None = None,
     progress: bool = False,
+    on_progress: Callable[[float], None] | None = None,
+    chunk_tokens: int | None = None,
     **options: Any,
 ) -> CompactedCache:
-    """Compact a prepared prefix at one ratio with one method."""
+    """Compact a prepared prefix at one ratio with one method (``on_progress``, ``chunk_tokens``:
+    see ``compact``)."""
     adapter, kv, mask = prepared.adapter, prepared.spec.kv, prepared.spec.compact_mask
     recipe = _recipe(method, prepared.queries, budgets, on_policy)
     budget_options = {k: options.pop(k) for k in ("max_head_ratio", "min_head_slots") if k in options}
@@ -208,34 +239,44 @@ def compact_prepared(
     scales = adapter.layer_scales()
     positions = torch.arange(prepared.spec.length)
 
-    def scores() -> list[torch.Tensor | None]:
+    @functools.cache
+    def prefix_scores() -> tuple[torch.Tensor | None, ...]:
         # KVzip ranks keys by max attention over the whole prefix (template keys included).
         queries = prepared.off_policy_queries()
-        return [
-            score_keys(kv.keys[i], queries[i], scale=scales[i], aggregation="max")[:, mask]
-            if layers[i] else None
-            for i in range(adapter.num_layers)
-        ]
+        return tuple(score_keys(kv.keys[i], queries[i], scale=scales[i], aggregation="max")
+                     if layers[i] else None for i in range(adapter.num_layers))
 
-    layer_budgets = resolve_budgets(recipe.budgets, ratio=ratio, n=n, layers=layers,
-                                    num_heads=adapter.num_kv_heads, scores=scores,
-                                    model_name=adapter.name, **budget_options)
+    # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets, so
+    # a long tail cannot starve an early span (e.g. facts stated in the first turn).
+    chunks = content_chunks(mask, chunk_tokens)
+    chunk_budgets = [
+        resolve_budgets(recipe.budgets, ratio=ratio, n=int(chunk.sum()), layers=layers,
+                        num_heads=adapter.num_kv_heads, model_name=adapter.name,
+                        scores=lambda chunk=chunk: [None if s is None else s[:, chunk] for s in prefix_scores()],
+                        **budget_options)
+        for chunk in chunks
+    ]
     compacted: list[CompactedHeads] = [None] * adapter.num_layers  # type: ignore[list-item]
     fit_time = [0.0]
     bar = tqdm(total=adapter.num_layers, desc=f"{method} layers", unit="layer", disable=not progress)
+    if on_progress is not None:
+        on_progress(0.0)
 
     def compact_layer(layer: int, layer_queries: torch.Tensor) -> PrefixLayer | None:
         keys, values = kv.keys[layer], kv.values[layer]
         bar.update(1)
+        if on_progress is not None:
+            on_progress(bar.n / adapter.num_layers)
         if not layers[layer]:
             compacted[layer] = CompactedHeads.exact(keys, values, positions)
             return None
         start = time.perf_counter()
-        heads = compact_heads(keys[:, mask], values[:, mask], layer_queries, layer_budgets[layer],
-                              method=recipe.math, scale=scales[layer], positions=positions[mask],
-                              **options)
-        exact = CompactedHeads.exact(keys[:, ~mask], values[:, ~mask], positions[~mask])
-        compacted[layer] = CompactedHeads.concat_slots([exact, heads])
+        parts = [CompactedHeads.exact(keys[:, ~mask], values[:, ~mask], positions[~mask])]
+        for chunk, budgets_of_chunk in zip(chunks, chunk_budgets):
+            parts.append(compact_heads(keys[:, chunk], values[:, chunk], layer_queries, budgets_of_chunk[layer],
+                                       method=recipe.math, scale=scales[layer], positions=positions[chunk],
+                                       **options))
+        compacted[layer] = CompactedHeads.concat_slots(parts)
         fit_time[0] += time.perf_counter() - start
         k, beta, v, idx = compacted[layer].padded()
         return PrefixLayer(k, v, beta, idx)
@@ -262,7 +303,7 @@ def compact_prepared(
         model=adapter.fingerprint(),
         method=method,
         ratio=ratio,
-        options={**options, **budget_options, "query_cap": prepared.collector.cap,
+        options={**options, **budget_options, "chunk_tokens": chunk_tokens, "query_cap": prepared.collector.cap,
                  "seed": prepared.collector.seed, "on_policy": recipe.on_policy},
         query_source=recipe.queries,
         budgets=recipe.budgets,

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from vllm_compaction.cache.format import (
     FORMAT_VERSION,
@@ -132,6 +132,23 @@ class LocalDiskStore:
             cache.save(path)
             self._touch(path)
             self._evict(keep=path)
+
+    def put_file(self, entry_id: str, source: str | Path, *, expect_model: ModelFingerprint | None = None,
+                 check: Callable[[CompactedCache], None] | None = None) -> CompactedCache:
+        """Verify the cache file ``source`` (checksums, model, ``check``) and move it in as ``entry_id``.
+
+        ``source`` must be on the store's file system (the move is an atomic rename). Raises
+        :class:`CacheError` and leaves the store untouched if the file is not a valid cache.
+        """
+        cache = CompactedCache.load(source, expect_model=expect_model)
+        if check is not None:
+            check(cache)
+        path = self.path_for(entry_id)
+        with self._lock:
+            os.replace(source, path)
+            self._touch(path)
+            self._evict(keep=path)
+        return cache
 
     def get_id(self, entry_id: str) -> CompactedCache | None:
         """The entry, or ``None`` if absent or corrupt (then quarantined); marks it as used."""

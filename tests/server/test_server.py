@@ -1,0 +1,245 @@
+"""The OpenAI-compatible server end to end: a real ``vllm-compaction serve`` process with SmolLM2,
+its local worker, and the official ``openai`` client.
+
+Ordered: the restart test runs last and reuses what the earlier tests stored.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import httpx
+import openai
+import pytest
+
+from server.servers import AUTO_THRESHOLD_TOKENS, MODEL, wait_finished, wait_status
+
+pytestmark = pytest.mark.slow
+
+FACT = "The secret code of the vault is 7319."
+QUESTION = "What is the secret code of the vault?"
+ANSWER = "7319"
+METHOD = {"method": "am-highest-attn", "queries": "repeat-prefill"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from vllm_compaction.models import resolve
+
+    return AutoTokenizer.from_pretrained(resolve(MODEL))
+
+
+def planted_conversation(tokenizer, n_tokens: int, seed: int = 0) -> list[dict]:
+    from vllm_compaction.corpus import haystack_text
+
+    text = haystack_text(n_tokens, tokenizer, seed=seed)
+    cut = text.find(". ", len(text) // 3) + 2
+    return [{"role": "user", "content": f"Read this and remember the code.\n\n{text[:cut]}{FACT} {text[cut:]}"},
+            {"role": "assistant", "content": "I have read it and I will remember the code."}]
+
+
+def ask(client, messages, **extra_body):
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                          extra_body=extra_body or None)
+
+
+def compact(client, **body) -> dict:
+    return client.post("/compact", body={"model": MODEL, **body}, cast_to=object)
+
+
+@pytest.fixture(scope="module")
+def fact_compaction(client, tokenizer):
+    """A 700-token conversation with a planted fact, compacted to 20% through /v1/compact."""
+    messages = planted_conversation(tokenizer, 700)
+    created = compact(client, messages=messages, ratio=0.2, **METHOD)
+    assert created["object"] == "compaction" and created["status"] in ("queued", "running")
+    assert created["original_tokens"] > 700 and created["messages_covered"] == 2
+    return messages, wait_finished(client, created["id"])
+
+
+def test_planted_fact_from_compaction_id(client, fact_compaction):
+    messages, job = fact_compaction
+    assert job["status"] == "succeeded", job
+    assert job["compacted_tokens"] < 0.7 * job["original_tokens"]
+    assert job["bytes_saved"] > 0 and job["progress"] == 1.0
+    assert {"queued_s", "fit_s", "total_s"} <= job["timings"].keys()
+    question = messages + [{"role": "user", "content": QUESTION}]
+    full = ask(client, question)
+    assert ANSWER in full.choices[0].message.content  # the model knows it with the whole context
+
+    served = ask(client, question, compaction_id=job["id"])
+    assert ANSWER in served.choices[0].message.content
+    usage = served.usage.model_dump()
+    assert usage["logical_prompt_tokens"] == full.usage.prompt_tokens
+    assert usage["physical_prompt_tokens"] == served.usage.prompt_tokens < full.usage.prompt_tokens
+    # only the new turn, without the covered history: the same prompt
+    new_turn_only = ask(client, [{"role": "user", "content": QUESTION}], compaction_id=job["id"])
+    assert new_turn_only.choices[0].message.content == served.choices[0].message.content
+
+
+def test_completions_and_streaming_continue_a_compaction(client, fact_compaction):
+    _, job = fact_compaction
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=24, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"compaction_id": job["id"]})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert ANSWER in text
+    assert chunks[-1].usage.model_dump()["logical_prompt_tokens"] > chunks[-1].usage.prompt_tokens
+    completion = client.completions.create(model=MODEL, prompt="<|im_start|>user\n" + QUESTION +
+                                           "<|im_end|>\n<|im_start|>assistant\n", max_tokens=24, temperature=0,
+                                           extra_body={"compaction_id": job["id"]})
+    assert ANSWER in completion.choices[0].text
+
+
+def test_requests_during_a_job_complete_and_latency_is_recorded(client, tokenizer, fact_compaction,
+                                                                record_property):
+    messages, _ = fact_compaction
+    question = messages + [{"role": "user", "content": QUESTION}]
+
+    def latency() -> float:
+        start = time.perf_counter()
+        assert ANSWER in ask(client, question).choices[0].message.content
+        return time.perf_counter() - start
+
+    idle = [latency() for _ in range(3)]
+    job = compact(client, messages=planted_conversation(tokenizer, 1500, seed=1), ratio=0.2, **METHOD)
+    wait_status(client, job["id"], ("running",))
+    busy = []
+    while len(busy) < 3 or client.get(f"/compact/{job['id']}", cast_to=object)["status"] == "running":
+        busy.append(latency())
+        if len(busy) >= 12:
+            break
+    assert wait_finished(client, job["id"])["status"] == "succeeded"
+    record_property("latency_idle_s", statistics.median(idle))
+    record_property("latency_during_job_s", statistics.median(busy))
+    print(f"\nchat latency median: idle {statistics.median(idle):.2f} s, "
+          f"during a compaction job {statistics.median(busy):.2f} s ({len(busy)} requests)")
+
+
+def test_auto_compaction_by_conversation_id(client, tokenizer):
+    messages = planted_conversation(tokenizer, AUTO_THRESHOLD_TOKENS + 200, seed=2)
+    conversation = "conv-auto-1"
+    first = ask(client, messages + [{"role": "user", "content": "Thanks. Say OK."}], conversation_id=conversation)
+    assert "logical_prompt_tokens" not in first.usage.model_dump()  # served as sent; compaction queued
+    jobs = [j for j in client.get("/compact", cast_to=object)["data"] if j["conversation_id"] == conversation]
+    assert len(jobs) == 1 and jobs[0]["messages_covered"] == 3
+    job = wait_finished(client, jobs[0]["id"])
+    assert job["status"] == "succeeded", job
+
+    history = messages + [{"role": "user", "content": "Thanks. Say OK."},
+                          {"role": "assistant", "content": first.choices[0].message.content},
+                          {"role": "user", "content": QUESTION}]
+    later = ask(client, history, conversation_id=conversation)
+    usage = later.usage.model_dump()
+    assert usage["compaction_id"] == job["id"]
+    assert usage["physical_prompt_tokens"] < usage["logical_prompt_tokens"]
+    assert ANSWER in later.choices[0].message.content
+
+
+def test_invalid_input_gets_4xx_with_a_message(client, other_client, fact_compaction, server):
+    _, job = fact_compaction
+    cases = [
+        (lambda: client.get("/compact/cmp_doesnotexist", cast_to=object), 404),
+        (lambda: compact(client, messages=[{"role": "user", "content": "hi"}], ratio=0), (400, 422)),
+        (lambda: compact(client, messages=[{"role": "user", "content": "hi"}], ratio=1.5), (400, 422)),
+        (lambda: client.post("/compact", body={"model": "gpt-4", "prompt": "hi", "ratio": 0.5}, cast_to=object), 404),
+        (lambda: compact(client, messages=[{"content": "no role"}], ratio=0.5), 400),
+        (lambda: compact(client, messages="not a list", ratio=0.5), (400, 422)),
+        (lambda: compact(client, prompt="hi", ratio=0.5, method="no-such-method"), (400, 422)),
+        (lambda: ask(other_client, [{"role": "user", "content": QUESTION}], compaction_id=job["id"]), 404),
+        (lambda: other_client.get(f"/compact/{job['id']}", cast_to=object), 404),
+        (lambda: ask(client, [{"role": "user", "content": QUESTION}], compaction_id="cmp_unknown"), 404),
+        (lambda: ask(client, [{"role": "user", "content": "x"}], cache_salt=f"vllm-compaction:1:{job['id']}:1:" + "0" * 32), 400),
+    ]
+    for call, expected in cases:
+        with pytest.raises(openai.APIStatusError) as info:
+            call()
+        expected = expected if isinstance(expected, tuple) else (expected,)
+        assert info.value.status_code in expected, (info.value.status_code, info.value.response.text)
+        assert len(info.value.response.text) > 20  # a sentence, not a bare code
+    # no key at all: vLLM's --api-key guard applies to the new routes too
+    assert httpx.get(f"{server.url}/v1/compact", timeout=10).status_code == 401
+    # still serving
+    assert ANSWER in ask(client, [{"role": "user", "content": QUESTION}], compaction_id=job["id"]).choices[0].message.content
+
+
+def _worker_pid(job: dict) -> int:
+    return int(job["worker_id"].rsplit(":", 1)[1])
+
+
+def test_killed_worker_fails_the_job_and_serving_goes_on(client, tokenizer, fact_compaction):
+    _, stored = fact_compaction
+    job = compact(client, messages=planted_conversation(tokenizer, 1500, seed=3), ratio=0.2, **METHOD)
+    running = wait_status(client, job["id"], ("running",))
+    time.sleep(2.0)
+    os.kill(_worker_pid(running), signal.SIGKILL)
+    failed = wait_finished(client, job["id"], timeout_s=60)
+    assert failed["status"] == "failed" and "signal 9" in failed["error"], failed
+    # serving goes on, the stored compaction is intact, and the restarted worker takes new jobs
+    reply = ask(client, [{"role": "user", "content": QUESTION}], compaction_id=stored["id"])
+    assert ANSWER in reply.choices[0].message.content
+    again = compact(client, prompt="A short note: the meeting moved to Tuesday at noon.", ratio=0.5, **METHOD)
+    assert wait_finished(client, again["id"], timeout_s=300)["status"] == "succeeded"
+
+
+def test_cancel_mid_job(client, tokenizer):
+    job = compact(client, messages=planted_conversation(tokenizer, 1500, seed=4), ratio=0.2, **METHOD)
+    wait_status(client, job["id"], ("running",))
+    time.sleep(1.0)
+    deleted = client.delete(f"/compact/{job['id']}", cast_to=object)
+    assert deleted == {"id": job["id"], "object": "compaction.deleted", "deleted": False, "status": "cancelled"}
+    assert client.get(f"/compact/{job['id']}", cast_to=object)["status"] == "cancelled"
+    with pytest.raises(openai.APIStatusError) as info:
+        ask(client, [{"role": "user", "content": QUESTION}], compaction_id=job["id"])
+    assert info.value.status_code == 409
+    # the worker dropped it and is free for the next job
+    after = compact(client, prompt="Another note: bring the blue folder.", ratio=0.5, **METHOD)
+    assert wait_finished(client, after["id"], timeout_s=300)["status"] == "succeeded"
+    gone = client.delete(f"/compact/{after['id']}", cast_to=object)
+    assert gone["deleted"] is True
+
+
+def test_metrics_and_openapi(server):
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for name in ("vllm_compaction_jobs{", "vllm_compaction_queue_length", "vllm_compaction_stage_seconds_bucket",
+                 "vllm_compaction_ratio_bucket", "vllm_compaction_bytes_saved_total", "vllm_compaction_requests_total"):
+        assert name in text, name
+    assert 'vllm_compaction_jobs{status="failed"} 1.0' in text
+    schema = httpx.get(f"{server.url}/openapi.json", timeout=10).json()
+    assert "/v1/compact" in schema["paths"] and "/v1/compact/{compaction_id}" in schema["paths"]
+    assert {"CompactRequest", "Compaction"} <= schema["components"]["schemas"].keys()
+
+
+def test_restart_finds_stored_caches_and_a_separate_worker_serves_it(server, client, fact_compaction):
+    _, job = fact_compaction
+    server.stop()
+    server.flags += ["--compaction-workers", "0"]  # jobs now wait for a worker started by hand
+    server.start()
+    found = client.get(f"/compact/{job['id']}", cast_to=object)
+    assert found["status"] == "succeeded" and found["compacted_tokens"] == job["compacted_tokens"]
+    reply = ask(client, [{"role": "user", "content": QUESTION}], compaction_id=job["id"])
+    assert ANSWER in reply.choices[0].message.content
+    assert job["id"] in {j["id"] for j in client.get("/compact", cast_to=object)["data"]}
+
+    queued = compact(client, prompt="A note to keep: the boat leaves at dawn.", ratio=0.5, **METHOD)
+    time.sleep(3.0)
+    assert client.get(f"/compact/{queued['id']}", cast_to=object)["status"] == "queued"
+    worker_cmd = [sys.executable, "-m", "vllm_compaction.cli", "worker", "--server", server.url]
+    refused = subprocess.run(worker_cmd + ["--token", "wrong-token-0123456789"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "refused the worker token" in refused.stderr
+    store = server.flags[server.flags.index("--compaction-store") + 1]
+    worker = subprocess.Popen(worker_cmd + ["--store", store])  # reads <store>/worker-token
+    try:
+        done = wait_finished(client, queued["id"], timeout_s=300)
+        assert done["status"] == "succeeded" and done["worker_id"].endswith(f":{worker.pid}")
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)

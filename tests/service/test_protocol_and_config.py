@@ -1,0 +1,97 @@
+"""Request validation, message normalisation, settings and the serve launcher's arguments."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from vllm_compaction.service.config import ServiceConfig
+from vllm_compaction.service.protocol import CompactRequest, normalize_messages
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"model": "m", "ratio": 0.5}, "one of messages, prompt or conversation_id"),
+    ({"model": "m", "prompt": "x"}, "exactly one of ratio"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "target_tokens": 4}, "exactly one of ratio"),
+    ({"model": "m", "prompt": "x", "ratio": 0}, "greater than 0"),
+    ({"model": "m", "prompt": "x", "ratio": 1.5}, "less than or equal to 1"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "method": "nope"}, "unknown method"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "nope"}, "queries"),
+    ({"model": "m", "prompt": "x", "messages": [], "ratio": 0.5}, "not both"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "keep_last_tokens": -1}, "greater than or equal to 0"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "surprise": 1}, "Extra inputs"),
+    ({"model": "m", "conversation_id": "a/b", "ratio": 0.5}, "pattern"),
+])
+def test_bad_compact_requests_say_why(body, fragment):
+    with pytest.raises(ValidationError) as info:
+        CompactRequest.model_validate(body)
+    assert fragment in str(info.value)
+
+
+def test_compact_request_defaults_and_query_names():
+    req = CompactRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                         "target_tokens": 64, "queries": "mix"})
+    assert req.method == "am-omp-fast" and req.query_source() == "self-study+repeat-prefill"
+    assert req.max_head_ratio is None and req.keep_last_tokens == 0
+
+
+def test_normalize_messages():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert normalize_messages([{"role": "user", "content": parts, "name": "x"}]) == [{"role": "user", "content": "ab"}]
+    for bad, fragment in [([], "non-empty"), ("hi", "non-empty"), ([{"content": "x"}], "messages[0]"),
+                          ([{"role": "user", "content": [{"type": "image_url"}]}], "only text"),
+                          ([{"role": "wizard", "content": "x"}], "messages[0]")]:
+        with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+            normalize_messages(bad)
+
+
+def test_config_from_env_names_the_bad_variable():
+    cfg = ServiceConfig.from_env({"VLLM_COMPACTION_LOCAL_WORKERS": "2",
+                                  "VLLM_COMPACTION_AUTO_COMPACT_THRESHOLD_TOKENS": "1000"}, store="/s")
+    assert cfg.local_workers == 2 and cfg.auto_compact_threshold_tokens == 1000 and str(cfg.store) == "/s"
+    with pytest.raises(ValueError, match="VLLM_COMPACTION_AUTO_COMPACT_RATIO .*--auto-compact-ratio"):
+        ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_RATIO": "2"})
+    with pytest.raises(ValueError, match="WORKER_TOKEN"):
+        ServiceConfig.from_env({"VLLM_COMPACTION_WORKER_TOKEN": "short"})
+
+
+def test_serve_arguments(tmp_path):
+    from vllm_compaction.models import resolve
+    from vllm_compaction.vllm.serve import vllm_serve_argv
+
+    env = {"VLLM_PLUGINS": "other"}
+    args = vllm_serve_argv(["smollm2-135m", "--port", "9", "--compaction-store", str(tmp_path),
+                            "--auto-compact-threshold-tokens", "800", "--dtype", "float32"], env)
+    assert args[0] == str(resolve("smollm2-135m"))
+    assert args[args.index("--served-model-name") + 1] == "smollm2-135m"
+    assert "--enable-prefix-caching" in args and args[args.index("--port") + 1] == "9"
+    transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector"] == "CompactionConnector"
+    assert transfer["kv_connector_extra_config"]["store"] == str(tmp_path)
+    assert env["VLLM_PLUGINS"] == "other,vllm_compaction,vllm_compaction_api"
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"  # the connector needs no extra core
+    assert env["VLLM_COMPACTION_AUTO_COMPACT_THRESHOLD_TOKENS"] == "800"
+    assert not any(a.startswith("--compaction") or a.startswith("--auto-compact") for a in args)
+    with pytest.raises(ValueError, match="model first"):
+        vllm_serve_argv(["--port", "9"], {})
+    with pytest.raises(ValueError, match="--auto-compact-ratio"):
+        vllm_serve_argv(["smollm2-135m", "--auto-compact-ratio", "0"], {})
+
+
+def test_serve_cli_bad_flag_is_a_sentence(capsys):
+    from vllm_compaction.cli import main
+
+    assert main(["serve", "smollm2-135m", "--compaction-workers", "-1"]) == 2
+    assert "--compaction-workers" in capsys.readouterr().err
+
+
+def test_worker_cli_errors_are_sentences(capsys, monkeypatch):
+    from vllm_compaction.cli import main
+
+    monkeypatch.delenv("VLLM_COMPACTION_WORKER_TOKEN", raising=False)
+    assert main(["worker", "--server", "http://127.0.0.1:1"]) == 2
+    assert "no worker token" in capsys.readouterr().err
+    assert main(["worker", "--server", "http://127.0.0.1:1", "--token", "t" * 20, "--connect-timeout", "1"]) == 2
+    assert "no compaction server at http://127.0.0.1:1" in capsys.readouterr().err

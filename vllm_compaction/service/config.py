@@ -1,0 +1,65 @@
+"""Service settings: ``vllm-compaction serve --compaction-*`` flags, or ``VLLM_COMPACTION_*``
+environment variables in a plain ``vllm serve`` deployment (the flags set the variables)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError
+
+__all__ = ["ServiceConfig", "ENV_PREFIX", "FLAGS"]
+
+ENV_PREFIX = "VLLM_COMPACTION_"
+
+# field -> (flag, help); each flag sets VLLM_COMPACTION_<FIELD>
+FLAGS: dict[str, tuple[str, str]] = {
+    "store": ("--compaction-store", "directory of compacted caches and jobs (shared with workers)"),
+    "store_max_bytes": ("--compaction-store-max-bytes", "evict least recently used caches above this size"),
+    "local_workers": ("--compaction-workers", "compaction worker processes the server starts (0: only remote)"),
+    "worker_token": ("--compaction-worker-token", "secret remote workers present (default: random, "
+                     "written to <store>/worker-token)"),
+    "worker_lease_s": ("--compaction-worker-lease-s", "a running job fails when its worker is silent this long"),
+    "auto_compact_threshold_tokens": ("--auto-compact-threshold-tokens",
+                                      "compact a conversation once its prompt exceeds this many tokens"),
+    "auto_compact_ratio": ("--auto-compact-ratio", "ratio of automatic compactions"),
+    "auto_compact_keep_last_tokens": ("--auto-compact-keep-last-tokens",
+                                      "content tokens at the end that automatic compactions keep exact"),
+    "auto_compact_method": ("--auto-compact-method", "method of automatic compactions"),
+    "auto_compact_queries": ("--auto-compact-queries", "query source of automatic compactions"),
+}
+
+
+class ServiceConfig(BaseModel):
+    store: Path | None = None
+    store_max_bytes: int | None = Field(None, ge=0)
+    local_workers: int = Field(1, ge=0, le=64)
+    worker_token: str | None = Field(None, min_length=16)
+    worker_lease_s: float = Field(20.0, gt=0)
+    heartbeat_s: float = Field(1.0, gt=0)
+    auto_compact_threshold_tokens: int | None = Field(None, gt=0)
+    auto_compact_ratio: float = Field(0.2, gt=0, le=1)
+    auto_compact_keep_last_tokens: int = Field(0, ge=0)
+    auto_compact_method: str = "am-omp-fast"
+    auto_compact_queries: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **defaults: Any) -> "ServiceConfig":
+        """Settings from ``VLLM_COMPACTION_<FIELD>`` variables over ``defaults``.
+
+        ValueError with one sentence naming the variable for a value that does not parse.
+        """
+        environ = os.environ if environ is None else environ
+        values = dict(defaults)
+        for name in cls.model_fields:
+            raw = environ.get(ENV_PREFIX + name.upper())
+            if raw not in (None, ""):
+                values[name] = raw
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = str(first["loc"][0]) if first.get("loc") else "?"
+            raise ValueError(f"{ENV_PREFIX}{field.upper()} (or {FLAGS.get(field, ('--?',))[0]}): "
+                             f"{first['msg']}") from None

@@ -1,0 +1,67 @@
+"""Conversations the server has seen by ``conversation_id``: their latest messages and the
+compaction that currently stands in for their beginning. One JSON file each, per API key."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+__all__ = ["Conversation", "ConversationBook"]
+
+
+class Conversation(BaseModel):
+    owner: str
+    conversation_id: str
+    messages: list[dict[str, str]] = Field(default_factory=list)
+    compaction_id: str | None = None  # the newest succeeded compaction of this conversation
+    compaction_messages: int = 0      # how many leading messages it covers
+
+
+class ConversationBook:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._cache: dict[tuple[str, str], Conversation] = {}
+
+    def get(self, owner: str, conversation_id: str) -> Conversation | None:
+        with self._lock:
+            key = (owner, conversation_id)
+            if key not in self._cache:
+                path = self._path(owner, conversation_id)
+                if not path.is_file():
+                    return None
+                self._cache[key] = Conversation.model_validate_json(path.read_text())
+            return self._cache[key]
+
+    def get_or_create(self, owner: str, conversation_id: str) -> Conversation:
+        with self._lock:
+            found = self.get(owner, conversation_id)
+            if found is None:
+                found = Conversation(owner=owner, conversation_id=conversation_id)
+                self._cache[(owner, conversation_id)] = found
+            return found
+
+    def save(self, conversation: Conversation) -> None:
+        with self._lock:
+            path = self._path(conversation.owner, conversation.conversation_id)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(conversation.model_dump_json())
+            os.replace(tmp, path)
+
+    def adopt(self, owner: str, conversation_id: str, compaction_id: str, messages_covered: int) -> None:
+        """Make a finished compaction the conversation's prefix if it covers at least as much."""
+        with self._lock:
+            conversation = self.get_or_create(owner, conversation_id)
+            if messages_covered >= conversation.compaction_messages:
+                conversation.compaction_id = compaction_id
+                conversation.compaction_messages = messages_covered
+                self.save(conversation)
+
+    def _path(self, owner: str, conversation_id: str) -> Path:
+        name = hashlib.sha256(f"{owner}\0{conversation_id}".encode()).hexdigest()[:40]
+        return self.root / f"{name}.json"

@@ -1,0 +1,248 @@
+"""The job book: every compaction job, its state machine, worker leases and persistence.
+
+One JSON file per job under ``<store>/jobs/`` (written atomically), so a restarted server finds
+its compactions again; jobs that were queued or running when it stopped are queued again.
+
+States: queued -> running -> succeeded | failed; queued | running -> cancelled. A running job
+belongs to one worker under a lease that each heartbeat renews; a lapsed lease or a worker that
+exits fails the job with the reason. Nothing here touches the engine or the cache store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import Field
+
+from vllm_compaction.service.protocol import Compaction, JobStatus, WorkerJob
+
+__all__ = ["JobBook", "JobRecord", "JobError", "new_compaction_id"]
+
+logger = logging.getLogger(__name__)
+
+
+class JobError(Exception):
+    """A request about a job that cannot be honoured; ``status`` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def new_compaction_id() -> str:
+    """Unguessable id (128 random bits) that is also a valid store entry id."""
+    return "cmp_" + secrets.token_hex(16)
+
+
+class JobRecord(Compaction):
+    """A job as the server keeps it: the public object plus what only the server sees."""
+
+    owner: str = ""
+    submitted_at: float = Field(default_factory=time.time)
+    messages: list[dict[str, str]] = Field(default_factory=list)
+    lease_expires: float | None = None
+    digest: str | None = None  # tensors sha256 of the stored cache (names the prefix for vLLM)
+
+    def public(self) -> Compaction:
+        return Compaction.model_validate(self.model_dump(include=set(Compaction.model_fields)))
+
+    def worker_job(self) -> WorkerJob:
+        return WorkerJob(id=self.id, messages=self.messages, ratio=self.ratio_requested,
+                         target_tokens=self.target_tokens, method=self.method, queries=self.queries,
+                         keep_last_tokens=self.keep_last_tokens, max_head_ratio=self.max_head_ratio or 1.0)
+
+
+class JobBook:
+    """Thread-safe registry of jobs, persisted under ``root``.
+
+    ``on_change(record)`` is called (outside no lock guarantees) after every state change, for
+    metrics and conversation bookkeeping.
+    """
+
+    def __init__(self, root: str | Path, *, lease_s: float = 15.0,
+                 on_change: Callable[[JobRecord], None] | None = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.lease_s = lease_s
+        self._on_change = on_change
+        self._lock = threading.RLock()
+        self._jobs: dict[str, JobRecord] = {}
+        self._load()
+
+    # ------------------------------------------------------------------ client side
+    def submit(self, record: JobRecord) -> JobRecord:
+        with self._lock:
+            self._jobs[record.id] = record
+            self._save(record)
+        self._changed(record)
+        return record
+
+    def get(self, job_id: str, owner: str | None = None) -> JobRecord:
+        """The job, or JobError 404 (also for another owner's job: ids do not leak)."""
+        with self._lock:
+            record = self._jobs.get(job_id)
+            if record is None or (owner is not None and record.owner != owner):
+                raise JobError(404, f"No compaction with id {job_id!r}.")
+            return record
+
+    def list(self, owner: str | None = None) -> list[JobRecord]:
+        with self._lock:
+            return sorted((r for r in self._jobs.values() if owner is None or r.owner == owner),
+                          key=lambda r: (r.submitted_at, r.id))
+
+    def counts(self) -> dict[JobStatus, int]:
+        with self._lock:
+            out = {s: 0 for s in JobStatus}
+            for r in self._jobs.values():
+                out[r.status] += 1
+            return out
+
+    def active_for_conversation(self, conversation_id: str, owner: str) -> JobRecord | None:
+        with self._lock:
+            for r in self._jobs.values():
+                if (r.conversation_id == conversation_id and r.owner == owner
+                        and r.status in (JobStatus.queued, JobStatus.running)):
+                    return r
+        return None
+
+    def cancel(self, job_id: str, owner: str | None = None) -> JobRecord:
+        """Cancel a queued or running job (a running worker stops at its next heartbeat)."""
+        with self._lock:
+            record = self.get(job_id, owner)
+            if record.status.finished:
+                raise JobError(409, f"Compaction {job_id!r} already {record.status.value}.")
+            self._finish(record, JobStatus.cancelled, error="cancelled by the client")
+        self._changed(record)
+        return record
+
+    def delete(self, job_id: str, owner: str | None = None) -> JobRecord:
+        """Forget a finished job (the caller removes its store entry)."""
+        with self._lock:
+            record = self.get(job_id, owner)
+            if not record.status.finished:
+                raise JobError(409, f"Compaction {job_id!r} is {record.status.value}; cancel it first.")
+            del self._jobs[job_id]
+            (self.root / f"{job_id}.json").unlink(missing_ok=True)
+        return record
+
+    # ------------------------------------------------------------------ worker side
+    def claim(self, worker_id: str) -> JobRecord | None:
+        """Give the oldest queued job to ``worker_id`` under a fresh lease."""
+        self.expire_leases()
+        with self._lock:
+            queued = [r for r in self._jobs.values() if r.status == JobStatus.queued]
+            if not queued:
+                return None
+            record = min(queued, key=lambda r: (r.submitted_at, r.id))
+            now = time.time()
+            record.status, record.worker_id, record.started_at = JobStatus.running, worker_id, now
+            record.lease_expires = now + self.lease_s
+            record.progress, record.stage = 0.0, "starting"
+            record.timings["queued_s"] = now - record.submitted_at
+            self._save(record)
+        self._changed(record)
+        return record
+
+    def heartbeat(self, job_id: str, worker_id: str, progress: float, stage: str | None) -> bool:
+        """Renew the lease; False if the worker must stop (cancelled, failed or not its job)."""
+        with self._lock:
+            record = self._owned(job_id, worker_id)
+            if record is None:
+                return False
+            record.progress, record.stage = progress, stage
+            record.lease_expires = time.time() + self.lease_s
+            return True
+
+    def running_for(self, worker_id: str) -> JobRecord | None:
+        with self._lock:
+            return next((r for r in self._jobs.values()
+                         if r.status == JobStatus.running and r.worker_id == worker_id), None)
+
+    def succeed(self, job_id: str, worker_id: str, result: dict[str, Any]) -> JobRecord:
+        with self._lock:
+            record = self._owned(job_id, worker_id)
+            if record is None:
+                raise JobError(409, f"Compaction {job_id!r} is not running on worker {worker_id!r}.")
+            for key, value in result.items():
+                setattr(record, key, value)
+            record.progress = 1.0
+            self._finish(record, JobStatus.succeeded)
+        self._changed(record)
+        return record
+
+    def fail(self, job_id: str, worker_id: str | None, error: str) -> JobRecord | None:
+        """Fail a running job (``worker_id=None``: whoever runs it). None if not running."""
+        with self._lock:
+            record = self._jobs.get(job_id)
+            if record is None or record.status != JobStatus.running:
+                return None
+            if worker_id is not None and record.worker_id != worker_id:
+                return None
+            self._finish(record, JobStatus.failed, error=error)
+        logger.warning("compaction %s failed: %s", job_id, error)
+        self._changed(record)
+        return record
+
+    def fail_worker(self, worker_id: str, error: str) -> None:
+        """A worker is gone: fail the job it was running, if any."""
+        record = self.running_for(worker_id)
+        if record is not None:
+            self.fail(record.id, worker_id, error)
+
+    def expire_leases(self) -> None:
+        now = time.time()
+        with self._lock:
+            lapsed = [r for r in self._jobs.values()
+                      if r.status == JobStatus.running and (r.lease_expires or 0) < now]
+        for record in lapsed:
+            self.fail(record.id, record.worker_id,
+                      f"worker {record.worker_id} stopped answering (no heartbeat for {self.lease_s:.0f} s)")
+
+    # ------------------------------------------------------------------ internals
+    def _owned(self, job_id: str, worker_id: str) -> JobRecord | None:
+        record = self._jobs.get(job_id)
+        if record is None or record.status != JobStatus.running or record.worker_id != worker_id:
+            return None
+        return record
+
+    def _finish(self, record: JobRecord, status: JobStatus, error: str | None = None) -> None:
+        record.status, record.finished_at, record.lease_expires = status, time.time(), None
+        if error is not None:
+            record.error = error
+        if record.started_at is not None:
+            record.timings["run_s"] = record.finished_at - record.started_at
+        self._save(record)
+
+    def _changed(self, record: JobRecord) -> None:
+        if self._on_change is not None:
+            try:
+                self._on_change(record)
+            except Exception:  # bookkeeping must never break the job's own transition
+                logger.exception("job change hook failed for %s", record.id)
+
+    def _save(self, record: JobRecord) -> None:
+        path = self.root / f"{record.id}.json"
+        tmp = self.root / f".{record.id}.{os.getpid()}.tmp"
+        tmp.write_text(record.model_dump_json())
+        os.replace(tmp, path)
+
+    def _load(self) -> None:
+        for path in sorted(self.root.glob("cmp_*.json")):
+            try:
+                record = JobRecord.model_validate_json(path.read_text())
+            except (OSError, ValueError) as exc:
+                logger.warning("ignoring unreadable job file %s: %s", path, exc)
+                continue
+            if record.status == JobStatus.running:  # the server stopped under it: run it again
+                record.status, record.worker_id, record.lease_expires = JobStatus.queued, None, None
+                record.progress, record.stage, record.started_at = 0.0, None, None
+                self._save(record)
+            self._jobs[record.id] = record
+        if self._jobs:
+            logger.info("found %d compaction jobs under %s", len(self._jobs), self.root)

@@ -1,0 +1,210 @@
+"""Wire types of the compaction API (``/v1/compact``) and of the worker protocol.
+
+Everything a client or a worker sends or receives is one of these pydantic models, so the
+server's OpenAPI schema documents them and bad input is refused with a 4xx and a sentence.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "ChatMessage", "CompactRequest", "Compaction", "CompactionList", "CompactionDeleted",
+    "JobStatus", "QUERY_SOURCES", "WorkerInfo", "WorkerJob", "ClaimRequest", "Heartbeat",
+    "HeartbeatReply", "FailReport", "normalize_messages",
+]
+
+QUERY_SOURCES = ("repeat-prefill", "context-prefill", "self-study", "mix")
+"""The query sources the API accepts; ``mix`` is self-study plus repeat-prefill."""
+_QUERY_ALIASES = {"mix": "self-study+repeat-prefill"}
+
+
+class JobStatus(str, Enum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+
+
+class ChatMessage(BaseModel):
+    """One OpenAI chat message with text content (a string or a list of text parts)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text message content can be compacted")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+def normalize_messages(messages: list[Any]) -> list[dict[str, str]]:
+    """OpenAI messages (dicts or models, string or text-part content) -> ``[{role, content}]``.
+
+    ValueError (one sentence) for anything that is not a non-empty list of text messages.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, raw in enumerate(messages):
+        if isinstance(raw, BaseModel):
+            raw = raw.model_dump()
+        try:
+            message = ChatMessage.model_validate(raw)
+            out.append({"role": message.role, "content": message.text()})
+        except ValueError as exc:
+            raise ValueError(f"messages[{i}] is not a text chat message: {_first_error(exc)}") from None
+    return out
+
+
+def _first_error(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+    return str(exc)
+
+
+class CompactRequest(BaseModel):
+    """``POST /v1/compact``: what to compact and how far."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    conversation_id: str | None = Field(None, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    ratio: float | None = Field(None, gt=0.0, le=1.0, description="slots kept per head / content tokens")
+    target_tokens: int | None = Field(None, gt=0, description="slots kept per head, absolute")
+    method: str = "am-omp-fast"
+    queries: Literal["repeat-prefill", "context-prefill", "self-study", "mix"] | None = None
+    keep_last_tokens: int = Field(0, ge=0, description="the last content tokens stay exact")
+    max_head_ratio: float | None = Field(
+        None, gt=0.0, le=1.0,
+        description="cap on any one head's slots / content tokens (default 3 x ratio): the engine pads "
+                    "every head to the longest, so an uncapped head makes the prefix as long as the original")
+
+    @model_validator(mode="after")
+    def _one_source_one_size(self) -> "CompactRequest":
+        sources = [x is not None for x in (self.messages, self.prompt, self.conversation_id)]
+        if sum(sources) == 0:
+            raise ValueError("give one of messages, prompt or conversation_id")
+        if self.messages is not None and self.prompt is not None:
+            raise ValueError("give messages or prompt, not both")
+        if (self.ratio is None) == (self.target_tokens is None):
+            raise ValueError("give exactly one of ratio (0 < ratio <= 1) or target_tokens")
+        return self
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        from vllm_compaction.pipeline import RECIPES
+
+        if method not in RECIPES:
+            raise ValueError(f"unknown method {method!r}; choose from {', '.join(RECIPES)}")
+        return method
+
+    def query_source(self) -> str | None:
+        return _QUERY_ALIASES.get(self.queries, self.queries) if self.queries else None
+
+
+class Compaction(BaseModel):
+    """The compaction object returned by every ``/v1/compact`` route."""
+
+    id: str
+    object: Literal["compaction"] = "compaction"
+    status: JobStatus
+    created: int
+    model: str
+    method: str
+    queries: str | None = None
+    ratio_requested: float | None = None
+    target_tokens: int | None = None
+    keep_last_tokens: int = 0
+    max_head_ratio: float | None = None
+    conversation_id: str | None = None
+    original_tokens: int = Field(description="logical length T of the compacted prefix")
+    messages_covered: int = Field(description="how many leading messages the prefix stands in for")
+    progress: float = 0.0
+    stage: str | None = None
+    worker_id: str | None = None
+    compacted_tokens: int | None = Field(None, description="physical prompt tokens P (longest head)")
+    compacted_slots: int | None = Field(None, description="KV slots kept, summed over layers and heads")
+    ratio: float | None = Field(None, description="compacted_tokens / original_tokens")
+    bytes_original: int | None = None
+    bytes_compacted: int | None = None
+    bytes_saved: int | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+
+
+class CompactionList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Compaction]
+
+
+class CompactionDeleted(BaseModel):
+    id: str
+    object: Literal["compaction.deleted"] = "compaction.deleted"
+    deleted: bool
+    status: JobStatus
+
+
+# ---------------------------------------------------------------------- worker protocol
+class WorkerInfo(BaseModel):
+    """``GET /compaction/worker/v1/info``: what a worker needs to compute compatible caches."""
+
+    model: str = Field(description="checkpoint folder the engine serves (on the server's host)")
+    served_model_name: str
+    fingerprint: dict[str, Any]
+    lease_s: float
+    heartbeat_s: float
+
+
+class ClaimRequest(BaseModel):
+    worker_id: str = Field(min_length=1, max_length=200)
+    wait_s: float = Field(0.0, ge=0.0, le=30.0, description="long poll: wait this long for a job")
+
+
+class WorkerJob(BaseModel):
+    """A claimed job: the inputs of ``pipeline.compact``."""
+
+    id: str
+    messages: list[dict[str, str]]
+    ratio: float | None
+    target_tokens: int | None
+    method: str
+    queries: str | None
+    keep_last_tokens: int
+    max_head_ratio: float = 1.0
+
+
+class Heartbeat(BaseModel):
+    worker_id: str
+    progress: float = Field(0.0, ge=0.0, le=1.0)
+    stage: str | None = None
+
+
+class HeartbeatReply(BaseModel):
+    action: Literal["continue", "cancel"]
+
+
+class FailReport(BaseModel):
+    worker_id: str
+    error: str = Field(max_length=4000)

@@ -1,0 +1,322 @@
+"""``CompactionService``: what the API routes and the worker protocol do, without HTTP or vLLM.
+
+Client side: submit / get / list / cancel / delete compactions, and ``plan_chat`` /
+``plan_text``, which decide how a completion request's prefix is served (compacted or as sent)
+and trigger automatic compaction. Worker side: ``claim``, ``heartbeat``, ``accept_result``,
+``fail``. The engine-specific step (placeholder ids + ``cache_salt``) is the caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from vllm_compaction.cache import CacheError, CompactedCache, LocalDiskStore, ModelFingerprint, read_metadata
+from vllm_compaction.models.chat import ChatTemplateError, ChatTokenizer
+from vllm_compaction.service.config import ServiceConfig
+from vllm_compaction.service.conversations import ConversationBook
+from vllm_compaction.service.jobs import JobBook, JobError, JobRecord, new_compaction_id
+from vllm_compaction.service.metrics import ServiceMetrics
+from vllm_compaction.service.protocol import CompactRequest, JobStatus, WorkerInfo, normalize_messages
+
+__all__ = ["CompactionService", "PrefixPlan"]
+
+logger = logging.getLogger(__name__)
+
+HEAD_CAP_FACTOR = 3.0
+"""Default cap of one head's slots, as a multiple of the average ratio (see ``max_head_ratio``)."""
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """A request served from a compacted prefix: ``num_slots`` placeholders, then ``continuation_ids``."""
+
+    compaction_id: str
+    num_slots: int
+    digest: str
+    continuation_ids: list[int]
+    logical_prefix_tokens: int
+
+    @property
+    def physical_prompt_tokens(self) -> int:
+        return self.num_slots + len(self.continuation_ids)
+
+    @property
+    def logical_prompt_tokens(self) -> int:
+        return self.logical_prefix_tokens + len(self.continuation_ids)
+
+
+class CompactionService:
+    def __init__(self, config: ServiceConfig, *, model_path: str | Path, served_model_names: Sequence[str],
+                 fingerprint: ModelFingerprint, tokenizer: Any, kv_bytes_per_token: int,
+                 max_model_len: int) -> None:
+        if config.store is None:
+            raise ValueError("the compaction service needs a store directory")
+        self.config = config
+        self.model_path = str(model_path)
+        self.served_model_names = list(served_model_names)
+        self.fingerprint = fingerprint
+        self.chat = ChatTokenizer(tokenizer)
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.max_model_len = max_model_len
+        self.store = LocalDiskStore(config.store, max_bytes=config.store_max_bytes)
+        self.metrics = ServiceMetrics()
+        self.conversations = ConversationBook(self.store.root / "conversations")
+        self.book = JobBook(self.store.root / "jobs", lease_s=config.worker_lease_s, on_change=self._job_changed)
+        self.worker_token = config.worker_token or self._store_token()
+        self.supervisor: Any = None  # the local workers, set by whoever starts them
+        self.metrics.job_counts(self.book)  # jobs found in the store after a restart
+
+    # ------------------------------------------------------------------ compactions
+    def submit(self, request: CompactRequest, owner: str) -> JobRecord:
+        self.check_model(request.model)
+        if request.messages is not None:
+            messages = self._messages(request.messages)
+        elif request.prompt is not None:
+            messages = [{"role": "user", "content": request.prompt}]
+        else:
+            conversation = self.conversations.get(owner, request.conversation_id)
+            if conversation is None or not conversation.messages:
+                raise JobError(404, f"No conversation with id {request.conversation_id!r}: send a chat "
+                                    f"completion with this conversation_id first, or give messages.")
+            messages = conversation.messages
+        return self.book.submit(self._record(messages, owner, model=request.model, method=request.method,
+                                             queries=request.query_source(), ratio=request.ratio,
+                                             target_tokens=request.target_tokens,
+                                             keep_last_tokens=request.keep_last_tokens,
+                                             max_head_ratio=request.max_head_ratio,
+                                             conversation_id=request.conversation_id))
+
+    def _record(self, messages: list[dict[str, str]], owner: str, *, model: str, method: str,
+                queries: str | None, ratio: float | None, target_tokens: int | None,
+                keep_last_tokens: int, conversation_id: str | None,
+                max_head_ratio: float | None = None) -> JobRecord:
+        try:
+            ids, mask = self.chat.chat_content(messages)
+        except (ChatTemplateError, ValueError) as exc:
+            raise JobError(400, f"cannot render the messages with the model's chat template: {exc}") from None
+        if len(ids) > self.max_model_len:
+            raise JobError(400, f"the conversation has {len(ids)} tokens, more than the model's "
+                                f"window of {self.max_model_len}")
+        content = int(mask.sum()) - keep_last_tokens
+        if content <= 0:
+            raise JobError(400, f"nothing to compact: {int(mask.sum())} content tokens and "
+                                f"keep_last_tokens={keep_last_tokens}")
+        average = ratio if ratio is not None else min(1.0, target_tokens / content)
+        if max_head_ratio is None:  # padded serving: the longest head sets the prefix length
+            max_head_ratio = min(1.0, HEAD_CAP_FACTOR * average)
+        elif max_head_ratio < average:
+            raise JobError(400, f"max_head_ratio={max_head_ratio} is below the average ratio {average:.4g}")
+        return JobRecord(id=new_compaction_id(), status=JobStatus.queued, created=int(time.time()),
+                         model=model, method=method, queries=queries, ratio_requested=ratio,
+                         target_tokens=target_tokens, keep_last_tokens=keep_last_tokens,
+                         max_head_ratio=max_head_ratio, conversation_id=conversation_id, original_tokens=len(ids),
+                         messages_covered=len(messages), owner=owner, messages=messages)
+
+    def get(self, compaction_id: str, owner: str) -> JobRecord:
+        return self.book.get(compaction_id, owner)
+
+    def list(self, owner: str) -> list[JobRecord]:
+        return self.book.list(owner)
+
+    def cancel_or_delete(self, compaction_id: str, owner: str) -> tuple[JobRecord, bool]:
+        """Cancel a queued/running job; delete a finished one (and its cache). -> (job, deleted)."""
+        record = self.book.get(compaction_id, owner)
+        if not record.status.finished:
+            return self.book.cancel(compaction_id, owner), False
+        record = self.book.delete(compaction_id, owner)
+        self.store.delete_id(compaction_id)
+        return record, True
+
+    def check_model(self, model: str) -> None:
+        if model not in self.served_model_names:
+            raise JobError(404, f"The model `{model}` does not exist; this server serves "
+                                f"{', '.join(self.served_model_names)}.")
+
+    # ------------------------------------------------------------------ serving plans
+    def plan_chat(self, owner: str, raw_messages: list[Any], *, compaction_id: str | None = None,
+                  conversation_id: str | None = None) -> PrefixPlan | None:
+        """How to serve a chat request: from a compacted prefix (a plan) or as sent (None).
+
+        ``compaction_id``: the request's messages continue that compaction; if they start with
+        the messages it covers, those are dropped. While the compaction is not (or no longer)
+        usable, a request that carries the full conversation is served as sent; one that does
+        not gets a 409/410. ``conversation_id``: the conversation's newest compaction is used
+        when the messages start with what it covers, and a new one is queued once the prompt
+        grows past the auto-compaction threshold.
+        """
+        if compaction_id is None and conversation_id is None:
+            return None
+        messages = self._messages(raw_messages)
+        conversation = None
+        if conversation_id is not None:
+            _check_id(conversation_id, "conversation_id")
+            conversation = self.conversations.get_or_create(owner, conversation_id)
+        record = None
+        if compaction_id is not None:
+            _check_id(compaction_id, "compaction_id")
+            record = self.book.get(compaction_id, owner)
+        elif conversation is not None and conversation.compaction_id is not None:
+            try:
+                record = self.book.get(conversation.compaction_id, owner)
+            except JobError:  # deleted since: serve as sent
+                record = None
+        plan = None
+        if record is not None:
+            plan = self._plan_from(record, messages, explicit=compaction_id is not None)
+        if conversation is not None:
+            conversation.messages = messages
+            self.conversations.save(conversation)
+            self._maybe_auto_compact(owner, conversation_id, messages, plan)
+        self.metrics.request("compacted" if plan else "original")
+        return plan
+
+    def plan_text(self, owner: str, compaction_id: str, continuation: str | list[int]) -> PrefixPlan:
+        """A completions request whose prompt (text or token ids) continues a compaction."""
+        _check_id(compaction_id, "compaction_id")
+        record = self.book.get(compaction_id, owner)
+        self._check_usable(record)
+        try:
+            ids = self.chat.continuation_ids(continuation)
+        except ValueError as exc:
+            raise JobError(400, str(exc)) from None
+        if not ids:
+            raise JobError(400, "the prompt is empty: at least one token must follow the compacted prefix")
+        self.metrics.request("compacted")
+        return self._plan(record, ids)
+
+    def _plan_from(self, record: JobRecord, messages: list[dict[str, str]], *, explicit: bool) -> PrefixPlan | None:
+        covered = record.messages
+        has_history = messages[: len(covered)] == covered
+        usable = record.status == JobStatus.succeeded and self.store.contains_id(record.id)
+        if not usable:
+            if has_history or not explicit:
+                return None  # served from the messages as sent until the compaction is ready
+            self._check_usable(record)
+        rest = messages[len(covered):] if has_history else (messages if explicit else None)
+        if rest is None:
+            return None  # the conversation diverged from what was compacted
+        if not rest:
+            raise JobError(400, f"no message follows the {len(covered)} messages that compaction "
+                                f"{record.id} covers")
+        try:
+            ids = self.chat.turn_ids(rest, add_generation_prompt=True)
+        except (ChatTemplateError, ValueError) as exc:
+            raise JobError(400, f"cannot render the messages with the model's chat template: {exc}") from None
+        return self._plan(record, ids)
+
+    def _check_usable(self, record: JobRecord) -> None:
+        if record.status == JobStatus.succeeded:
+            if not self.store.contains_id(record.id):
+                raise JobError(410, f"The compacted cache of {record.id} is no longer in the store "
+                                    f"(evicted or deleted); send the full conversation instead.")
+            return
+        if record.status.finished:
+            raise JobError(409, f"Compaction {record.id} {record.status.value}"
+                                f"{': ' + record.error if record.error else ''}; send the full "
+                                f"conversation to be served without it.")
+        raise JobError(409, f"Compaction {record.id} is {record.status.value} ({record.progress:.0%}); "
+                            f"until it succeeds, send the full conversation to be served without it.")
+
+    def _plan(self, record: JobRecord, continuation_ids: list[int]) -> PrefixPlan:
+        return PrefixPlan(record.id, int(record.compacted_tokens or 0), (record.digest or "")[:32],
+                          continuation_ids, record.original_tokens)
+
+    def _maybe_auto_compact(self, owner: str, conversation_id: str, messages: list[dict[str, str]],
+                            plan: PrefixPlan | None) -> None:
+        threshold = self.config.auto_compact_threshold_tokens
+        if threshold is None:
+            return
+        if plan is not None:
+            physical = plan.physical_prompt_tokens
+        else:
+            physical = len(self.chat.chat_ids(messages, add_generation_prompt=True))
+        if physical <= threshold or self.book.active_for_conversation(conversation_id, owner):
+            return
+        cfg = self.config
+        try:
+            record = self._record(messages, owner, model=self.served_model_names[0], method=cfg.auto_compact_method,
+                                  queries=cfg.auto_compact_queries, ratio=cfg.auto_compact_ratio,
+                                  target_tokens=None, keep_last_tokens=cfg.auto_compact_keep_last_tokens,
+                                  conversation_id=conversation_id)
+        except JobError as exc:
+            logger.warning("no automatic compaction of conversation %s: %s", conversation_id, exc)
+            return
+        self.book.submit(record)
+        logger.info("conversation %s has %d physical prompt tokens (> %d): queued compaction %s",
+                    conversation_id, physical, threshold, record.id)
+
+    # ------------------------------------------------------------------ worker protocol
+    def worker_info(self) -> WorkerInfo:
+        return WorkerInfo(model=self.model_path, served_model_name=self.served_model_names[0],
+                          fingerprint=self.fingerprint.to_dict(), lease_s=self.config.worker_lease_s,
+                          heartbeat_s=self.config.heartbeat_s)
+
+    def accept_result(self, compaction_id: str, worker_id: str, upload: Path) -> JobRecord:
+        """Verify a worker's cache file, move it into the store and finish the job."""
+        try:
+            record = self.book.get(compaction_id)
+            if record.status != JobStatus.running or record.worker_id != worker_id:
+                raise JobError(409, f"Compaction {compaction_id!r} is not running on worker {worker_id!r} "
+                                    f"(it is {record.status.value}).")
+
+            def check(cache: CompactedCache) -> None:
+                if cache.logical_length != record.original_tokens:
+                    raise CacheError(f"the cache covers {cache.logical_length} tokens, the job "
+                                     f"{record.original_tokens}")
+
+            try:
+                cache = self.store.put_file(compaction_id, upload, expect_model=self.fingerprint, check=check)
+            except CacheError as exc:
+                self.book.fail(compaction_id, worker_id, f"the worker's cache was rejected: {exc}")
+                raise JobError(422, f"the uploaded cache was rejected: {exc}") from None
+        finally:
+            upload.unlink(missing_ok=True)
+        digest = read_metadata(self.store.path_for(compaction_id))["tensors_sha256"]
+        physical, logical = cache.max_head_length, cache.logical_length
+        result = {
+            "compacted_tokens": physical, "compacted_slots": cache.physical_slots, "ratio": physical / logical,
+            "bytes_original": logical * self.kv_bytes_per_token,
+            "bytes_compacted": physical * self.kv_bytes_per_token,
+            "bytes_saved": (logical - physical) * self.kv_bytes_per_token,
+            "timings": {**record.timings, **{k: float(v) for k, v in cache.timings.items()}},
+            "digest": digest, "stage": "done",
+        }
+        try:
+            return self.book.succeed(compaction_id, worker_id, result)
+        except JobError:
+            self.store.delete_id(compaction_id)  # cancelled while uploading: keep nothing
+            raise
+
+    # ------------------------------------------------------------------ internals
+    def _messages(self, raw: list[Any]) -> list[dict[str, str]]:
+        try:
+            return normalize_messages(list(raw) if isinstance(raw, (list, tuple)) else raw)
+        except ValueError as exc:
+            raise JobError(400, str(exc)) from None
+
+    def _job_changed(self, record: JobRecord) -> None:
+        self.metrics.job_changed(self.book, record)
+        if record.status == JobStatus.succeeded and record.conversation_id:
+            self.conversations.adopt(record.owner, record.conversation_id, record.id, record.messages_covered)
+
+    def _store_token(self) -> str:
+        """The worker token shared through the store directory (mode 0600), made on first use."""
+        path = self.store.root / "worker-token"
+        if not path.is_file():
+            tmp = path.with_name(f".worker-token.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32))
+            os.replace(tmp, path)
+        return path.read_text().strip()
+
+
+def _check_id(value: Any, what: str) -> None:
+    if not isinstance(value, str) or not value or len(value) > 128:
+        raise JobError(400, f"{what} must be a non-empty string of at most 128 characters")
