@@ -38,6 +38,8 @@ bench: setup
 	$(PYTHON) -m benchmarks.bias_attention
 	$(PYTHON) -m benchmarks.niah_serving
 	$(PYTHON) -m benchmarks.serving
+	$(PYTHON) -m benchmarks.quality
+	$(PYTHON) -m benchmarks.agent_session
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -15,7 +15,7 @@ import torch
 
 from vllm_compaction.corpus import haystack_text
 
-__all__ = ["NeedleInstance", "NeedlePrompt", "make_needle", "needle_prompt", "score_answer"]
+__all__ = ["NeedleInstance", "NeedlePrompt", "context_prompt", "make_needle", "needle_prompt", "score_answer"]
 
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
@@ -59,13 +59,19 @@ def make_needle(tokenizer, n_tokens: int = 2000, *, seed: int) -> NeedleInstance
 
 def needle_prompt(adapter, instance: NeedleInstance) -> NeedlePrompt:
     """Split the chat prompt of an instance at the end of the haystack."""
-    question = QUESTION.format(key=instance.key)
-    messages = [{"role": "user", "content": instance.context + "\n\n" + question}]
+    return context_prompt(adapter, instance.context, QUESTION.format(key=instance.key),
+                          ANSWER_PREFIX.format(key=instance.key))
+
+
+def context_prompt(adapter, context: str, question: str, answer_prefix: str) -> NeedlePrompt:
+    """One user turn ``context + question``, the assistant header and ``answer_prefix``, split
+    at the end of ``context``: the prefix's context tokens are the ones to compact."""
+    messages = [{"role": "user", "content": context + "\n\n" + question}]
     text = adapter.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    text += ANSWER_PREFIX.format(key=instance.key)
+    text += answer_prefix
     enc = adapter.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    start = text.index(instance.context)
-    end = start + len(instance.context)
+    start = text.index(context)
+    end = start + len(context)
     offsets = enc["offset_mapping"]
     split = next(i for i, (a, _) in enumerate(offsets) if a >= end)
     ids = [int(i) for i in enc["input_ids"]]

@@ -1,0 +1,183 @@
+"""Quality vs compaction ratio through the reference decoder: tasks x methods x ratios.
+
+    python -m benchmarks.quality --tasks niah,variable-tracking --methods am-highest-attn-fast,kvzip \
+        --ratios 0.1,0.05,0.02 --instances 12 --tokens 2000 --out benchmarks/results/quality.json
+
+Tasks are seeded (``vllm_compaction.eval.tasks``); every method sees the identical instance,
+prompt and continuation tokens (asserted through a hash of the prompt). Each instance is also
+answered with the full context and with no context. Every compacted run records its answer,
+score (fraction of expected answers named), compaction time, slot counts, and the
+reconstruction metrics (log-perplexity of the full context's answer under both caches, KL).
+Writes JSON and PNG plots (accuracy vs ratio per task; accuracy vs compaction time at the
+ratio closest to 10%). ``--quick`` is the CI-sized run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from benchmarks.output import pyplot, save_result
+
+logger = logging.getLogger("benchmarks.quality")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def run(args: argparse.Namespace) -> dict:
+    from vllm_compaction.eval.reconstruction import reconstruction
+    from vllm_compaction.eval.tasks import make_task, task_prompt
+    from vllm_compaction.eval.variants import parse_variant
+    from vllm_compaction.models import load_adapter
+    from vllm_compaction.pipeline import RECIPES, compact_prepared, prepare_prefix
+    from vllm_compaction.reference import ReferenceDecoder
+
+    adapter = load_adapter(args.model)
+    decoder = ReferenceDecoder(adapter)
+    tasks = args.tasks.split(",")
+    variants = [parse_variant(s) for s in args.methods.split(";" if ";" in args.methods else ",")]
+    ratios = [float(r) for r in args.ratios.split(",")]
+    seeds = range(args.seed, args.seed + args.instances)
+    rows, baselines = [], []
+    prompt_hash: dict[tuple[str, int], str] = {}
+    bar = tqdm(total=len(tasks) * len(seeds) * (2 + len(variants) * len(ratios)), desc="quality", unit="run")
+    for task in tasks:
+        for seed in seeds:
+            inst = make_task(task, adapter.tokenizer, args.tokens, seed=seed)
+            prompt = task_prompt(adapter, inst)
+            digest = hashlib.sha256(json.dumps([prompt.prefix_ids, prompt.continuation_ids]).encode()).hexdigest()[:16]
+            assert prompt_hash.setdefault((task, seed), digest) == digest  # identical for every method
+            full_kv = adapter.prefill(prompt.prefix_ids, capture_queries=False)
+            full = decoder.generate(full_kv, prompt.continuation_ids, max_new_tokens=args.max_new_tokens)
+            template_only = [t for t, m in zip(prompt.prefix_ids, prompt.compact_mask.tolist()) if not m]
+            none = decoder.generate(adapter.prefill(template_only, capture_queries=False), prompt.continuation_ids,
+                                    max_new_tokens=args.max_new_tokens)
+            for name, gen in (("full-context", full), ("no-context", none)):
+                baselines.append(dict(task=task, seed=seed, method=name, answer=gen.text, score=inst.score(gen.text),
+                                      prompt=digest, prefix_tokens=len(prompt.prefix_ids)))
+                bar.update(1)
+            prepared = {}  # one prefill + query plan per query source, shared by methods and ratios
+            for variant in variants:
+                kwargs = variant.kwargs()
+                queries = kwargs.pop("queries", None) or RECIPES[variant.method].queries
+                if queries not in prepared:
+                    prepared[queries] = prepare_prefix(adapter, prompt.prefix_ids, prompt.compact_mask,
+                                                       queries=queries, seed=seed)
+                for ratio in ratios:
+                    start = time.perf_counter()
+                    cache = compact_prepared(prepared[queries], ratio=ratio, **kwargs)
+                    seconds = time.perf_counter() - start
+                    gen = decoder.generate(cache, prompt.continuation_ids, max_new_tokens=args.max_new_tokens)
+                    recon = reconstruction(decoder, full_kv, cache, prompt.continuation_ids, full.token_ids)
+                    lengths = cache.head_lengths[cache.layer_compacted]
+                    rows.append(dict(task=task, seed=seed, method=variant.label, ratio=ratio, prompt=digest,
+                                     answer=gen.text, score=inst.score(gen.text), compaction_s=seconds,
+                                     timings=cache.timings, physical_slots=cache.physical_slots,
+                                     max_head=int(lengths.max()), min_head=int(lengths.min()),
+                                     log_ppl_full=recon.log_ppl_full, log_ppl_compacted=recon.log_ppl_compacted,
+                                     kl=recon.kl))
+                    bar.update(1)
+    bar.close()
+    return dict(model=args.model, tokens=args.tokens, instances=args.instances, seed=args.seed, tasks=tasks,
+                ratios=ratios, methods=[v.label for v in variants], summary=summarize(rows, baselines),
+                baselines=baselines, rows=rows, created=time.time())
+
+
+def summarize(rows: list[dict], baselines: list[dict]) -> dict:
+    """Per task: baselines' and each method x ratio's total score ("hits/n"), mean compaction
+    time, log-perplexity ratio (compacted / full) and KL."""
+    out: dict = defaultdict(dict)
+    for b in baselines:
+        out[b["task"]].setdefault(b["method"], []).append(b["score"])
+    for task, methods in out.items():
+        for name in list(methods):
+            scores = methods[name]
+            methods[name] = f"{sum(scores):g}/{len(scores)}"
+    groups: dict = defaultdict(list)
+    for r in rows:
+        groups[(r["task"], r["method"], r["ratio"])].append(r)
+    for (task, method, ratio), group in groups.items():
+        out[task].setdefault(method, {})[str(ratio)] = {
+            "score": f"{sum(r['score'] for r in group):g}/{len(group)}",
+            "compaction_s": statistics.mean(r["compaction_s"] for r in group),
+            "log_ppl_ratio": statistics.mean(r["log_ppl_compacted"] for r in group)
+                             / max(1e-9, statistics.mean(r["log_ppl_full"] for r in group)),
+            "kl": statistics.mean(r["kl"] for r in group),
+        }
+    return dict(out)
+
+
+def _fraction(score: str) -> float:
+    hits, n = score.split("/")
+    return float(hits) / float(n)
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    tasks = result["tasks"]
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 7.5), squeeze=False)
+    near_10 = min(result["ratios"], key=lambda r: abs(r - 0.1))
+    for col, task in enumerate(tasks):
+        summary = result["summary"][task]
+        top, bottom = axes[0][col], axes[1][col]
+        for method in result["methods"]:
+            per_ratio = summary[method]
+            xs = sorted(float(r) for r in per_ratio)
+            top.plot(xs, [_fraction(per_ratio[str(x)]["score"]) for x in xs], marker="o", label=method)
+            at = per_ratio[str(near_10)]
+            bottom.scatter([at["compaction_s"]], [_fraction(at["score"])], label=method)
+        for name, style in (("full-context", "--"), ("no-context", ":")):
+            top.axhline(_fraction(summary[name]), color="k", linestyle=style, label=name)
+            bottom.axhline(_fraction(summary[name]), color="k", linestyle=style)
+        top.set_xscale("log")
+        top.set_xlabel("compaction ratio (slots / context tokens)")
+        top.set_ylabel("score")
+        top.set_title(f"{task} ({result['instances']} x {result['tokens']} tokens)")
+        bottom.set_xscale("log")
+        bottom.set_xlabel(f"compaction time at ratio {near_10} (s)")
+        bottom.set_ylabel("score")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(result["model"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parser(**defaults) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", default="niah")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--methods", default="am-highest-attn-fast,kvzip,am-highest-attn-fast:budgets=uniform")
+    p.add_argument("--ratios", default="0.1,0.05,0.02")
+    p.add_argument("--instances", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=int, default=2000)
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--quick", action="store_true", help="CI size: 2 instances of 600 tokens, ratio 0.2")
+    p.add_argument("--out", default=str(RESULTS / "quality.json"))
+    p.set_defaults(**defaults)
+    return p
+
+
+def main(argv: list[str] | None = None, **defaults) -> dict:
+    args = parser(**defaults).parse_args(argv)
+    if args.quick:
+        args.instances, args.tokens, args.ratios = 2, 600, "0.2"
+    logging.basicConfig(level=logging.WARNING)
+    result = run(args)
+    out = save_result(result, args.out, plot)
+    logger.warning("wrote %s: %s", out, json.dumps(result["summary"], indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Seeded evaluation tasks on the Paul Graham essays; the question always follows the context.
+
+Every task builds a :class:`TaskInstance` from ``(tokenizer, n_tokens, seed)``: the context
+(compacted), the question and a forced answer prefix (never compacted), and the expected
+answers. ``score`` is the fraction of expected answers the model's text names (whole words; for
+single-answer tasks 0 or 1). Same seed, same instance, for every method.
+
+- ``niah``: one 7-digit needle at a seeded depth (see :mod:`vllm_compaction.eval.niah`).
+- ``niah-multikey``: four needles with different keys; the question names one (distractors).
+- ``niah-multivalue``: three needles with the same key; all three values are expected.
+- ``variable-tracking``: ``VAR A = 12345`` then a chain ``VAR B = VAR A`` ... hidden in the text,
+  plus a distractor chain; every variable of the chain is expected (RULER).
+- ``common-words``: a numbered word list in which ten words recur far more often; the ten are
+  expected (RULER's common-words extraction).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+from dataclasses import dataclass
+from typing import Callable
+
+from vllm_compaction.corpus import haystack_text
+from vllm_compaction.eval.niah import ANSWER_PREFIX, NEEDLE, QUESTION, NeedlePrompt, context_prompt, make_needle
+
+__all__ = ["TaskInstance", "TASKS", "make_task", "task_prompt", "score_text"]
+
+
+@dataclass(frozen=True)
+class TaskInstance:
+    task: str
+    seed: int
+    context: str
+    question: str
+    answer_prefix: str
+    answers: tuple[str, ...]
+
+    def score(self, text: str) -> float:
+        return score_text(text, self.answers)
+
+
+def score_text(text: str, answers: tuple[str, ...]) -> float:
+    """Fraction of ``answers`` that occur in ``text`` as whole words (case-insensitive)."""
+    found = sum(re.search(rf"(?<![\w-]){re.escape(a)}(?![\w-])", text, re.IGNORECASE) is not None
+                for a in answers)
+    return found / len(answers)
+
+
+def _insert(hay: str, sentences: list[str], depths: list[float]) -> str:
+    """Put each sentence at the sentence boundary nearest its depth (fraction of the text)."""
+    cuts = [m.end() for m in re.finditer(r"[.!?]\s", hay)] or [len(hay)]
+    placed = sorted(((min(cuts, key=lambda c: abs(c - d * len(hay))), s) for s, d in zip(sentences, depths)),
+                    key=lambda x: x[0])
+    out, last = [], 0
+    for cut, sentence in placed:
+        out += [hay[last:cut].rstrip(), " ", sentence, " "]
+        last = cut
+    out.append(hay[last:].lstrip())
+    return "".join(out)
+
+
+def _keys(rng: random.Random, n: int) -> list[str]:
+    from vllm_compaction.eval.niah import _KEYS
+
+    return rng.sample(list(_KEYS), n)
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randrange(1_000_000, 10_000_000))
+
+
+def _niah(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
+    inst = make_needle(tokenizer, n_tokens, seed=seed)
+    return TaskInstance("niah", seed, inst.context, QUESTION.format(key=inst.key),
+                        ANSWER_PREFIX.format(key=inst.key), (inst.value,))
+
+
+def _niah_multikey(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
+    rng = random.Random(seed)
+    keys = _keys(rng, 4)
+    values = [_number(rng) for _ in keys]
+    hay = haystack_text(n_tokens - 80, tokenizer, seed=seed)
+    context = _insert(hay, [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)],
+                      [rng.uniform(0.1, 0.9) for _ in keys])
+    asked = rng.randrange(len(keys))
+    return TaskInstance("niah-multikey", seed, context, QUESTION.format(key=keys[asked]),
+                        ANSWER_PREFIX.format(key=keys[asked]), (values[asked],))
+
+
+def _niah_multivalue(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
+    rng = random.Random(seed)
+    (key,) = _keys(rng, 1)
+    values = [_number(rng) for _ in range(3)]
+    hay = haystack_text(n_tokens - 60, tokenizer, seed=seed)
+    context = _insert(hay, [NEEDLE.format(key=key, value=v) for v in values], [rng.uniform(0.1, 0.9) for _ in values])
+    return TaskInstance("niah-multivalue", seed, context,
+                        f"What are all the special magic numbers for {key} mentioned in the provided text?",
+                        f"The special magic numbers for {key} mentioned in the provided text are", tuple(values))
+
+
+def _var_names(rng: random.Random, n: int) -> list[str]:
+    names: list[str] = []  # a list, not a set: set order varies with PYTHONHASHSEED
+    while len(names) < n:
+        name = "".join(rng.choice(string.ascii_uppercase) for _ in range(5))
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _variable_tracking(tokenizer, n_tokens: int, seed: int, hops: int = 3) -> TaskInstance:
+    rng = random.Random(seed)
+    names = _var_names(rng, 2 * (hops + 1))
+    chain, distractor = names[: hops + 1], names[hops + 1:]
+    value, other = str(rng.randrange(10_000, 100_000)), str(rng.randrange(10_000, 100_000))
+    statements = []
+    for vars_, val in ((chain, value), (distractor, other)):
+        statements.append(f"VAR {vars_[0]} = {val}.")
+        statements += [f"VAR {vars_[i]} = VAR {vars_[i - 1]}." for i in range(1, len(vars_))]
+    depths = sorted(rng.uniform(0.05, 0.95) for _ in statements)
+    hay = haystack_text(n_tokens - 15 * len(statements), tokenizer, seed=seed)
+    order = list(range(hops + 1))  # keep each chain in order, interleave the two chains
+    positions = sorted(rng.sample(range(len(statements)), hops + 1))
+    placed = [""] * len(statements)
+    rest = [i for i in range(len(statements)) if i not in positions]
+    for slot, i in zip(positions, order):
+        placed[slot] = statements[i]
+    for slot, i in zip(rest, range(hops + 1, len(statements))):
+        placed[slot] = statements[i]
+    context = _insert(hay, placed, depths)
+    return TaskInstance("variable-tracking", seed, context,
+                        f"Find all variables that are assigned the value {value} in the text above.",
+                        f"Answer: the variables assigned the value {value} are", tuple(chain))
+
+
+def _common_words(tokenizer, n_tokens: int, seed: int, top: int = 10) -> TaskInstance:
+    rng = random.Random(seed)
+    vocabulary = sorted({w.lower() for w in re.findall(r"\b[a-zA-Z]{5,10}\b",
+                                                       haystack_text(4000, tokenizer, seed=seed))})
+    rng.shuffle(vocabulary)
+    common, rare = vocabulary[:top], vocabulary[top:]
+    words: list[str] = []
+    text = ""
+    rare_left = iter(rare)
+    while True:  # rounds of every common word once plus two rare words, until n_tokens is full
+        batch = common + [next(rare_left, rng.choice(rare)) for _ in range(2)]
+        rng.shuffle(batch)
+        candidate = words + batch
+        candidate_text = " ".join(f"{i + 1}. {w}" for i, w in enumerate(candidate))
+        if len(tokenizer(candidate_text, add_special_tokens=False)["input_ids"]) > n_tokens - 20:
+            break
+        words, text = candidate, candidate_text
+    context = "Below is a numbered list of words.\n" + text
+    return TaskInstance("common-words", seed, context,
+                        f"What are the {top} most common words in the list above?",
+                        f"Answer: the {top} most common words in the list are", tuple(common))
+
+
+TASKS: dict[str, Callable[..., TaskInstance]] = {
+    "niah": _niah,
+    "niah-multikey": _niah_multikey,
+    "niah-multivalue": _niah_multivalue,
+    "variable-tracking": _variable_tracking,
+    "common-words": _common_words,
+}
+
+
+def make_task(task: str, tokenizer, n_tokens: int = 2000, *, seed: int) -> TaskInstance:
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    return TASKS[task](tokenizer, n_tokens, seed)
+
+
+def task_prompt(adapter, instance: TaskInstance) -> NeedlePrompt:
+    """Split the chat prompt of an instance at the end of its context (the compacted span)."""
+    return context_prompt(adapter, instance.context, instance.question, instance.answer_prefix)
