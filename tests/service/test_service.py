@@ -70,7 +70,10 @@ def test_plans_follow_the_job(service):
     assert service.plan_chat("a", HISTORY + QUESTION, compaction_id=job.id) is None
     assert status_of(lambda: service.plan_chat("a", QUESTION, compaction_id=job.id)) == 409
     finish(service, job.id)
+    stored = service.store.path_for(job.id)
+    before = stored.stat().st_mtime_ns
     with_history = service.plan_chat("a", HISTORY + QUESTION, compaction_id=job.id)
+    assert stored.stat().st_mtime_ns > before  # serving counts as use for the store's LRU
     new_only = service.plan_chat("a", QUESTION, compaction_id=job.id)
     assert with_history == new_only
     assert new_only.num_slots == 40 and new_only.continuation_ids == service.chat.turn_ids(QUESTION)

@@ -167,6 +167,15 @@ class LocalDiskStore:
     def contains_id(self, entry_id: str) -> bool:
         return self.path_for(entry_id).is_file()
 
+    def touch_id(self, entry_id: str) -> bool:
+        """Mark an entry as used without reading it (a server serving it); False if absent."""
+        path = self.path_for(entry_id)
+        with self._lock:
+            if not path.is_file():
+                return False
+            self._touch(path)
+            return True
+
     def delete_id(self, entry_id: str) -> bool:
         """Remove the entry; True if it existed."""
         path = self.path_for(entry_id)

@@ -224,6 +224,7 @@ class CompactionService:
                             f"until it succeeds, send the full conversation to be served without it.")
 
     def _plan(self, record: JobRecord, continuation_ids: list[int]) -> PrefixPlan:
+        self.store.touch_id(record.id)  # the engine reads the file itself: keep LRU order by use
         return PrefixPlan(record.id, int(record.compacted_tokens or 0), (record.digest or "")[:32],
                           continuation_ids, record.original_tokens)
 
