@@ -12,6 +12,8 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -204,6 +206,23 @@ def test_cancel_mid_job(client, tokenizer):
     assert wait_finished(client, after["id"], timeout_s=300)["status"] == "succeeded"
     gone = client.delete(f"/compact/{after['id']}", cast_to=object)
     assert gone["deleted"] is True
+
+
+def test_corrupt_cache_fails_its_request_with_a_reason_and_is_quarantined(client, server):
+    job = wait_finished(client, compact(client, prompt="The vault code is 7319. " * 20, ratio=0.5, **METHOD)["id"])
+    store = Path(server.flags[server.flags.index("--compaction-store") + 1])
+    path = store / f"{job['id']}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-64:] = bytes(64)
+    path.write_bytes(bytes(data))
+    with pytest.raises(openai.APIStatusError) as info:
+        ask(client, [{"role": "user", "content": QUESTION}], compaction_id=job["id"])
+    assert info.value.status_code == 500 and "could not be loaded" in info.value.response.text
+    assert not path.exists() and any((store / "quarantine").iterdir())
+    assert ask(client, [{"role": "user", "content": "Say hi."}]).choices[0].message.content  # still serving
+    with pytest.raises(openai.APIStatusError) as info:
+        ask(client, [{"role": "user", "content": QUESTION}], compaction_id=job["id"])
+    assert info.value.status_code == 410
 
 
 def test_metrics_and_openapi(server):

@@ -130,3 +130,13 @@ def test_uploads_are_verified(service, tmp_path):
     failed = service.get(job.id, "a")
     assert failed.status == JobStatus.failed and "rejected" in failed.error
     assert not bad.exists() and not service.store.contains_id(job.id)
+
+
+def test_a_corrupt_cache_is_diagnosed_and_quarantined(service):
+    job = service.submit(request(messages=HISTORY), "a")
+    finish(service, job.id)  # its store entry is stand-in bytes, not a cache
+    problem = service.diagnose(job.id)
+    assert problem and "quarantine" in problem
+    assert not service.store.contains_id(job.id)
+    assert service.plan_chat("a", HISTORY + QUESTION, compaction_id=job.id) is None  # served as sent
+    assert status_of(lambda: service.plan_chat("a", QUESTION, compaction_id=job.id)) == 410

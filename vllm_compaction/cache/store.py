@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 from vllm_compaction.cache.format import (
     FORMAT_VERSION,
     CacheCorruptError,
+    CacheError,
     CompactedCache,
     ModelFingerprint,
     config_hash,
@@ -166,6 +167,22 @@ class LocalDiskStore:
 
     def contains_id(self, entry_id: str) -> bool:
         return self.path_for(entry_id).is_file()
+
+    def verify_id(self, entry_id: str, *, expect_model: ModelFingerprint | None = None) -> str | None:
+        """Read an entry fully: None if it is sound, else the reason (a corrupt entry is moved to
+        ``quarantine/``; a wrong-model one stays)."""
+        path = self.path_for(entry_id)
+        with self._lock:
+            try:
+                CompactedCache.load(path, expect_model=expect_model)
+            except FileNotFoundError:
+                return f"no entry {entry_id!r} in the store at {self.root}"
+            except CacheCorruptError as exc:
+                self._quarantine(path, exc)
+                return f"{exc} (moved to {self.root / 'quarantine'})"
+            except CacheError as exc:
+                return str(exc)
+        return None
 
     def touch_id(self, entry_id: str) -> bool:
         """Mark an entry as used without reading it (a server serving it); False if absent."""

@@ -252,6 +252,17 @@ class CompactionService:
         logger.info("conversation %s has %d physical prompt tokens (> %d): queued compaction %s",
                     conversation_id, physical, threshold, record.id)
 
+    def diagnose(self, compaction_id: str) -> str | None:
+        """After the engine failed a request on this compaction: the reason, if its cache is bad.
+
+        A corrupt cache is quarantined, so later requests are served from the full messages (or
+        get a 410) instead of failing again.
+        """
+        problem = self.store.verify_id(compaction_id, expect_model=self.fingerprint)
+        if problem is not None:
+            logger.error("compacted cache of %s is unusable: %s", compaction_id, problem)
+        return problem
+
     # ------------------------------------------------------------------ worker protocol
     def worker_info(self) -> WorkerInfo:
         return WorkerInfo(model=self.model_path, served_model_name=self.served_model_names[0],

@@ -71,7 +71,8 @@ def _build_router() -> APIRouter:
             request.kv_transfer_params = {**(request.kv_transfer_params or {}),
                                           "prompt_token_ids": _prompt_ids(plan)}
             request.cache_salt = _salt(plan)
-        return _with_usage(await chat_api.create_chat_completion(request, raw_request), plan)
+        response = await _serve(chat_api.create_chat_completion(request, raw_request), plan, service)
+        return _with_usage(response, plan)
 
     @router.post("/v1/completions", dependencies=[Depends(validate_json_request)],
                  summary="Completion; extra_body compaction_id makes the prompt continue a compacted prefix")
@@ -96,9 +97,30 @@ def _build_router() -> APIRouter:
             return error_response(exc.status, str(exc))
         request.prompt = _prompt_ids(plan)
         request.cache_salt = _salt(plan)
-        return _with_usage(await completion_api.create_completion(request, raw_request), plan)
+        response = await _serve(completion_api.create_completion(request, raw_request), plan, service)
+        return _with_usage(response, plan)
 
     return router
+
+
+async def _serve(handler: Any, plan: PrefixPlan | None, service: Any) -> Any:
+    """Await the stock handler; when it fails on a compacted prefix (an exception or a 5xx), say
+    so if the cache is the cause (and quarantine it) instead of a bare internal error."""
+    try:
+        response = await handler
+    except Exception:
+        if plan is None or (problem := await run_in_threadpool(service.diagnose, plan.compaction_id)) is None:
+            raise
+        return _cache_error(plan, problem)
+    if plan is not None and isinstance(response, JSONResponse) and response.status_code >= 500:
+        if (problem := await run_in_threadpool(service.diagnose, plan.compaction_id)) is not None:
+            return _cache_error(plan, problem)
+    return response
+
+
+def _cache_error(plan: PrefixPlan, problem: str) -> JSONResponse:
+    return error_response(500, f"The compacted cache of {plan.compaction_id} could not be loaded: {problem}. "
+                               f"Send the full conversation to be served without it.")
 
 
 def _reserved_salt(request: Any) -> JSONResponse | None:
