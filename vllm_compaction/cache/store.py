@@ -156,11 +156,8 @@ class LocalDiskStore:
         path = self.path_for(entry_id)
         with self._lock:
             try:
-                cache = CompactedCache.load(path)
-            except FileNotFoundError:
-                return None
-            except CacheCorruptError as exc:
-                self._quarantine(path, exc)
+                cache = self._load(path)
+            except (FileNotFoundError, CacheCorruptError):
                 return None
             self._touch(path)
             return cache
@@ -174,11 +171,10 @@ class LocalDiskStore:
         path = self.path_for(entry_id)
         with self._lock:
             try:
-                CompactedCache.load(path, expect_model=expect_model)
+                self._load(path, expect_model)
             except FileNotFoundError:
                 return f"no entry {entry_id!r} in the store at {self.root}"
             except CacheCorruptError as exc:
-                self._quarantine(path, exc)
                 return f"{exc} (moved to {self.root / 'quarantine'})"
             except CacheError as exc:
                 return str(exc)
@@ -217,6 +213,14 @@ class LocalDiskStore:
         return len(self.keys())
 
     # ------------------------------------------------------------------ internals
+    def _load(self, path: Path, expect_model: ModelFingerprint | None = None) -> CompactedCache:
+        """Load an entry; a corrupt one is quarantined before its CacheCorruptError propagates."""
+        try:
+            return CompactedCache.load(path, expect_model=expect_model)
+        except CacheCorruptError as exc:
+            self._quarantine(path, exc)
+            raise
+
     def _entries(self) -> list[Path]:
         return [p for p in self.root.glob(f"*{_SUFFIX}")
                 if _ID_RE.fullmatch(p.name[: -len(_SUFFIX)]) and p.is_file()]

@@ -15,12 +15,12 @@ import torch
 
 from vllm_compaction.corpus import haystack_text
 
-__all__ = ["NeedleInstance", "NeedlePrompt", "context_prompt", "make_needle", "needle_prompt", "score_answer"]
+__all__ = ["NeedleInstance", "NeedlePrompt", "context_prompt", "insert_sentences", "make_needle", "needle_prompt", "score_answer"]
 
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
 ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
-_KEYS = ("bright-river", "silent-harbor", "amber-forest", "crimson-valley", "hollow-meadow",
+KEYS = ("bright-river", "silent-harbor", "amber-forest", "crimson-valley", "hollow-meadow",
          "frozen-canyon", "golden-orchard", "misty-lagoon", "quiet-summit", "rapid-delta",
          "scarlet-dune", "velvet-grove")
 
@@ -44,16 +44,27 @@ class NeedlePrompt:
     continuation_ids: list[int]
 
 
+def insert_sentences(hay: str, sentences: list[str], depths: list[float]) -> str:
+    """Put each sentence at the sentence boundary nearest its depth (fraction of the text)."""
+    cuts = [m.end() for m in re.finditer(r"[.!?]\s", hay)] or [len(hay)]
+    placed = sorted(((min(cuts, key=lambda c: abs(c - d * len(hay))), s) for s, d in zip(sentences, depths)),
+                    key=lambda x: x[0])
+    out, last = [], 0
+    for cut, sentence in placed:
+        out += [hay[last:cut].rstrip(), " ", sentence, " "]
+        last = cut
+    out.append(hay[last:].lstrip())
+    return "".join(out)
+
+
 def make_needle(tokenizer, n_tokens: int = 2000, *, seed: int) -> NeedleInstance:
     """A haystack of about ``n_tokens`` tokens with one 7-digit needle at a seeded depth."""
     rng = random.Random(seed)
-    key = _KEYS[rng.randrange(len(_KEYS))]
+    key = KEYS[rng.randrange(len(KEYS))]
     value = str(rng.randrange(1_000_000, 10_000_000))
     depth = rng.uniform(0.1, 0.9)
-    hay = haystack_text(n_tokens, tokenizer, seed=seed)
-    cuts = [m.end() for m in re.finditer(r"[.!?]\s", hay)] or [len(hay)]
-    cut = min(cuts, key=lambda c: abs(c - depth * len(hay)))
-    context = hay[:cut].rstrip() + " " + NEEDLE.format(key=key, value=value) + " " + hay[cut:].lstrip()
+    context = insert_sentences(haystack_text(n_tokens, tokenizer, seed=seed), [NEEDLE.format(key=key, value=value)],
+                               [depth])
     return NeedleInstance(seed=seed, key=key, value=value, depth=depth, context=context)
 
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from vllm_compaction.corpus import haystack_text
-from vllm_compaction.eval.niah import ANSWER_PREFIX, NEEDLE, QUESTION, NeedlePrompt, context_prompt, make_needle
+from vllm_compaction.eval.niah import (ANSWER_PREFIX, KEYS, NEEDLE, QUESTION, NeedlePrompt, context_prompt,
+                                       insert_sentences, make_needle)
 
 __all__ = ["TaskInstance", "TASKS", "make_task", "task_prompt", "score_text"]
 
@@ -48,23 +49,8 @@ def score_text(text: str, answers: tuple[str, ...]) -> float:
     return found / len(answers)
 
 
-def _insert(hay: str, sentences: list[str], depths: list[float]) -> str:
-    """Put each sentence at the sentence boundary nearest its depth (fraction of the text)."""
-    cuts = [m.end() for m in re.finditer(r"[.!?]\s", hay)] or [len(hay)]
-    placed = sorted(((min(cuts, key=lambda c: abs(c - d * len(hay))), s) for s, d in zip(sentences, depths)),
-                    key=lambda x: x[0])
-    out, last = [], 0
-    for cut, sentence in placed:
-        out += [hay[last:cut].rstrip(), " ", sentence, " "]
-        last = cut
-    out.append(hay[last:].lstrip())
-    return "".join(out)
-
-
 def _keys(rng: random.Random, n: int) -> list[str]:
-    from vllm_compaction.eval.niah import _KEYS
-
-    return rng.sample(list(_KEYS), n)
+    return rng.sample(list(KEYS), n)
 
 
 def _number(rng: random.Random) -> str:
@@ -82,7 +68,7 @@ def _niah_multikey(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
     keys = _keys(rng, 4)
     values = [_number(rng) for _ in keys]
     hay = haystack_text(n_tokens - 80, tokenizer, seed=seed)
-    context = _insert(hay, [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)],
+    context = insert_sentences(hay, [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)],
                       [rng.uniform(0.1, 0.9) for _ in keys])
     asked = rng.randrange(len(keys))
     return TaskInstance("niah-multikey", seed, context, QUESTION.format(key=keys[asked]),
@@ -94,7 +80,7 @@ def _niah_multivalue(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
     (key,) = _keys(rng, 1)
     values = [_number(rng) for _ in range(3)]
     hay = haystack_text(n_tokens - 60, tokenizer, seed=seed)
-    context = _insert(hay, [NEEDLE.format(key=key, value=v) for v in values], [rng.uniform(0.1, 0.9) for _ in values])
+    context = insert_sentences(hay, [NEEDLE.format(key=key, value=v) for v in values], [rng.uniform(0.1, 0.9) for _ in values])
     return TaskInstance("niah-multivalue", seed, context,
                         f"What are all the special magic numbers for {key} mentioned in the provided text?",
                         f"The special magic numbers for {key} mentioned in the provided text are", tuple(values))
@@ -120,15 +106,12 @@ def _variable_tracking(tokenizer, n_tokens: int, seed: int, hops: int = 3) -> Ta
         statements += [f"VAR {vars_[i]} = VAR {vars_[i - 1]}." for i in range(1, len(vars_))]
     depths = sorted(rng.uniform(0.05, 0.95) for _ in statements)
     hay = haystack_text(n_tokens - 15 * len(statements), tokenizer, seed=seed)
-    order = list(range(hops + 1))  # keep each chain in order, interleave the two chains
-    positions = sorted(rng.sample(range(len(statements)), hops + 1))
-    placed = [""] * len(statements)
-    rest = [i for i in range(len(statements)) if i not in positions]
-    for slot, i in zip(positions, order):
-        placed[slot] = statements[i]
-    for slot, i in zip(rest, range(hops + 1, len(statements))):
-        placed[slot] = statements[i]
-    context = _insert(hay, placed, depths)
+    # interleave the two chains, each in its own order
+    chain_slots = set(rng.sample(range(len(statements)), hops + 1))
+    chain_statements, distractor_statements = iter(statements[: hops + 1]), iter(statements[hops + 1:])
+    placed = [next(chain_statements if slot in chain_slots else distractor_statements)
+              for slot in range(len(statements))]
+    context = insert_sentences(hay, placed, depths)
     return TaskInstance("variable-tracking", seed, context,
                         f"Find all variables that are assigned the value {value} in the text above.",
                         f"Answer: the variables assigned the value {value} are", tuple(chain))

@@ -8,6 +8,7 @@ only its own compactions. Workers present the worker token instead.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import secrets
 import time
@@ -39,12 +40,16 @@ def error_response(status: int, message: str) -> JSONResponse:
                                                                "param": None, "code": status}})
 
 
+def _bearer(request: Request) -> str:
+    """The request's bearer token ('' without one)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token if scheme.lower() == "bearer" else ""
+
+
 def owner_of(request: Request) -> str:
     """Who is asking: a digest of the bearer API key ('' without one)."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        return ""
-    return hashlib.sha256(token.encode()).hexdigest()[:32]
+    token = _bearer(request)
+    return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
 
 
 def service_of(request: Request) -> CompactionService:
@@ -56,7 +61,6 @@ def service_of(request: Request) -> CompactionService:
 
 def _guard(func):
     """Turn JobError / ValueError into a 4xx with the sentence."""
-    import functools
 
     @functools.wraps(func)
     async def wrapper(*args, **kwargs):
@@ -104,8 +108,7 @@ async def delete_compaction(compaction_id: str, request: Request):
 # ---------------------------------------------------------------------- workers
 def worker_service(request: Request) -> CompactionService:
     service = service_of(request)
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), service.worker_token.encode()):
+    if not secrets.compare_digest(_bearer(request).encode(), service.worker_token.encode()):
         raise HTTPException(401, "a compaction worker must present the worker token")
     return service
 

@@ -61,8 +61,9 @@ class JobRecord(Compaction):
 class JobBook:
     """Thread-safe registry of jobs, persisted under ``root``.
 
-    ``on_change(record)`` is called (outside no lock guarantees) after every state change, for
-    metrics and conversation bookkeeping.
+    ``on_change(record)`` is called after every state change, outside the lock, for metrics and
+    conversation bookkeeping. Leases lapse only when ``expire_leases`` runs: the server's
+    supervisor calls it on its clock.
     """
 
     def __init__(self, root: str | Path, *, lease_s: float = 15.0,
@@ -134,7 +135,6 @@ class JobBook:
     # ------------------------------------------------------------------ worker side
     def claim(self, worker_id: str) -> JobRecord | None:
         """Give the oldest queued job to ``worker_id`` under a fresh lease."""
-        self.expire_leases()
         with self._lock:
             queued = [r for r in self._jobs.values() if r.status == JobStatus.queued]
             if not queued:
@@ -179,10 +179,8 @@ class JobBook:
     def fail(self, job_id: str, worker_id: str | None, error: str) -> JobRecord | None:
         """Fail a running job (``worker_id=None``: whoever runs it). None if not running."""
         with self._lock:
-            record = self._jobs.get(job_id)
-            if record is None or record.status != JobStatus.running:
-                return None
-            if worker_id is not None and record.worker_id != worker_id:
+            record = self._owned(job_id, worker_id)
+            if record is None:
                 return None
             self._finish(record, JobStatus.failed, error=error)
         logger.warning("compaction %s failed: %s", job_id, error)
@@ -205,9 +203,12 @@ class JobBook:
                       f"worker {record.worker_id} stopped answering (no heartbeat for {self.lease_s:.0f} s)")
 
     # ------------------------------------------------------------------ internals
-    def _owned(self, job_id: str, worker_id: str) -> JobRecord | None:
+    def _owned(self, job_id: str, worker_id: str | None) -> JobRecord | None:
+        """The job if it is running on ``worker_id`` (None: on any worker)."""
         record = self._jobs.get(job_id)
-        if record is None or record.status != JobStatus.running or record.worker_id != worker_id:
+        if record is None or record.status != JobStatus.running:
+            return None
+        if worker_id is not None and record.worker_id != worker_id:
             return None
         return record
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from vllm_compaction.cache import CacheError, CompactedCache, LocalDiskStore, ModelFingerprint, read_metadata
-from vllm_compaction.models.chat import ChatTemplateError, ChatTokenizer
+from vllm_compaction.models.chat import ChatTokenizer
 from vllm_compaction.service.config import ServiceConfig
 from vllm_compaction.service.conversations import ConversationBook
 from vllm_compaction.service.jobs import JobBook, JobError, JobRecord, new_compaction_id
@@ -98,7 +98,7 @@ class CompactionService:
                 max_head_ratio: float | None = None) -> JobRecord:
         try:
             ids, mask = self.chat.chat_content(messages)
-        except (ChatTemplateError, ValueError) as exc:
+        except ValueError as exc:  # ChatTemplateError included
             raise JobError(400, f"cannot render the messages with the model's chat template: {exc}") from None
         if len(ids) > self.max_model_len:
             raise JobError(400, f"the conversation has {len(ids)} tokens, more than the model's "
@@ -180,7 +180,8 @@ class CompactionService:
         """A completions request whose prompt (text or token ids) continues a compaction."""
         _check_id(compaction_id, "compaction_id")
         record = self.book.get(compaction_id, owner)
-        self._check_usable(record)
+        if (unusable := self._unusable(record)) is not None:
+            raise unusable
         try:
             ids = self.chat.continuation_ids(continuation)
         except ValueError as exc:
@@ -193,11 +194,10 @@ class CompactionService:
     def _plan_from(self, record: JobRecord, messages: list[dict[str, str]], *, explicit: bool) -> PrefixPlan | None:
         covered = record.messages
         has_history = messages[: len(covered)] == covered
-        usable = record.status == JobStatus.succeeded and self.store.contains_id(record.id)
-        if not usable:
+        if (unusable := self._unusable(record)) is not None:
             if has_history or not explicit:
                 return None  # served from the messages as sent until the compaction is ready
-            self._check_usable(record)
+            raise unusable
         rest = messages[len(covered):] if has_history else (messages if explicit else None)
         if rest is None:
             return None  # the conversation diverged from what was compacted
@@ -206,22 +206,23 @@ class CompactionService:
                                 f"{record.id} covers")
         try:
             ids = self.chat.turn_ids(rest, add_generation_prompt=True)
-        except (ChatTemplateError, ValueError) as exc:
+        except ValueError as exc:  # ChatTemplateError included
             raise JobError(400, f"cannot render the messages with the model's chat template: {exc}") from None
         return self._plan(record, ids)
 
-    def _check_usable(self, record: JobRecord) -> None:
+    def _unusable(self, record: JobRecord) -> JobError | None:
+        """Why ``record`` cannot serve a request now (409 not ready or failed, 410 evicted), or None."""
         if record.status == JobStatus.succeeded:
             if not self.store.contains_id(record.id):
-                raise JobError(410, f"The compacted cache of {record.id} is no longer in the store "
-                                    f"(evicted or deleted); send the full conversation instead.")
-            return
+                return JobError(410, f"The compacted cache of {record.id} is no longer in the store "
+                                     f"(evicted or deleted); send the full conversation instead.")
+            return None
         if record.status.finished:
-            raise JobError(409, f"Compaction {record.id} {record.status.value}"
-                                f"{': ' + record.error if record.error else ''}; send the full "
-                                f"conversation to be served without it.")
-        raise JobError(409, f"Compaction {record.id} is {record.status.value} ({record.progress:.0%}); "
-                            f"until it succeeds, send the full conversation to be served without it.")
+            return JobError(409, f"Compaction {record.id} {record.status.value}"
+                                 f"{': ' + record.error if record.error else ''}; send the full "
+                                 f"conversation to be served without it.")
+        return JobError(409, f"Compaction {record.id} is {record.status.value} ({record.progress:.0%}); "
+                             f"until it succeeds, send the full conversation to be served without it.")
 
     def _plan(self, record: JobRecord, continuation_ids: list[int]) -> PrefixPlan:
         self.store.touch_id(record.id)  # the engine reads the file itself: keep LRU order by use

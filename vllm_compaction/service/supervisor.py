@@ -11,13 +11,12 @@ import asyncio
 import atexit
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
 
 from vllm_compaction.service.service import CompactionService
-from vllm_compaction.service.worker import TOKEN_ENV
+from vllm_compaction.service.worker import TOKEN_ENV, describe_exit, worker_id_for
 
 __all__ = ["Supervisor"]
 
@@ -51,7 +50,6 @@ class Supervisor:
         return process, time.monotonic()
 
     async def _watch(self) -> None:
-        host = socket.gethostname()
         while True:
             await asyncio.sleep(0.5)
             self.service.book.expire_leases()
@@ -61,8 +59,8 @@ class Supervisor:
                 if code is None:
                     alive.append((process, started))
                     continue
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                self.service.book.fail_worker(f"{host}:{process.pid}",
+                how = describe_exit(code)
+                self.service.book.fail_worker(worker_id_for(process.pid),
                                               f"the compaction worker (pid {process.pid}) {how}")
                 quick = time.monotonic() - started < _CRASH_WINDOW_S
                 self._quick_crashes = self._quick_crashes + 1 if quick else 0

@@ -35,6 +35,18 @@ __all__ = ["Worker", "WorkerError", "main"]
 logger = logging.getLogger("vllm_compaction.worker")
 
 TOKEN_ENV = "VLLM_COMPACTION_WORKER_TOKEN"
+NETWORK_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError)
+"""What a call to an unreachable or vanished server raises."""
+
+
+def worker_id_for(pid: int) -> str:
+    """A worker's id: ``host:pid`` (the supervisor derives it for the processes it starts)."""
+    return f"{socket.gethostname()}:{pid}"
+
+
+def describe_exit(code: int | None) -> str:
+    """A process exit code as words: "was killed by signal 9" / "exited with code 1"."""
+    return f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
 
 
 class WorkerError(Exception):
@@ -48,7 +60,7 @@ def _die_with_parent() -> None:
         import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # not Linux: the worker notices the server is gone on its next call
+    except Exception:  # not Linux: the supervisor's atexit still terminates its workers on shutdown
         pass
 
 
@@ -117,9 +129,8 @@ class ComputeProcess:
         except queue.Empty:
             if not self.process.is_alive():
                 code = self.process.exitcode
-                how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with {code}"
                 hint = " (out of memory?)" if code == -9 else ""
-                return "died", f"the compaction process {how}{hint}"
+                return "died", f"the compaction process {describe_exit(code)}{hint}"
             return None
         if kind == "ready":
             self._ready = True
@@ -133,7 +144,7 @@ class Worker:
                  connect_timeout_s: float = 600.0) -> None:
         self.server = server.rstrip("/")
         self.token = token
-        self.worker_id = f"{socket.gethostname()}:{os.getpid()}"
+        self.worker_id = worker_id_for(os.getpid())
         self.info = self._connect(connect_timeout_s)
         self.model_path = model or self.info.model
         self._check_model()
@@ -167,7 +178,7 @@ class Worker:
                 if status == 200:
                     return WorkerInfo.model_validate(body)
                 raise WorkerError(f"the server at {self.server} answered {status}: {body}")
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            except NETWORK_ERRORS as exc:
                 if time.monotonic() > deadline:
                     raise WorkerError(f"no compaction server at {self.server} after {timeout_s:.0f} s: {exc}") from None
                 time.sleep(1.0)
@@ -194,7 +205,7 @@ class Worker:
         while max_jobs is None or done < max_jobs:
             try:
                 status, body = self._call("POST", "/claim", {"worker_id": self.worker_id, "wait_s": 10.0})
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            except NETWORK_ERRORS as exc:
                 logger.warning("server unreachable (%s); retrying", exc)
                 time.sleep(2.0)
                 continue
@@ -237,7 +248,7 @@ class Worker:
         try:
             status, body = self._call("POST", f"/jobs/{job.id}/heartbeat",
                                       {"worker_id": self.worker_id, "progress": min(1.0, progress), "stage": stage})
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
+        except NETWORK_ERRORS:
             return True  # a blip: the lease is longer than one heartbeat
         return status == 200 and body.get("action") == "continue"
 
@@ -258,7 +269,7 @@ class Worker:
         logger.warning("compaction %s failed: %s", job.id, reason)
         try:
             self._call("POST", f"/jobs/{job.id}/fail", {"worker_id": self.worker_id, "error": reason[:4000]})
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
+        except NETWORK_ERRORS:
             pass  # the lease lapses and the server fails the job itself
 
     def close(self) -> None:

@@ -109,16 +109,18 @@ async def _serve(handler: Any, plan: PrefixPlan | None, service: Any) -> Any:
     try:
         response = await handler
     except Exception:
-        if plan is None or (problem := await run_in_threadpool(service.diagnose, plan.compaction_id)) is None:
+        if (explained := await _cache_error(plan, service)) is None:
             raise
-        return _cache_error(plan, problem)
-    if plan is not None and isinstance(response, JSONResponse) and response.status_code >= 500:
-        if (problem := await run_in_threadpool(service.diagnose, plan.compaction_id)) is not None:
-            return _cache_error(plan, problem)
+        return explained
+    if isinstance(response, JSONResponse) and response.status_code >= 500:
+        return await _cache_error(plan, service) or response
     return response
 
 
-def _cache_error(plan: PrefixPlan, problem: str) -> JSONResponse:
+async def _cache_error(plan: PrefixPlan | None, service: Any) -> JSONResponse | None:
+    """A 500 naming what is wrong with the plan's cache, or None when the cache is sound."""
+    if plan is None or (problem := await run_in_threadpool(service.diagnose, plan.compaction_id)) is None:
+        return None
     return error_response(500, f"The compacted cache of {plan.compaction_id} could not be loaded: {problem}. "
                                f"Send the full conversation to be served without it.")
 

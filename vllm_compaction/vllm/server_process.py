@@ -8,10 +8,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Sequence
+
+from vllm_compaction.service.worker import NETWORK_ERRORS
 
 __all__ = ["ServerProcess", "free_port"]
 
@@ -51,7 +52,7 @@ class ServerProcess:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
                     if response.status == 200:
                         return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
+            except NETWORK_ERRORS:
                 pass
             time.sleep(1.0)
         self.stop()

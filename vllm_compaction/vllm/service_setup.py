@@ -9,6 +9,7 @@ from pathlib import Path
 from vllm_compaction.service.config import ServiceConfig
 from vllm_compaction.service.service import CompactionService
 from vllm_compaction.service.supervisor import Supervisor
+from vllm_compaction.vllm.backend_common import compaction_enabled
 from vllm_compaction.vllm.engine import engine_fingerprint, kv_bytes_per_token
 from vllm_compaction.vllm.plugin import CONNECTOR_NAME
 
@@ -22,15 +23,14 @@ async def start_service(vllm_config, args: Namespace) -> CompactionService:
 
     ValueError (one sentence) when the engine was not started with the compaction connector.
     """
-    transfer = vllm_config.kv_transfer_config
-    if transfer is None or transfer.kv_connector != CONNECTOR_NAME:
+    if not compaction_enabled(vllm_config):  # the test the backends use to widen their pages
         raise ValueError(
             f"the engine runs without the {CONNECTOR_NAME} KV connector: start it with "
             f"`vllm-compaction serve` or pass --kv-transfer-config (see the README)"
         )
     from transformers import AutoTokenizer
 
-    extra = transfer.kv_connector_extra_config or {}
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
     from vllm_compaction.vllm.prompt import default_store_dir
 
     engine_store = Path(extra.get("store") or default_store_dir())
