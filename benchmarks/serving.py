@@ -10,7 +10,13 @@ Run ``python -m benchmarks.serving [--prefix-tokens 4000] [--sessions 16] [--qui
 2. ``--sessions`` concurrent sessions decoding ``--decode-tokens`` tokens each: decode tokens/s
    and KV blocks per session, compacted (each session its own store entry, so nothing is shared)
    vs full;
-3. decode tokens/s on ordinary uncompacted traffic with the plugin on (compaction connector
+3. maximum concurrent sessions at a fixed KV memory (``--capacity-kv-mib``): ``--capacity-sessions``
+   sessions on distinct ``--prefix-tokens`` prefixes submitted at once (4 more than fit), uncompacted vs compacted
+   at ``--ratio`` in the padded layout (every head at the longest) vs the varlen layout (each head
+   only its own slots), per head cap; the peak of running requests and KV blocks in use is read
+   from the scheduler (an in-process engine), then decode tokens/s with that many sessions
+   (``--only-capacity`` runs just this, into ``serving_capacity.json`` and ``.png``);
+4. decode tokens/s on ordinary uncompacted traffic with the plugin on (compaction connector
    configured: widened head dim) vs off (stock engine): one engine at a time, alternating
    on/off over the trials (``--only-overhead`` runs just this, into ``plugin_overhead.json``).
 """
@@ -35,7 +41,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 QUESTION = [{"role": "user", "content": "Summarize the essay above in one sentence."}]
 
 
-def _engine(dtype: str, store: Path | None, max_len: int, kv_bytes: int):
+def _engine(dtype: str, store: Path | None, max_len: int, kv_bytes: int, max_num_seqs: int = 32):
     from vllm import LLM
 
     from vllm_compaction.models import resolve
@@ -43,7 +49,7 @@ def _engine(dtype: str, store: Path | None, max_len: int, kv_bytes: int):
 
     extra = engine_kwargs(store=store) if store is not None else {"enable_prefix_caching": True}
     return LLM(str(resolve("smollm2-135m")), dtype=dtype, enforce_eager=True, max_model_len=max_len,
-               kv_cache_memory_bytes=kv_bytes, max_num_seqs=32, seed=0, **extra)
+               kv_cache_memory_bytes=kv_bytes, max_num_seqs=max_num_seqs, seed=0, **extra)
 
 
 def _stop(llm) -> None:
@@ -70,26 +76,23 @@ def _kv_bytes_per_token(llm) -> int:
     return kv_bytes_per_token(llm.llm_engine.vllm_config)
 
 
-def measure(args) -> dict[str, Any]:
+def _workload(args):
+    """The adapter, the essay prefix and question ids, and the store (shared by every phase)."""
     from vllm_compaction.cache import LocalDiskStore
     from vllm_compaction.corpus import haystack_text
     from vllm_compaction.models import load_adapter
-    from vllm_compaction.pipeline import compact
-    from vllm_compaction.vllm import compacted_prompt
 
     adapter = load_adapter("smollm2-135m")
     messages = [{"role": "user", "content": "Read this essay.\n\n" +
                  haystack_text(args.prefix_tokens, adapter.tokenizer, seed=args.seed)}]
-    prefix_ids = adapter.chat_ids(messages)
-    question_ids = adapter.turn_ids(QUESTION)
-    store = LocalDiskStore(Path(args.store))
-    block = 128
-    max_len = len(prefix_ids) + len(question_ids) + args.decode_tokens + 64
-    result: dict[str, Any] = dict(
-        model="smollm2-135m", dtype=args.dtype, prefix_tokens=len(prefix_ids), ratio=args.ratio,
-        sessions=args.sessions, decode_tokens=args.decode_tokens, trials=args.trials, variants={},
-        created=time.time())
-    caches = {}
+    return adapter, messages, adapter.chat_ids(messages), adapter.turn_ids(QUESTION), LocalDiskStore(Path(args.store))
+
+
+def _caches(args, adapter, messages, prefix_ids, store) -> tuple[dict, dict]:
+    """One am-highest-attn-fast cache per head cap (kept in the store between runs) and their facts."""
+    from vllm_compaction.pipeline import compact
+
+    caches, variants = {}, {}
     for cap in args.max_head_ratios:
         logger.warning("compacting a %d-token prefix at %.0f%% (am-highest-attn-fast, max_head_ratio=%s)",
                        len(prefix_ids), 100 * args.ratio, cap)
@@ -101,10 +104,24 @@ def measure(args) -> dict[str, Any]:
             cache = compact(adapter, messages, ratio=args.ratio, method="am-highest-attn-fast", max_head_ratio=cap)
             store.put_id(kept, cache)
         caches[cap] = cache
-        result["variants"][str(cap)] = dict(
+        variants[str(cap)] = dict(
             max_head_ratio=cap, compaction_s=cache.timings.get("total_s", time.perf_counter() - start),
-            physical_slots=cache.max_head_length,
+            physical_slots=cache.max_head_length, kept_slots=cache.physical_slots,
             padding_fraction=1 - cache.physical_slots / (cache.max_head_length * cache.num_layers * cache.model.num_kv_heads))
+    return caches, variants
+
+
+def measure(args) -> dict[str, Any]:
+    from vllm_compaction.vllm import compacted_prompt
+
+    adapter, messages, prefix_ids, question_ids, store = _workload(args)
+    block = 128
+    max_len = len(prefix_ids) + len(question_ids) + args.decode_tokens + 64
+    result: dict[str, Any] = dict(
+        model="smollm2-135m", dtype=args.dtype, prefix_tokens=len(prefix_ids), ratio=args.ratio,
+        sessions=args.sessions, decode_tokens=args.decode_tokens, trials=args.trials, variants={},
+        created=time.time())
+    caches, result["variants"] = _caches(args, adapter, messages, prefix_ids, store)
 
     llm = _engine(args.dtype, Path(args.store), max_len, args.kv_gib << 30)
     try:
@@ -164,8 +181,118 @@ def measure(args) -> dict[str, Any]:
             Path(args.out).write_text(json.dumps(result, indent=1))  # checkpoint before phase 3
     finally:
         _stop(llm)
+    result["capacity"] = measure_capacity(args, prefix_ids, question_ids, store, caches)
     result.update(measure_overhead(args, adapter))
     return result
+
+
+def _drain(engine, prompts: list, params, tag: str) -> dict[str, Any]:
+    """Submit ``prompts`` at once and step the in-process engine to the end, watching its scheduler."""
+    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    for i, prompt in enumerate(prompts):
+        engine.llm_engine.add_request(f"{tag}-{i}", prompt, params)
+    peak_running = peak_blocks = generated = 0
+    failed = 0
+    start = time.perf_counter()
+    while engine.llm_engine.has_unfinished_requests():
+        for output in engine.llm_engine.step():
+            if output.finished:
+                generated += len(output.outputs[0].token_ids)
+                failed += output.outputs[0].finish_reason not in ("stop", "length")
+        running = len(scheduler.running)
+        if running >= peak_running:
+            peak_running = running
+            peak_blocks = max(peak_blocks, pool.num_gpu_blocks - pool.get_num_free_blocks())
+    return dict(seconds=time.perf_counter() - start, generated=generated, failed=failed,
+                peak_running=peak_running, blocks_in_use_at_peak=peak_blocks, total_blocks=pool.num_gpu_blocks)
+
+
+def measure_capacity(args, prefix_ids: list[int], question_ids: list[int], store, caches: dict) -> dict[str, Any]:
+    """3. sessions at a fixed KV memory: uncompacted vs padded vs varlen, one engine, side by side."""
+    from vllm import SamplingParams
+
+    from vllm_compaction.vllm import compacted_prompt
+
+    # in-process engine core, so the benchmark can read the scheduler's running queue and block pool
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    max_len = len(prefix_ids) + len(question_ids) + args.decode_tokens + 64
+    engine = _engine(args.dtype, Path(args.store), max_len, args.capacity_kv_mib << 20,
+                     max_num_seqs=args.capacity_sessions)
+    block_size = engine.llm_engine.vllm_config.cache_config.block_size
+    result: dict[str, Any] = dict(kv_mib=args.capacity_kv_mib, sessions_submitted=args.capacity_sessions,
+                                  decode_tokens=args.decode_tokens, block_size=block_size, kinds={})
+    try:
+        kinds: list[tuple[str, Any, str | None]] = [("uncompacted", None, None)]
+        for cap, cache in caches.items():
+            kinds += [(f"padded cap {cap}", cache, "padded"), (f"varlen cap {cap}", cache, "varlen")]
+        run = int(time.time())
+        pool = engine.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+        for name, cache, layout in kinds:
+            tokens = len(prefix_ids) if cache is None else cache.physical_tokens(layout, block_size)
+            blocks = math.ceil((tokens + len(question_ids) + args.decode_tokens) / block_size)
+            # a few more sessions than the free blocks can hold (the null block is not usable)
+            count = min(args.capacity_sessions, (pool.num_gpu_blocks - 1) // blocks + 4)
+            prompts = []
+            for i in range(count):
+                if cache is None:
+                    prompts.append({"prompt_token_ids": prefix_ids + question_ids, "cache_salt": f"cap-{run}-{i}"})
+                else:  # each session its own store entry: distinct prefixes, nothing shared
+                    entry = f"cap-{run}-{i}"
+                    store.put_id(entry, cache)
+                    prompts.append(compacted_prompt(entry, question_ids, llm=engine, store=store, layout=layout))
+            prompt_tokens = len(prompts[0]["prompt_token_ids"])
+            logger.warning("capacity: %s, %d prompt tokens per session", name, prompt_tokens)
+            params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
+            everyone = _drain(engine, prompts, params, f"{name}-all")
+            # decode rate with as many sessions as fit: prefill once, then time a run on the cached prefixes
+            fit = prompts[: max(1, everyone["peak_running"])]
+            _drain(engine, fit, SamplingParams(max_tokens=1, temperature=0.0), f"{name}-warm")
+            decode = _drain(engine, fit, params, f"{name}-decode")
+            entry = dict(prompt_tokens=prompt_tokens, layout=layout or "uncompacted", sessions_submitted=count,
+                         blocks_per_session=math.ceil((prompt_tokens + args.decode_tokens) / block_size),
+                         max_concurrent_sessions=everyone["peak_running"], run_all=everyone,
+                         decode_sessions=len(fit), decode_tokens_per_s=decode["generated"] / decode["seconds"],
+                         decode_run=decode)
+            if cache is not None:
+                layers, heads = cache.num_layers, cache.model.num_kv_heads
+                entry.update(prefix_tokens_exact=cache.physical_slots / (layers * heads),
+                             prefix_tokens=cache.physical_tokens(layout, block_size),
+                             kept_slots=cache.physical_slots)
+                for i in range(count):
+                    store.delete_id(f"cap-{run}-{i}")
+            result["kinds"][name] = entry
+            logger.warning("capacity: %s: %s", name, json.dumps({k: v for k, v in entry.items()
+                                                                 if not k.endswith("run") and k != "run_all"}))
+    finally:
+        _stop(engine)
+    base = result["kinds"]["uncompacted"]
+    for entry in result["kinds"].values():
+        entry["sessions_vs_uncompacted"] = entry["max_concurrent_sessions"] / base["max_concurrent_sessions"]
+        entry["decode_vs_uncompacted"] = entry["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+    return result
+
+
+def plot_capacity(result: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    capacity = result["capacity"] if "capacity" in result else result
+    names = list(capacity["kinds"])
+    kinds = list(capacity["kinds"].values())
+    colors = ["grey" if k["layout"] == "uncompacted" else "C1" if k["layout"] == "padded" else "C0" for k in kinds]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    axes[0].bar(names, [k["max_concurrent_sessions"] for k in kinds], color=colors)
+    axes[0].set_title(f"concurrent sessions in {capacity['kv_mib']} MiB of KV")
+    axes[1].bar(names, [k["blocks_per_session"] for k in kinds], color=colors)
+    axes[1].set_title(f"KV blocks ({capacity['block_size']} tokens) per session")
+    axes[2].bar(names, [k["decode_tokens_per_s"] for k in kinds], color=colors)
+    axes[2].set_title("decode tok/s at that many sessions")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=7, rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def measure_overhead(args, adapter) -> dict[str, Any]:
@@ -244,6 +371,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--store", default="/tmp/vllm-compaction-bench-store")
     parser.add_argument("--quick", action="store_true", help="small sizes, to check the script runs")
+    parser.add_argument("--capacity-kv-mib", type=int, default=1024,
+                        help="KV memory of the sessions-at-fixed-memory phase")
+    parser.add_argument("--capacity-sessions", type=int, default=64,
+                        help="most sessions submitted at once in that phase (each kind gets 4 more than "
+                             "its blocks per session say fit, up to this)")
+    parser.add_argument("--only-capacity", action="store_true",
+                        help="measure only sessions at a fixed KV memory (writes serving_capacity.json)")
     parser.add_argument("--only-overhead", action="store_true",
                         help="measure only the plugin on/off decode overhead (writes plugin_overhead.json)")
     parser.add_argument("--out", default=str(RESULTS / "serving.json"))
@@ -251,6 +385,7 @@ def main() -> None:
     if args.quick:
         args.prefix_tokens, args.sessions, args.decode_tokens, args.trials, args.plain_tokens = 600, 2, 8, 1, 200
         args.kv_gib, args.overhead_kv_gib = 1, 0.5
+        args.capacity_kv_mib, args.capacity_sessions = 160, 12
     args.max_head_ratios = [float(x) for x in args.max_head_ratios.split(",")]
     logging.basicConfig(level=logging.WARNING)
     if args.only_overhead:
@@ -260,6 +395,15 @@ def main() -> None:
                   "plain_tokens": args.plain_tokens, "decode_tokens": args.decode_tokens, "trials": args.trials,
                   "created": time.time(), **measure_overhead(args, load_adapter("smollm2-135m"))}
         out = save_result(result, Path(args.out).with_name("plugin_overhead.json"))
+        logger.warning("wrote %s", out)
+        return
+    if args.only_capacity:
+        adapter, messages, prefix_ids, question_ids, store = _workload(args)
+        caches, variants = _caches(args, adapter, messages, prefix_ids, store)
+        result = {"model": "smollm2-135m", "dtype": args.dtype, "prefix_tokens": len(prefix_ids),
+                  "ratio": args.ratio, "variants": variants, "created": time.time(),
+                  **measure_capacity(args, prefix_ids, question_ids, store, caches)}
+        out = save_result(result, Path(args.out).with_name("serving_capacity.json"), plot_capacity)
         logger.warning("wrote %s", out)
         return
     result = measure(args)

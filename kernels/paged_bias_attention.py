@@ -12,7 +12,9 @@ encoding:
                      + float(k[s, h', d]) + float(k[s, h', d + 1])
 
 with ``h' = h // (Hq // Hkv)`` (GQA) and causal masking inside each request. Softmax is online
-(flash-attention style) in fp32; the output is written in the query dtype.
+(flash-attention style) in fp32; the output is written in the query dtype, and on request the
+log-sum-exp of each row's logits (fp32), which lets a caller merge this attention exactly with
+attention over keys kept elsewhere (the packed prefixes of :mod:`vllm_compaction.vllm.paged_prefix`).
 
 Layout. vLLM 0.32's ``TRITON_ATTN`` backend hands each layer a logical ``[B, H, N, 2 * hs]``
 cache view (blocks, kv heads, slots, key and value side by side; its physical stride order is
@@ -86,6 +88,7 @@ def _build_kernel() -> Any:
         k_ptr,
         v_ptr,
         out_ptr,
+        lse_ptr,
         block_table_ptr,
         seq_lens_ptr,
         query_start_loc_ptr,
@@ -105,6 +108,8 @@ def _build_kernel() -> Any:
         stride_ot,
         stride_oh,
         stride_od,
+        stride_lt,
+        stride_lh,
         stride_bt,
         HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr,
@@ -114,6 +119,7 @@ def _build_kernel() -> Any:
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
+        STORE_LSE: tl.constexpr,
     ):
         # One program: BLOCK_Q query tokens of one request x all GROUP query heads that share one
         # kv head. Packing the GQA group into the rows loads every K/V tile once per group and
@@ -215,6 +221,10 @@ def _build_kernel() -> Any:
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
+        if STORE_LSE:
+            lse = tl.where(l_i > 0.0, m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+            l_row = (q_start + tok).to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
+            tl.store(lse_ptr + l_row, lse, mask=row_ok)
 
     _KERNELS[interpret] = _paged_bias_attention_kernel
     logger.debug("built paged_bias_attention kernel (interpret=%s)", interpret)
@@ -303,6 +313,7 @@ def paged_bias_attention(
     head_dim: int,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal paged attention whose keys carry a per-slot logit bias (Triton kernel).
 
@@ -325,6 +336,8 @@ def paged_bias_attention(
             attention metadata on the hot path, and under CUDA graphs).
         out: optional ``[num_tokens, Hq, head_dim]`` buffer in the query dtype (any strides,
             e.g. a ``[..., :head_dim]`` slice of a wider output).
+        lse: optional ``[num_tokens, Hq]`` float32 buffer for each row's log-sum-exp of its
+            visible logits (``-inf`` when it sees none).
 
     Returns:
         ``out`` (allocated as zeros if not given). Rows past ``query_start_loc[-1]``
@@ -343,6 +356,7 @@ def paged_bias_attention(
         )
     if out is None:
         out = query.new_zeros((query.shape[0], num_q_heads, head_dim))
+    _check_lse(lse, query.shape[0], num_q_heads)
     num_reqs = seq_lens.shape[0]
     if max_query_len is None and num_reqs:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
@@ -364,6 +378,7 @@ def paged_bias_attention(
         key_cache,
         value_cache,
         out,
+        lse if lse is not None else out,  # never written without STORE_LSE
         block_table,
         seq_lens,
         query_start_loc,
@@ -373,6 +388,7 @@ def paged_bias_attention(
         *key_cache.stride(),
         *value_cache.stride(),
         *out.stride(),
+        *(lse.stride() if lse is not None else (0, 0)),
         block_table.stride(0),
         HEAD_DIM=head_dim,
         HEAD_PAD=head_pad,
@@ -386,6 +402,7 @@ def paged_bias_attention(
         # (triton-lang/triton#11584, "not supported yet"); exact fp32 products of the same bf16
         # values give the GPU's result there. Compiled kernels use the native bf16 MMA.
         UPCAST_DOT=interpret and query.dtype == torch.bfloat16,
+        STORE_LSE=lse is not None,
     )
     return out
 
@@ -402,6 +419,7 @@ def paged_bias_attention_reference(
     head_dim: int,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch twin of :func:`paged_bias_attention` (same signature and semantics).
 
@@ -415,6 +433,7 @@ def paged_bias_attention_reference(
     )
     if out is None:
         out = query.new_zeros((query.shape[0], num_q_heads, head_dim))
+    _check_lse(lse, query.shape[0], num_q_heads)
     group = num_q_heads // num_kv_heads
     block_size = key_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -442,4 +461,12 @@ def paged_bias_attention_reference(
         logits = logits.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         out[q_start:q_end] = torch.einsum("hts,shd->thd", probs, values).to(out.dtype)
+        if lse is not None:
+            lse[q_start:q_end] = torch.logsumexp(logits, dim=-1).T
     return out
+
+
+def _check_lse(lse: torch.Tensor | None, num_tokens: int, num_q_heads: int) -> None:
+    if lse is not None and (lse.shape != (num_tokens, num_q_heads) or lse.dtype != torch.float32):
+        raise ValueError(f"lse must be float32 [num_tokens, Hq] = {(num_tokens, num_q_heads)}; "
+                         f"got {lse.dtype} {tuple(lse.shape)}")

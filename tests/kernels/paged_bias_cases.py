@@ -203,6 +203,22 @@ def test_kernel_matches_reference(dtype, block_size, heads, d_aug, vllm_layout):
 
 @requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_sum_exp_output(dtype):
+    """The optional lse rows: the kernel's equal the reference's, and merging two halves of a
+    sequence by their lse gives the attention over the whole (what packed prefixes rely on)."""
+    batch = make_batch(dtype=dtype, block_size=16, num_q_heads=4, num_kv_heads=2, vllm_layout=True)
+    tokens = sum(Q_LENS)
+    lse_kernel = torch.empty(tokens, 4, dtype=torch.float32, device=DEVICE)
+    lse_reference = torch.empty(tokens, 4, dtype=torch.float32, device=DEVICE)
+    run_kernel(batch, max_query_len=max(Q_LENS), lse=lse_kernel)
+    run_reference(batch, lse=lse_reference)
+    torch.testing.assert_close(lse_kernel.cpu(), lse_reference.cpu(), atol=1e-3, rtol=1e-4)
+    with pytest.raises(ValueError, match="lse must be float32"):
+        run_reference(batch, lse=lse_reference[:, :2])
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero_beta_is_plain_causal_attention(dtype):
     """With beta = 0 everywhere the kernel is ordinary causal attention (SDPA, boolean mask)."""
     batch = make_batch(dtype=dtype, block_size=16, num_q_heads=4, num_kv_heads=2, beta="zero",

@@ -41,6 +41,7 @@ from vllm_compaction.vllm.cuda_backend import (  # noqa: E402
     CompactionTritonBackend,
     CompactionTritonImpl,
     biased_paged_forward,
+    packed_paged_forward,
     reshape_and_cache_reference,
     split_kv_cache,
     triton_augmented_head_size,
@@ -206,7 +207,7 @@ def test_widened_forward_matches_dense_reference(dtype, layout):
 
     # read straight from the logical [B, H, N, 2A] tensor, not through split_kv_cache, so the
     # layout is pinned to TRITON_ATTN's (key = first half of the content, value = second half)
-    # and beta sits where bias.py puts it: key coords d, d+1, zeros beyond, zeros in values
+    # and beta sits where bias.py puts it: key coords d, d+1, zeros beyond; values 1 at d, zeros beyond
     rows = kv_cache[slots // BLOCK, :, slots % BLOCK]  # [N, Hkv, 2A]
     key_rows, value_rows = rows[..., :AUG], rows[..., AUG:]
     assert torch.equal(key_rows[..., :D], k.to(dtype))
@@ -214,7 +215,7 @@ def test_widened_forward_matches_dense_reference(dtype, layout):
     torch.testing.assert_close(decode_beta(key_rows[..., D : D + 2]),
                                decode_beta(encode_beta(beta, dtype)), atol=0, rtol=0)
     assert not key_rows[..., D + 2 :].any()
-    assert not value_rows[..., D:].any()
+    assert bool((value_rows[..., D] == 1).all()) and not value_rows[..., D + 1 :].any()
 
     out = torch.full((step.query.shape[0], HQ, D), 7.0, dtype=dtype)
     n = step.num_actual_tokens
@@ -292,6 +293,15 @@ def test_without_the_connector_the_backend_is_stock():
                          torch.zeros(1, HKV, D), torch.zeros(1, HKV, D), torch.zeros(1, HKV))
 
 
+def test_attention_stays_out_of_full_cuda_graphs_only_with_compaction(compaction_config):
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    builder = CompactionTritonBackend.get_builder_cls()
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float16)
+    assert builder.get_cudagraph_support(compaction_config, spec) == AttentionCGSupport.NEVER
+    assert builder.get_cudagraph_support(VllmConfig(), spec) == AttentionCGSupport.ALWAYS
+
+
 def test_encoder_only_layers_keep_the_stock_path(compaction_config):
     assert _impl(compaction_config, attn_type=AttentionType.ENCODER_ONLY).augmented is None
 
@@ -334,3 +344,62 @@ def test_plugin_registers_the_backend_as_custom_on_cuda(monkeypatch):
     # vLLM maps a layer's backend name back through the enum; it must land on the same class
     assert registry.AttentionBackendEnum[CompactionTritonBackend.get_name()] is custom
     assert list(registry._ATTN_OVERRIDES) == [custom]  # the CPU override is CPU-only
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_packed_prefixes_match_dense_attention(dtype, layout):
+    """Varlen packed prefixes on the CUDA page layout: kernel (with its lse) + torch prefix part,
+    merged, equals dense attention; a plain request in the same batch is unaffected."""
+    from serving.test_varlen_math import full_reference, packed_from_heads
+
+    from vllm_compaction.am.heads import CompactedHeads
+    from vllm_compaction.vllm.paged_prefix import PagedPrefixPages, split_batch
+
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([0, 45])  # an empty head and one longer than a block
+    heads = CompactedHeads.from_padded(torch.randn(HKV, 45, D, generator=gen), 2 * torch.randn(HKV, 45, generator=gen),
+                                       torch.randn(HKV, 45, D, generator=gen),
+                                       torch.arange(45).expand(HKV, 45), lengths)
+    heads = CompactedHeads(heads.keys.to(dtype), heads.beta, heads.values.to(dtype), heads.indices, heads.cu_seqlens)
+    prefix = packed_from_heads(heads, BLOCK)
+    prefix_blocks = prefix.packing.num_blocks
+    kv_cache = _kv_cache(dtype, layout)
+    pages = PagedPrefixPages(*[[view] for view in CompactionTritonImpl.prefix_page_views(kv_cache)], D)
+    pages.write(prefix, [7, 2])
+    # (suffix tokens already cached, tokens this step): chunked prefill and decode on the prefix,
+    # a plain decode between them
+    plan = [("packed", 10, 3), ("plain", 20, 1), ("packed", 5, 1)]
+    free = [0, 1, 3, 4, 5, 6, 8, 9, 10, 11]
+    block_table = torch.zeros(3, 6, dtype=torch.int32)
+    queries, expected, seq_lens = [], [], []
+    for r, (kind, cached, q_len) in enumerate(plan):
+        start = prefix_blocks * BLOCK if kind == "packed" else 0
+        own = [free.pop(0) for _ in range(math.ceil((cached + q_len) / BLOCK))]
+        table = ([7, 2] if kind == "packed" else []) + own
+        block_table[r, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        k = torch.randn(cached + q_len, HKV, D, generator=gen).to(dtype)
+        v = torch.randn(cached + q_len, HKV, D, generator=gen).to(dtype)
+        pos = torch.arange(start, start + cached + q_len)
+        slots = torch.tensor(table)[pos // BLOCK] * BLOCK + pos % BLOCK
+        write_augmented_kv(kv_cache, slots, k, v, None, augmented=AUG, writer=reshape_and_cache_reference)
+        q = torch.randn(q_len, HQ, D, generator=gen).to(dtype)
+        queries.append(q)
+        seq_lens.append(start + cached + q_len)
+        if kind == "packed":
+            expected.append(full_reference(q.float(), heads, k.float(), v.float(), SCALE))
+        else:
+            expected.append(_dense(q.double(), k.double(), v.double(), torch.zeros(cached + q_len, HKV,
+                                                                                   dtype=torch.float64)))
+    query = torch.cat(queries)
+    query_start_loc = torch.tensor([0, 3, 4, 5], dtype=torch.int32)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    split = split_batch(query_start_loc, seq_lens, block_table, {7: prefix_blocks}, pages)
+    assert split.packed_rows == [0, 2] and split.plain_rows == [1]
+    out = torch.full_like(query, float("nan"))
+    from types import SimpleNamespace
+
+    batch = SimpleNamespace(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
+                            max_query_len=3)
+    packed_paged_forward(query, kv_cache, batch, split, pages, 0, SCALE, D, out, kernel=paged_bias_attention_reference)
+    torch.testing.assert_close(out.double(), torch.cat(expected).double(), **TOL[dtype])

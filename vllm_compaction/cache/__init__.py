@@ -11,6 +11,7 @@ from vllm_compaction.cache.format import (
     json_digest,
     prefix_hash,
 )
+from vllm_compaction.cache.paged import PREFIX_LAYOUTS, PagedPacking
 from vllm_compaction.cache.serialize import load_cache, read_metadata, save_cache
 from vllm_compaction.cache.store import CacheKey, CacheStore, LocalDiskStore, validate_entry_id
 
@@ -21,6 +22,8 @@ __all__ = [
     "CacheMismatchError",
     "CompactedCache",
     "ModelFingerprint",
+    "PagedPacking",
+    "PREFIX_LAYOUTS",
     "CacheKey",
     "CacheStore",
     "LocalDiskStore",

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from vllm_compaction.am.heads import CompactedHeads
+from vllm_compaction.cache.paged import PagedPacking
 
 __all__ = [
     "FORMAT_VERSION",
@@ -265,6 +266,24 @@ class CompactedCache:
     @property
     def max_head_length(self) -> int:
         return int(self.head_lengths.max()) if self.layers else 0
+
+    def paged_packing(self, block_size: int) -> "PagedPacking":
+        """Where this cache's rows go in paged KV blocks of ``block_size`` when packed varlen."""
+        return PagedPacking(self.head_lengths, self.model.head_dim, block_size)
+
+    def physical_tokens(self, layout: str = "padded", block_size: int | None = None) -> int:
+        """Token slots (placeholder prompt tokens) the prefix takes in a paged engine.
+
+        ``varlen``: the packed rows in whole blocks of ``block_size`` (about ``sum(t) / (L*H)``);
+        ``padded``: the longest head.
+        """
+        if layout == "padded":
+            return self.max_head_length
+        if layout != "varlen":
+            raise ValueError(f"unknown prefix layout {layout!r} (use varlen or padded)")
+        if not block_size:
+            raise ValueError("the varlen layout needs the engine's block size")
+        return self.paged_packing(block_size).num_tokens
 
     @property
     def nbytes(self) -> int:

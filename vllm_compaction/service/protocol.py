@@ -142,7 +142,10 @@ class Compaction(BaseModel):
     progress: float = 0.0
     stage: str | None = None
     worker_id: str | None = None
-    compacted_tokens: int | None = Field(None, description="physical prompt tokens P (longest head)")
+    compacted_tokens: int | None = Field(None, description="physical prompt tokens P the prefix takes in the "
+                                                           "engine (its layout: packed heads, or the longest head)")
+    layout: str | None = Field(None, description="how the prefix sits in the engine's KV blocks: varlen "
+                                                 "(each head only its own slots) or padded")
     compacted_slots: int | None = Field(None, description="KV slots kept, summed over layers and heads")
     ratio: float | None = Field(None, description="compacted_tokens / original_tokens")
     bytes_original: int | None = None

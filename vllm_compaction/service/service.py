@@ -41,6 +41,7 @@ class PrefixPlan:
     digest: str
     continuation_ids: list[int]
     logical_prefix_tokens: int
+    layout: str = "padded"
 
     @property
     def physical_prompt_tokens(self) -> int:
@@ -54,7 +55,7 @@ class PrefixPlan:
 class CompactionService:
     def __init__(self, config: ServiceConfig, *, model_path: str | Path, served_model_names: Sequence[str],
                  fingerprint: ModelFingerprint, tokenizer: Any, kv_bytes_per_token: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, layout: str = "padded", block_size: int | None = None) -> None:
         if config.store is None:
             raise ValueError("the compaction service needs a store directory")
         self.config = config
@@ -64,6 +65,7 @@ class CompactionService:
         self.chat = ChatTokenizer(tokenizer)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
+        self.layout, self.block_size = layout, block_size  # how the engine holds prefixes
         self.store = LocalDiskStore(config.store, max_bytes=config.store_max_bytes)
         self.metrics = ServiceMetrics()
         self.conversations = ConversationBook(self.store.root / "conversations")
@@ -227,7 +229,7 @@ class CompactionService:
     def _plan(self, record: JobRecord, continuation_ids: list[int]) -> PrefixPlan:
         self.store.touch_id(record.id)  # the engine reads the file itself: keep LRU order by use
         return PrefixPlan(record.id, int(record.compacted_tokens or 0), (record.digest or "")[:32],
-                          continuation_ids, record.original_tokens)
+                          continuation_ids, record.original_tokens, record.layout or "padded")
 
     def _maybe_auto_compact(self, owner: str, conversation_id: str, messages: list[dict[str, str]],
                             plan: PrefixPlan | None) -> None:
@@ -291,9 +293,10 @@ class CompactionService:
         finally:
             upload.unlink(missing_ok=True)
         digest = read_metadata(self.store.path_for(compaction_id))["tensors_sha256"]
-        physical, logical = cache.max_head_length, cache.logical_length
+        physical, logical = cache.physical_tokens(self.layout, self.block_size), cache.logical_length
         result = {
-            "compacted_tokens": physical, "compacted_slots": cache.physical_slots, "ratio": physical / logical,
+            "compacted_tokens": physical, "layout": self.layout, "compacted_slots": cache.physical_slots,
+            "ratio": physical / logical,
             "bytes_original": logical * self.kv_bytes_per_token,
             "bytes_compacted": physical * self.kv_bytes_per_token,
             "bytes_saved": (logical - physical) * self.kv_bytes_per_token,

@@ -7,7 +7,10 @@ of the spare coordinates of every key as a bias carrier:
 * keys: ``k[d] = hi(beta)``, ``k[d + 1] = beta - hi(beta)`` where ``hi`` rounds to the cache dtype,
   so bf16 caches keep ~16 bits of beta instead of 8 (fp32 caches get ``lo == 0``);
 * queries: ``q[d] = q[d + 1] = 1 / scale``, so ``scale * <q, k>`` gains exactly ``+ beta``;
-* values and every other spare coordinate are zero, so outputs sliced back to ``d`` are unchanged.
+* values carry a 1 in coordinate ``d`` (``VALUE_ONES_COORD``): the output there is the softmax
+  mass of the keys a kernel call saw, which the varlen prefix merge needs
+  (:mod:`.varlen_attention`); every other spare coordinate is zero, and outputs sliced back to
+  ``d`` are unchanged.
 
 Ordinary tokens are written with ``beta = 0`` and attend exactly as without the plugin. Padding
 slots of heads shorter than the physical prefix (nonuniform budgets) get ``MASKED_BETA``: finite,
@@ -25,6 +28,7 @@ import torch
 __all__ = [
     "BIAS_COORDS",
     "MASKED_BETA",
+    "VALUE_ONES_COORD",
     "augmented_head_size",
     "encode_beta",
     "decode_beta",
@@ -37,6 +41,10 @@ BIAS_COORDS = 2
 
 MASKED_BETA = -1.0e4
 """Bias of a padding slot: exp(MASKED_BETA + any real logit) is 0.0 in fp32 and bf16."""
+
+
+VALUE_ONES_COORD = 0
+"""Offset past ``d`` of the value coordinate that holds 1 for every token."""
 
 
 def augmented_head_size(head_size: int, supported: Sequence[int]) -> int:
@@ -84,4 +92,5 @@ def augment_kv(
         key_aug[..., d : d + BIAS_COORDS] = encode_beta(beta, key.dtype)
     value_aug = value.new_zeros((n, h, augmented))
     value_aug[..., :d] = value
+    value_aug[..., d + VALUE_ONES_COORD] = 1
     return key_aug, value_aug

@@ -10,6 +10,12 @@ attention backend's ``write_slots`` (the engine's own packing op). A cache that 
 fails only its request: its blocks are reported as load errors and vLLM's default
 ``kv_load_failure_policy="fail"`` finishes that request with an error while the others run on.
 
+Packed (``varlen``) prefixes need two more things, because only the compaction attention can read
+their blocks: the scheduler tells the workers, every step, which scheduled requests start on one
+(their first block id and prefix block count: :attr:`CompactionMetadata.packed`), and the
+workers keep the engine's pages as :class:`.paged_prefix.PagedPrefixPages` for the attention to
+read the prefix rows from.
+
 Configure with ``--kv-transfer-config '{"kv_connector": "CompactionConnector",
 "kv_role": "kv_both", "kv_connector_extra_config": {"store": "/path/to/store"}}'``.
 """
@@ -29,7 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_compaction.cache import CacheError, CompactedCache, read_metadata
-from vllm_compaction.vllm.layout import PhysicalPrefix, physical_prefix
+from vllm_compaction.vllm.layout import PackedPrefix, PhysicalPrefix, packed_prefix, physical_prefix
+from vllm_compaction.vllm.paged_prefix import PagedPrefixPages
 from vllm_compaction.vllm.plugin import check_vllm_version
 from vllm_compaction.vllm.prompt import PLACEHOLDER_TOKEN_ID, CompactedRef, open_store
 
@@ -61,6 +68,7 @@ class PrefixLoad:
 @dataclass
 class CompactionMetadata(KVConnectorMetadata):
     loads: list[PrefixLoad] = field(default_factory=list)
+    packed: dict[int, int] = field(default_factory=dict)  # first block id -> prefix blocks
 
 
 class CompactionConnector(KVConnectorBase_V1):
@@ -68,7 +76,7 @@ class CompactionConnector(KVConnectorBase_V1):
                  kv_cache_config: "KVCacheConfig | None" = None):
         check_vllm_version()
         super().__init__(vllm_config, role, kv_cache_config)
-        self._scheduler = _SchedulerSide() if role == KVConnectorRole.SCHEDULER else None
+        self._scheduler = _SchedulerSide(_block_size(vllm_config, kv_cache_config)) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _WorkerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
 
     # ---------------------------------------------------------------- scheduler side
@@ -79,7 +87,7 @@ class CompactionConnector(KVConnectorBase_V1):
         self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self._scheduler.take_metadata()
+        return self._scheduler.take_metadata(scheduler_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.forget(request.request_id)
@@ -87,7 +95,23 @@ class CompactionConnector(KVConnectorBase_V1):
 
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        self._worker.kv_caches = kv_caches
+        self._worker.register(kv_caches)
+
+    def packed_prefixes(self) -> dict[int, int]:
+        """This step's requests on packed prefixes: first block id -> prefix block count.
+
+        A request whose load failed in this step is left out: its blocks hold no prefix, vLLM
+        fails it after the step, and until then it attends like a plain request.
+        """
+        metadata = getattr(self, "_connector_metadata", None)
+        if not isinstance(metadata, CompactionMetadata):
+            return {}
+        failed = self._worker.failed_blocks if self._worker is not None else set()
+        return {first: count for first, count in metadata.packed.items() if first not in failed}
+
+    def prefix_pages(self) -> PagedPrefixPages:
+        """The engine's pages as packed-prefix rows (worker side)."""
+        return self._worker.pages()
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
@@ -108,10 +132,18 @@ class CompactionConnector(KVConnectorBase_V1):
         return self._worker.take_failed_blocks() if self._worker is not None else set()
 
 
+def _block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> int:
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    return groups[0].kv_cache_spec.block_size if groups else vllm_config.cache_config.block_size
+
+
 class _SchedulerSide:
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self._pending: dict[str, tuple[CompactedRef, int, str | None]] = {}
         self._loads: list[PrefixLoad] = []
+        self._packed_blocks: dict[str, int] = {}  # request -> prefix blocks, for packed prefixes
+        self._first_block: dict[str, int] = {}  # request -> its first block id, once allocated
 
     def num_new_matched(self, request: "Request", num_computed_tokens: int) -> int:
         try:
@@ -123,6 +155,11 @@ class _SchedulerSide:
             return 0
         problem = None
         claim = ref.num_slots
+        if ref.layout == "varlen":
+            self._packed_blocks[request.request_id] = ref.num_slots // self.block_size
+            if ref.num_slots % self.block_size:
+                problem = (f"a packed prefix of {ref.num_slots} placeholders does not fill whole blocks of "
+                           f"{self.block_size} (the prompt was built for another block size)")
         if request.num_prompt_tokens <= ref.num_slots:
             problem = (f"the prompt has {request.num_prompt_tokens} tokens, not the {ref.num_slots} "
                        f"placeholders of the compacted prefix plus at least one more")
@@ -146,12 +183,24 @@ class _SchedulerSide:
         self._loads.append(PrefixLoad(request.request_id, ref, start, start + num_external_tokens,
                                       list(groups[0]), problem))
 
-    def take_metadata(self) -> CompactionMetadata:
-        metadata, self._loads = CompactionMetadata(self._loads), []
+    def take_metadata(self, scheduler_output: "SchedulerOutput") -> CompactionMetadata:
+        if self._packed_blocks:
+            for new in scheduler_output.scheduled_new_reqs:
+                if new.req_id in self._packed_blocks and new.block_ids and new.block_ids[0]:
+                    self._first_block[new.req_id] = new.block_ids[0][0]
+            cached = scheduler_output.scheduled_cached_reqs
+            for req_id, blocks in zip(cached.req_ids, cached.new_block_ids):
+                if req_id in cached.resumed_req_ids and req_id in self._packed_blocks and blocks and blocks[0]:
+                    self._first_block[req_id] = blocks[0][0]  # resumed: a new block table
+        packed = {self._first_block[r]: self._packed_blocks[r]
+                  for r in scheduler_output.num_scheduled_tokens if r in self._first_block}
+        metadata, self._loads = CompactionMetadata(self._loads, packed), []
         return metadata
 
     def forget(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
+        self._packed_blocks.pop(request_id, None)
+        self._first_block.pop(request_id, None)
 
 
 class _WorkerSide:
@@ -160,17 +209,45 @@ class _WorkerSide:
     def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self.store = open_store(extra.get("store"))
+        self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.hf_config = vllm_config.model_config.hf_config
         self.dtype = vllm_config.model_config.dtype
-        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-        self.block_size = groups[0].kv_cache_spec.block_size if groups else vllm_config.cache_config.block_size
+        self.block_size = _block_size(vllm_config, kv_cache_config)
         if getattr(self.hf_config, "sliding_window", None) and any(
                 t == "sliding_attention" for t in getattr(self.hf_config, "layer_types", None) or []):
             raise ValueError("compacted prefixes on hybrid sliding-window models are not supported yet")
         self.kv_caches: dict[str, torch.Tensor] = {}
-        self._prepared: OrderedDict[str, PhysicalPrefix] = OrderedDict()
+        self._pages: PagedPrefixPages | None = None
+        self._prepared: OrderedDict[str, PhysicalPrefix | PackedPrefix] = OrderedDict()
         self._failed: set[int] = set()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        self.kv_caches = kv_caches
+        self._by_layer = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
+
+    def pages(self) -> PagedPrefixPages:
+        """The pages as packed-prefix rows, through each attention layer's ``prefix_page_views``."""
+        if self._pages is None:
+            layers = self.vllm_config.compilation_config.static_forward_context
+            keys, values = [], []
+            for name, kv_cache in self._by_layer:
+                views = getattr(layers[name].impl, "prefix_page_views", None)
+                if views is None:
+                    raise CacheError("the engine's attention backend cannot read packed (varlen) prefixes; "
+                                     "build the prompt with layout='padded'")
+                key_view, value_view = views(kv_cache)
+                keys.append(key_view)
+                values.append(value_view)
+            self._pages = PagedPrefixPages(keys, values, self.model_config.get_head_size())
+        return self._pages
+
+    @property
+    def failed_blocks(self) -> set[int]:
+        """Blocks whose load failed in this step (reported to vLLM after the forward pass)."""
+        return self._failed
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed = self._failed, set()
@@ -188,7 +265,7 @@ class _WorkerSide:
             first, last = load.start // self.block_size, (load.end - 1) // self.block_size
             self._failed.update(load.block_ids[first : last + 1])
 
-    def _prepare(self, ref: CompactedRef) -> PhysicalPrefix:
+    def _prepare(self, ref: CompactedRef) -> PhysicalPrefix | PackedPrefix:
         if ref.salt in self._prepared:
             self._prepared.move_to_end(ref.salt)
             return self._prepared[ref.salt]
@@ -201,17 +278,26 @@ class _WorkerSide:
         if read_metadata(path, expect_model=expect)["tensors_sha256"][:32] != ref.digest:
             raise CacheError(f"the store entry {ref.entry_id!r} changed since the prompt was built")
         cache = CompactedCache.load(path, expect_model=expect)
-        if cache.max_head_length != ref.num_slots:
-            raise CacheError(f"the cache has {cache.max_head_length} physical slots, "
-                             f"the prompt {ref.num_slots} placeholders")
-        prefix = physical_prefix(cache, self.hf_config, dtype=self.dtype)
+        slots = cache.physical_tokens(ref.layout, self.block_size)
+        if slots != ref.num_slots:
+            raise CacheError(f"the cache takes {slots} physical slots in the {ref.layout} layout, "
+                             f"the prompt has {ref.num_slots} placeholders")
+        if ref.layout == "varlen":
+            prefix = packed_prefix(cache, self.hf_config, block_size=self.block_size, dtype=self.dtype)
+        else:
+            prefix = physical_prefix(cache, self.hf_config, dtype=self.dtype)
         self._prepared[ref.salt] = prefix
         while len(self._prepared) > self._MAX_PREPARED:
             self._prepared.popitem(last=False)
         return prefix
 
-    def _write(self, load: PrefixLoad, prefix: PhysicalPrefix, forward_context: "ForwardContext") -> None:
+    def _write(self, load: PrefixLoad, prefix: PhysicalPrefix | PackedPrefix,
+               forward_context: "ForwardContext") -> None:
         from vllm.model_executor.models.utils import extract_layer_index
+
+        if isinstance(prefix, PackedPrefix):
+            self.pages().write(prefix, load.block_ids, first_block=load.start // self.block_size)
+            return
 
         positions = torch.arange(load.start, load.end)
         blocks = torch.as_tensor(load.block_ids, dtype=torch.long)

@@ -5,17 +5,33 @@ from ``d`` to ``augmented_head_size(d)`` coordinates; queries get ``1/scale`` in
 coordinates and the stock C++ kernels (``cpu_attn_reshape_and_cache``,
 ``cpu_attention_with_kv_cache``) do the rest, ISA packing included. Without the connector the
 class behaves exactly like ``CPUAttentionBackend``.
+
+Requests whose prefix is packed varlen (:mod:`.paged_prefix`) are split off the batch: the stock
+kernel runs them over their blocks after the prefix with an attention sink, the prefix is attended
+in torch per head, and the two are merged exactly (:mod:`.varlen_attention`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
+from vllm import _custom_ops as ops
+from vllm import envs
 from vllm.config import get_current_vllm_config
+from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+)
 
 from vllm_compaction.vllm.backend_common import AugmentedHeadSizes, compaction_enabled
 from vllm_compaction.vllm.bias import augment_kv, augment_query, augmented_head_size
+from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages, attend_prefixes, split_batch
+from vllm_compaction.vllm.varlen_attention import merge_with_prefix, sink_for
 
 __all__ = ["CompactionCPUAttentionBackend", "CompactionCPUAttentionImpl", "cpu_augmented_head_size"]
 
@@ -53,11 +69,50 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         n = attn_metadata.num_actual_tokens
-        q = augment_query(query[:n].view(n, self.num_heads, self.head_size), self.augmented, self.scale)
+        plain_query = query[:n].view(n, self.num_heads, self.head_size)
+        q = augment_query(plain_query, self.augmented, self.scale)
         out = torch.empty_like(q)
-        super().forward(layer, q, key, value, kv_cache, attn_metadata, out, output_scale, output_block_scale)
+        split = _split_for(attn_metadata, self, layer, q.dtype)
+        if split is None:
+            super().forward(layer, q, key, value, kv_cache, attn_metadata, out, output_scale, output_block_scale)
+        else:
+            if split.plain is not None:
+                tokens = split.split.plain_tokens
+                part = torch.empty_like(q[tokens])
+                super().forward(layer, q[tokens], key, value, kv_cache, split.plain, part)
+                out[tokens] = part
+            self._forward_packed(layer, q, plain_query, kv_cache, split, out)
         output[:n].view(n, self.num_heads, self.head_size).copy_(out[..., : self.head_size])
         return output
+
+    def _forward_packed(self, layer, q, plain_query, kv_cache, split: "_Split", out) -> None:
+        """Requests on packed prefixes: prefix in torch, the rest in the stock kernel with a sink,
+        merged exactly (:mod:`.varlen_attention`)."""
+        tokens = split.split.packed_tokens
+        prefix_out, prefix_lse = attend_prefixes(plain_query[tokens], split.split, split.pages,
+                                                 extract_layer_index(layer.layer_name), self.scale)
+        sink = sink_for(prefix_lse)
+        suffix = torch.empty_like(q[tokens])
+        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+        metadata = split.packed
+        ops.cpu_attention_with_kv_cache(
+            query=q[tokens], key_cache=key_cache, value_cache=value_cache, output=suffix,
+            query_start_loc=metadata.query_start_loc, seq_lens=metadata.seq_lens, scale=self.scale,
+            causal=True, alibi_slopes=None, sliding_window=self.sliding_window,
+            block_table=metadata.block_table, softcap=self.logits_soft_cap,
+            scheduler_metadata=metadata.scheduler_metadata, s_aux=sink, dynamic_causal=None,
+            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
+        merged = merge_with_prefix(suffix, self.head_size, sink, prefix_out, prefix_lse)
+        out[tokens, :, : self.head_size] = merged.to(out.dtype)
+
+    @staticmethod
+    def prefix_page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value views ``[blocks, H, block_size, D]`` of this layer's pages, for
+        :class:`.paged_prefix.PagedPrefixPages` (per block and head: key rows, then value rows)."""
+        num_blocks, heads, block_size, width = kv_cache.shape
+        view = kv_cache.view(num_blocks, heads, 2, block_size, width // 2)
+        return view[:, :, 0], view[:, :, 1]
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.augmented is None:
@@ -76,3 +131,55 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         dtype = kv_cache.dtype
         key_aug, value_aug = augment_kv(keys.to(dtype), values.to(dtype), self.augmented, beta)
         super().do_kv_cache_update(layer, key_aug, value_aug, kv_cache, slot_mapping)
+
+
+# ---------------------------------------------------------------------- packed prefixes in a batch
+@dataclass
+class _Split:
+    """A step's batch split (:func:`.paged_prefix.split_batch`) with the CPU kernel's metadata."""
+
+    split: BatchSplit
+    plain: CPUAttentionMetadata | None
+    packed: CPUAttentionMetadata
+    pages: PagedPrefixPages
+
+
+_SPLIT_ATTR = "_vllm_compaction_split"
+
+
+def _split_for(metadata: CPUAttentionMetadata, impl: CompactionCPUAttentionImpl, layer,
+               dtype: torch.dtype) -> _Split | None:
+    """The step's batch split into plain requests and requests on packed prefixes (None: all
+    plain). Built by the first layer and kept on the metadata object the layers share."""
+    if hasattr(metadata, _SPLIT_ATTR):
+        return getattr(metadata, _SPLIT_ATTR)
+    result = None
+    connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+    prefixes = connector.packed_prefixes() if hasattr(connector, "packed_prefixes") else {}
+    if prefixes and metadata.causal is True and metadata.encoder_cache is None:
+        pages = connector.prefix_pages()
+        split = split_batch(metadata.query_start_loc, metadata.seq_lens, metadata.block_table, prefixes, pages)
+        if split is not None:
+            plain = None
+            if split.plain_rows:
+                rows = split.plain_rows
+                plain = _sub_metadata(metadata, impl, layer, dtype, split.plain_query_start_loc(metadata.query_start_loc),
+                                      metadata.seq_lens[rows], metadata.block_table[rows])
+            packed = _sub_metadata(metadata, impl, layer, dtype, split.query_start_loc, split.seq_lens,
+                                   split.block_table)
+            result = _Split(split, plain, packed, pages)
+    setattr(metadata, _SPLIT_ATTR, result)
+    return result
+
+
+def _sub_metadata(metadata: CPUAttentionMetadata, impl, layer, dtype: torch.dtype, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, block_table: torch.Tensor) -> CPUAttentionMetadata:
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    scheduler = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=seq_lens.numel(), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+        head_dim=impl.augmented, seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc,
+        causal=True, sliding_window_size=impl.sliding_window, isa=layer.isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype=impl.kv_cache_dtype)
+    return replace(metadata, num_actual_tokens=int(query_start_loc[-1]), max_query_len=int(query_lens.max()),
+                   query_start_loc=query_start_loc, max_seq_len=int(seq_lens.max()), seq_lens=seq_lens,
+                   block_table=block_table, scheduler_metadata=scheduler)

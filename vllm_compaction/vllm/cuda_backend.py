@@ -14,6 +14,11 @@ kernel :func:`vllm_compaction_kernels.paged_bias_attention.paged_bias_attention`
 the key rows and adds it to the fp32 logit, which saves the padded query copy, the wider output
 and the ``[..., :d]`` copy back, and keeps beta's full hi + lo precision.
 
+Packed (varlen) prefixes (:mod:`.paged_prefix`): the requests of a step that start on one are
+split off; the kernel attends their blocks after the prefix and returns its log-sum-exp, the
+prefix rows are attended per head in torch, and the two merge exactly
+(:func:`packed_paged_forward`).
+
 The kernel is causal decoder attention over a plain (non-quantized) cache, without sliding
 window, ALiBi, soft-capping, sinks, chunked lookback, bidirectional multimodal prefixes or fused
 output quantization; a compaction-enabled layer that needs one of those raises
@@ -32,22 +37,26 @@ from typing import Any
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.utils.torch_utils import is_quantized_kv_cache
-from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
     TritonAttentionImpl,
     TritonAttentionMetadata,
+    TritonAttentionMetadataBuilder,
 )
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
 
 from vllm_compaction.vllm.backend_common import AugmentedHeadSizes, compaction_enabled
 from vllm_compaction.vllm.bias import BIAS_COORDS, augment_kv
+from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages, attend_prefixes, split_batch
+from vllm_compaction.vllm.varlen_attention import merge_by_lse
 from vllm_compaction_kernels.paged_bias_attention import paged_bias_attention
 
 __all__ = [
     "CompactionTritonBackend",
     "CompactionTritonImpl",
     "biased_paged_forward",
+    "packed_paged_forward",
     "reshape_and_cache_reference",
     "split_kv_cache",
     "triton_augmented_head_size",
@@ -179,6 +188,7 @@ def biased_paged_forward(
     head_dim: int,
     out: torch.Tensor,
     kernel: AttentionKernel | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen paged attention with the per-slot bias carried in the widened cache.
 
@@ -201,7 +211,35 @@ def biased_paged_forward(
         head_dim=head_dim,
         max_query_len=max_query_len,
         out=out,
+        lse=lse,
     )
+
+
+def packed_paged_forward(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, split: BatchSplit,
+                         pages: PagedPrefixPages, layer: int, scale: float, head_dim: int, out: torch.Tensor,
+                         kernel: AttentionKernel | None = None) -> torch.Tensor:
+    """:func:`biased_paged_forward` for a batch with requests on packed prefixes (``split``):
+    plain requests as usual; the others attend their blocks after the prefix in the kernel (with
+    its log-sum-exp) and their prefix rows of ``layer`` in torch, merged exactly. ``metadata``
+    holds the batch's ``query_start_loc``, ``seq_lens``, ``block_table`` and ``max_query_len``."""
+    num_q_heads = query.shape[1]
+    query_start_loc, seq_lens, block_table = metadata.query_start_loc, metadata.seq_lens, metadata.block_table
+    max_query_len = metadata.max_query_len
+    if split.plain_rows:
+        tokens, rows = split.plain_tokens, split.plain_rows
+        out[tokens] = biased_paged_forward(
+            query[tokens], kv_cache, split.plain_query_start_loc(query_start_loc), seq_lens[rows],
+            block_table[rows], max_query_len, scale, head_dim,
+            query.new_empty(tokens.numel(), num_q_heads, head_dim), kernel)
+    tokens = split.packed_tokens
+    packed_query = query[tokens]
+    suffix_lse = torch.empty(tokens.numel(), num_q_heads, dtype=torch.float32, device=query.device)
+    suffix = biased_paged_forward(packed_query, kv_cache, split.query_start_loc, split.seq_lens, split.block_table,
+                                  max_query_len, scale, head_dim, query.new_empty(tokens.numel(), num_q_heads, head_dim),
+                                  kernel, lse=suffix_lse)
+    prefix_out, prefix_lse = attend_prefixes(packed_query[..., :head_dim], split, pages, layer, scale)
+    out[tokens] = merge_by_lse(suffix, suffix_lse, prefix_out, prefix_lse).to(out.dtype)
+    return out
 
 
 class CompactionTritonBackend(TritonAttentionBackend):
@@ -217,9 +255,26 @@ class CompactionTritonBackend(TritonAttentionBackend):
     def get_impl_cls() -> type["CompactionTritonImpl"]:
         return CompactionTritonImpl
 
+    @staticmethod
+    def get_builder_cls() -> type["CompactionTritonMetadataBuilder"]:
+        return CompactionTritonMetadataBuilder
+
     @classmethod
     def customize_spec(cls, spec: Any) -> Any:
         return _AUGMENTED.widen_spec(super().customize_spec(spec))
+
+
+class CompactionTritonMetadataBuilder(TritonAttentionMetadataBuilder):
+    """With compaction on, attention stays out of full CUDA graphs: which requests start on a
+    packed prefix changes every step (:func:`packed_paged_forward` splits the batch on the host),
+    and a replayed graph would keep the split of the step it was captured in. Piecewise graphs
+    (everything but attention) still apply."""
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
+        if compaction_enabled(vllm_config):
+            return AttentionCGSupport.NEVER
+        return super().get_cudagraph_support(vllm_config, kv_cache_spec)
 
 
 class CompactionTritonImpl(TritonAttentionImpl):
@@ -298,6 +353,13 @@ class CompactionTritonImpl(TritonAttentionImpl):
         if attn_metadata.rswa_window is not None:
             raise NotImplementedError("R-SWA attention with the compaction Triton backend")
         n = attn_metadata.num_actual_tokens
+        split = self._packed_split(attn_metadata)
+        if split is not None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            packed_paged_forward(query[:n], kv_cache, attn_metadata, split[0], split[1],
+                                 extract_layer_index(layer.layer_name), self.scale, self.head_size, output[:n])
+            return output
         biased_paged_forward(
             query[:n],
             kv_cache,
@@ -310,6 +372,31 @@ class CompactionTritonImpl(TritonAttentionImpl):
             output[:n],
         )
         return output
+
+    @staticmethod
+    def _packed_split(metadata: TritonAttentionMetadata) -> tuple[BatchSplit, PagedPrefixPages] | None:
+        """The step's requests on packed prefixes (None: none), computed once per step."""
+        cached = getattr(metadata, "_vllm_compaction_split", False)
+        if cached is not False:
+            return cached
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        result = None
+        connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+        prefixes = connector.packed_prefixes() if hasattr(connector, "packed_prefixes") else {}
+        if prefixes:
+            pages = connector.prefix_pages()
+            split = split_batch(metadata.query_start_loc, metadata.seq_lens, metadata.block_table, prefixes, pages)
+            result = (split, pages) if split is not None else None
+        metadata._vllm_compaction_split = result
+        return result
+
+    @staticmethod
+    def prefix_page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key and value views ``[blocks, H, block_size, A]`` of the logical ``[B, H, N, 2 * A]``
+        pages, for :class:`.paged_prefix.PagedPrefixPages`."""
+        half = kv_cache.shape[-1] // 2
+        return kv_cache[..., :half], kv_cache[..., half:]
 
     def do_kv_cache_update(
         self,

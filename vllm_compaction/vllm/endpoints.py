@@ -137,7 +137,7 @@ def _prompt_ids(plan: PrefixPlan) -> list[int]:
 
 
 def _salt(plan: PrefixPlan) -> str:
-    return CompactedRef(plan.compaction_id, plan.num_slots, plan.digest).salt
+    return CompactedRef(plan.compaction_id, plan.num_slots, plan.digest, plan.layout).salt
 
 
 def _usage_fields(plan: PrefixPlan) -> dict[str, Any]:

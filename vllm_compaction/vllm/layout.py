@@ -1,12 +1,19 @@
 """A ``CompactedCache`` as the rows a paged KV cache holds: one physical prefix per request.
 
-Every layer and head of the prefix gets the same number of physical slots ``P`` (the longest head
+Two layouts, named in the request's salt (:class:`.prompt.CompactedRef`):
+
+* ``varlen`` (:func:`packed_prefix`): every head stores only its own slots, packed back to back
+  across heads and layers into whole blocks (:class:`~vllm_compaction.cache.PagedPacking`); the
+  prefix takes about ``sum(t) / (L * H)`` token slots. Only the compaction attention reads
+  these blocks (:mod:`.varlen`).
+* ``padded`` (:func:`physical_prefix`): the stock kernels read the prefix like any other tokens.
+
+Padded layout: every layer and head of the prefix gets the same number of physical slots ``P`` (the longest head
 of the cache): head ``h`` of layer ``l`` fills its first ``t_{l,h}`` slots and the rest are masked
 padding (``MASKED_BETA``, zero keys and values). Keys are re-based by ``-(T - P)`` positions so
 continuation tokens at physical positions ``P, P+1, ...`` see them as at ``T, T+1, ...``.
 
-The padding costs ``P * L * H - sum(t)`` slots per cache; packed varlen pages would remove it and
-only this module and the attention kernels would change.
+The padding costs ``P * L * H - sum(t)`` slots per cache, which the varlen layout removes.
 """
 
 from __future__ import annotations
@@ -15,11 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_compaction.cache.format import CompactedCache
+from vllm_compaction.cache import PREFIX_LAYOUTS as LAYOUTS  # noqa: N811
+from vllm_compaction.cache import CompactedCache, PagedPacking
 from vllm_compaction.models.rope import rotate_keys
+
+DEFAULT_LAYOUT = "varlen"
+"""Both compaction backends read packed prefixes; ``padded`` stays available per prompt."""
 from vllm_compaction.vllm.bias import MASKED_BETA
 
-__all__ = ["PhysicalPrefix", "physical_prefix"]
+__all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "PackedPrefix", "PhysicalPrefix", "packed_prefix", "physical_prefix"]
 
 
 @dataclass(frozen=True)
@@ -66,3 +77,38 @@ def physical_prefix(cache: CompactedCache, rope_config, *, dtype: torch.dtype | 
         values_out.append(values.transpose(0, 1).to(cast).contiguous())
         beta_out.append(beta.transpose(0, 1).contiguous())
     return PhysicalPrefix(keys_out, values_out, beta_out, cache.logical_length)
+
+
+@dataclass(frozen=True)
+class PackedPrefix:
+    """A cache's rows in packed order (:class:`PagedPacking`): ``keys``/``values [rows, d]``,
+    ``beta [rows]`` fp32; header and tail rows are zero. ``rows = blocks * L * H * block_size``."""
+
+    packing: PagedPacking
+    keys: torch.Tensor
+    values: torch.Tensor
+    beta: torch.Tensor
+    logical_length: int
+
+
+def packed_prefix(cache: CompactedCache, rope_config, *, block_size: int,
+                  dtype: torch.dtype | None = None) -> PackedPrefix:
+    """Lay ``cache`` out varlen in blocks of ``block_size`` token slots.
+
+    Keys are re-based by ``-(T - P)`` with ``P = packing.num_tokens``, as in the padded layout:
+    the continuation starts at physical position ``P``.
+    """
+    packing = cache.paged_packing(block_size)
+    rows, d = packing.num_blocks * packing.rows_per_block, cache.model.head_dim
+    cast = dtype or cache.dtype
+    keys = torch.zeros(rows, d, dtype=cast)
+    values = torch.zeros(rows, d, dtype=cast)
+    beta = torch.zeros(rows, dtype=torch.float32)
+    shift = packing.num_tokens - cache.logical_length
+    for index, layer in enumerate(cache.layers):
+        start, stop = int(packing.layer_offsets[index]), int(packing.layer_offsets[index + 1])
+        layer_keys = rotate_keys(layer.keys, shift, rope_config) if shift else layer.keys
+        keys[start:stop] = layer_keys.to(cast)
+        values[start:stop] = layer.values.to(cast)
+        beta[start:stop] = layer.beta.float()
+    return PackedPrefix(packing, keys, values, beta, cache.logical_length)

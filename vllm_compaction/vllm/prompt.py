@@ -1,7 +1,9 @@
 """Prompts that start from a compacted prefix: ``compacted_prompt(cache, continuation)``.
 
-A compacted prompt is ``P`` placeholder token ids (``P`` = physical slots of the cache) followed
-by the continuation's ids, plus a ``cache_salt`` naming the store entry. The connector reads the
+A compacted prompt is ``P`` placeholder token ids followed by the continuation's ids, plus a
+``cache_salt`` naming the store entry and the layout. ``P`` is what the prefix occupies in the
+engine: for the ``varlen`` layout about ``sum(t) / (L * H)`` rounded up to whole blocks, for the
+``padded`` one the longest head (:mod:`.layout`). The connector reads the
 salt, claims the placeholders as already computed and writes the cache's slots into their pages,
 so placeholders are never prefilled as text. The salt also keys vLLM's prefix cache: requests on
 the same cache share the loaded pages, and different caches (or a changed entry) never do.
@@ -17,13 +19,14 @@ from typing import Any
 from vllm_compaction.cache import CacheError, CompactedCache, LocalDiskStore, read_metadata
 from vllm_compaction.cache.format import ModelFingerprint
 from vllm_compaction.models.chat import ChatTokenizer, Continuation
+from vllm_compaction.vllm.layout import DEFAULT_LAYOUT, LAYOUTS
 
 __all__ = ["CompactedRef", "PLACEHOLDER_TOKEN_ID", "compacted_prompt", "default_store_dir", "open_store"]
 
 PLACEHOLDER_TOKEN_ID = 0
 """Token id of the placeholder positions; never embedded, since the connector claims them."""
 
-_SALT_RE = re.compile(r"vllm-compaction:1:([A-Za-z0-9_-]{1,128}):(\d{1,9}):([0-9a-f]{32})")
+_SALT_RE = re.compile(r"vllm-compaction:2:(varlen|padded):([A-Za-z0-9_-]{1,128}):(\d{1,9}):([0-9a-f]{32})")
 
 def default_store_dir() -> Path:
     """``$VLLM_COMPACTION_HOME/store`` (default ``~/.cache/vllm-compaction/store``)."""
@@ -43,10 +46,11 @@ class CompactedRef:
     entry_id: str
     num_slots: int
     digest: str  # first 32 hex of the entry's tensors_sha256: a changed entry is a new prefix
+    layout: str = "padded"  # "varlen" (packed heads) or "padded" (every head at the longest)
 
     @property
     def salt(self) -> str:
-        return f"vllm-compaction:1:{self.entry_id}:{self.num_slots}:{self.digest}"
+        return f"vllm-compaction:2:{self.layout}:{self.entry_id}:{self.num_slots}:{self.digest}"
 
     @classmethod
     def parse(cls, salt: str | None) -> "CompactedRef | None":
@@ -56,7 +60,7 @@ class CompactedRef:
         match = _SALT_RE.fullmatch(salt)
         if match is None:
             raise ValueError(f"malformed compaction cache_salt {salt!r}")
-        return cls(match.group(1), int(match.group(2)), match.group(3))
+        return cls(match.group(2), int(match.group(3)), match.group(4), match.group(1))
 
 
 def _entry_for(cache: CompactedCache | str, store: LocalDiskStore,
@@ -90,6 +94,8 @@ def compacted_prompt(
     llm: Any = None,
     tokenizer: Any = None,
     store: LocalDiskStore | str | Path | None = None,
+    layout: str | None = None,
+    block_size: int | None = None,
 ) -> dict:
     """A vLLM ``TokensPrompt`` dict that continues ``cache`` with ``continuation``.
 
@@ -100,22 +106,33 @@ def compacted_prompt(
             cached conversation, ending with the assistant generation prompt).
         llm: a ``vllm.LLM``; supplies the tokenizer and the model the cache is checked against.
         store: the store the engine's connector reads (default :func:`default_store_dir`).
+        layout: ``"varlen"`` (each head stores only its own slots) or ``"padded"`` (every head
+            padded to the longest). Default: ``varlen`` when the block size is known (from
+            ``llm`` or ``block_size``), else ``padded``.
+        block_size: the engine's KV block size, needed by ``varlen`` when ``llm`` is not given.
 
     Raises:
         CacheError: missing, corrupt or wrong-model cache (one sentence saying which).
         ValueError: an empty or malformed continuation.
     """
+    from vllm_compaction.vllm.engine import engine_fingerprint
+
     store = store if isinstance(store, LocalDiskStore) else open_store(store)
     expect = None
     if llm is not None:
         tokenizer = tokenizer or llm.get_tokenizer()
-        from vllm_compaction.vllm.engine import engine_fingerprint
-
-        expect = engine_fingerprint(llm.llm_engine.vllm_config.model_config)
+        config = llm.llm_engine.vllm_config
+        expect = engine_fingerprint(config.model_config)
+        block_size = block_size or config.cache_config.block_size
+    layout = layout or (DEFAULT_LAYOUT if block_size else "padded")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    if layout == "varlen" and not block_size:
+        raise ValueError("a varlen prefix needs the engine's block size (pass llm= or block_size=)")
     entry_id, loaded = _entry_for(cache, store, expect)
     ids = _continuation_ids(continuation, tokenizer)
     if not ids:
         raise ValueError("the continuation is empty: at least one token must follow the compacted prefix")
     digest = read_metadata(store.path_for(entry_id))["tensors_sha256"][:32]
-    ref = CompactedRef(entry_id, loaded.max_head_length, digest)
+    ref = CompactedRef(entry_id, loaded.physical_tokens(layout, block_size), digest, layout)
     return {"prompt_token_ids": [PLACEHOLDER_TOKEN_ID] * ref.num_slots + ids, "cache_salt": ref.salt}

@@ -11,6 +11,7 @@ from vllm_compaction.service.service import CompactionService
 from vllm_compaction.service.supervisor import Supervisor
 from vllm_compaction.vllm.backend_common import compaction_enabled
 from vllm_compaction.vllm.engine import engine_fingerprint, kv_bytes_per_token
+from vllm_compaction.vllm.layout import DEFAULT_LAYOUT
 from vllm_compaction.vllm.plugin import CONNECTOR_NAME
 
 __all__ = ["start_service"]
@@ -46,6 +47,7 @@ async def start_service(vllm_config, args: Namespace) -> CompactionService:
         fingerprint=engine_fingerprint(model_config),
         tokenizer=AutoTokenizer.from_pretrained(model_config.tokenizer or model_config.model),
         kv_bytes_per_token=kv_bytes_per_token(vllm_config), max_model_len=model_config.max_model_len,
+        layout=DEFAULT_LAYOUT, block_size=vllm_config.cache_config.block_size,
     )
     host = getattr(args, "host", None)
     host = "127.0.0.1" if host in (None, "", "0.0.0.0", "::") else host

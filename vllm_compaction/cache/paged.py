@@ -1,0 +1,157 @@
+"""Where the rows of a compacted cache go in paged KV blocks when every head keeps only its own
+slots (varlen packing, no padding).
+
+A paged engine gives each token slot of a block, for every layer ``l`` and KV head ``h``, room
+for one key row and one value row. A packed prefix ignores that pairing: its ``n`` blocks are
+``n * L * H * block_size`` row slots, numbered
+
+    g = ((block * L + layer) * H + lane) * block_size + slot,
+
+and the cache's rows go there back to back: a header first, then layer after layer, each layer
+head after head (its ``cu_seqlens`` order). So a prefix with ``sum(t)`` slots over all layers
+and heads takes ``ceil((header + sum(t)) / (L * H * block_size))`` blocks, however uneven the
+per-head lengths are; the padded layout takes ``max(t)`` token slots instead.
+
+The header (int32: magic, version, L, H, blocks, then ``t[l, h]``) makes the blocks describe
+themselves, so whoever reads them needs only the block ids. Its size is counted in rows of
+``2 * head_dim`` bytes (the smallest row any storage dtype gives), so the geometry depends on
+the cache and the block size alone, never on the engine's dtype or page width.
+
+Pure integer bookkeeping (no engine, no model): the vLLM loader and attention use it, and so
+does the service when it reports how many prompt tokens a compacted prefix takes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PAGED_MAGIC", "PREFIX_LAYOUTS", "PagedPacking", "RegionSpan"]
+
+PREFIX_LAYOUTS = ("varlen", "padded")
+"""How a prefix sits in paged blocks: packed per head (this module) or every head padded to the longest."""
+
+PAGED_MAGIC = 0x50434C56  # "VLCP" little-endian
+_PAGED_VERSION = 1
+_HEADER_FIELDS = 5  # magic, version, layers, heads, blocks
+
+
+@dataclass(frozen=True)
+class RegionSpan:
+    """Rows ``[start, stop)`` of the region (``block`` index in the prefix, ``layer`` page)."""
+
+    block: int
+    layer: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, eq=False)
+class PagedPacking:
+    """Geometry of one packed prefix: per-head lengths ``[L, H]``, head size, block size."""
+
+    head_lengths: torch.Tensor  # [L, H] int64
+    head_dim: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        lengths = torch.as_tensor(self.head_lengths, dtype=torch.int64)
+        if lengths.dim() != 2 or lengths.numel() == 0:
+            raise ValueError(f"head_lengths must be a non-empty [L, H] table, got shape {tuple(lengths.shape)}")
+        if (lengths < 0).any():
+            raise ValueError("head lengths must be >= 0")
+        if self.head_dim <= 0 or self.block_size <= 0:
+            raise ValueError(f"head_dim and block_size must be positive (got {self.head_dim}, {self.block_size})")
+        object.__setattr__(self, "head_lengths", lengths.cpu())
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_layers(self) -> int:
+        return int(self.head_lengths.shape[0])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.head_lengths.shape[1])
+
+    @property
+    def region_rows(self) -> int:
+        """Rows of one (block, layer) region: ``H * block_size``."""
+        return self.num_kv_heads * self.block_size
+
+    @property
+    def rows_per_block(self) -> int:
+        return self.num_layers * self.region_rows
+
+    @functools.cached_property
+    def header_rows(self) -> int:
+        nbytes = 4 * (_HEADER_FIELDS + self.head_lengths.numel())
+        return -(-nbytes // (2 * self.head_dim))
+
+    @functools.cached_property
+    def layer_offsets(self) -> torch.Tensor:
+        """``[L+1]`` first row of each layer (after the header); the last entry ends the data."""
+        offsets = torch.zeros(self.num_layers + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(self.head_lengths.sum(1), 0)
+        return offsets + self.header_rows
+
+    @property
+    def num_rows(self) -> int:
+        """Header plus data rows."""
+        return int(self.layer_offsets[-1])
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_rows // self.rows_per_block)
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots (placeholder prompt tokens) the prefix occupies in the engine."""
+        return self.num_blocks * self.block_size
+
+    def cu_seqlens(self, layer: int) -> torch.Tensor:
+        """``[H+1]`` int64 offsets of each head's rows within ``layer``'s rows."""
+        cu = torch.zeros(self.num_kv_heads + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(self.head_lengths[layer], 0)
+        return cu
+
+    def layer_spans(self, layer: int) -> list[RegionSpan]:
+        """The region pieces holding ``layer``'s rows, in row order."""
+        start, stop = int(self.layer_offsets[layer]), int(self.layer_offsets[layer + 1])
+        spans, size = [], self.region_rows
+        while start < stop:
+            region, offset = divmod(start, size)
+            take = min(stop - start, size - offset)
+            block, page = divmod(region, self.num_layers)
+            spans.append(RegionSpan(block, page, offset, offset + take))
+            start += take
+        return spans
+
+    # ------------------------------------------------------------------ header
+    def header(self) -> torch.Tensor:
+        """The int32 header: magic, version, L, H, blocks, then ``t[l, h]`` row-major."""
+        fields = torch.tensor([PAGED_MAGIC, _PAGED_VERSION, self.num_layers, self.num_kv_heads,
+                               self.num_blocks], dtype=torch.int64)
+        return torch.cat([fields, self.head_lengths.reshape(-1)]).to(torch.int32)
+
+    @classmethod
+    def from_header(cls, words: torch.Tensor, *, num_layers: int, num_kv_heads: int,
+                    head_dim: int, block_size: int) -> "PagedPacking":
+        """Parse the header at the start of ``words`` (int32) and check it against the engine.
+
+        Raises:
+            ValueError: the words are not a header, or describe another model or block count.
+        """
+        words = words.reshape(-1).to(torch.int64)
+        count = _HEADER_FIELDS + num_layers * num_kv_heads
+        if words.numel() < count or int(words[0]) != PAGED_MAGIC or int(words[1]) != _PAGED_VERSION:
+            raise ValueError("the prefix blocks hold no packed-prefix header")
+        if (int(words[2]), int(words[3])) != (num_layers, num_kv_heads):
+            raise ValueError(f"the packed prefix has {int(words[2])} layers x {int(words[3])} heads, "
+                             f"the engine {num_layers} x {num_kv_heads}")
+        packing = cls(words[_HEADER_FIELDS:count].reshape(num_layers, num_kv_heads), head_dim, block_size)
+        if packing.num_blocks != int(words[4]):
+            raise ValueError(f"the packed-prefix header says {int(words[4])} blocks, its lengths "
+                             f"{packing.num_blocks}")
+        return packing

@@ -1,0 +1,216 @@
+"""Varlen-packed prefixes in the engine's KV pages: writing them, reading one layer back, and
+splitting a step's batch into plain requests and requests on packed prefixes.
+
+Each backend shows its pages as key and value views of logical shape
+``[num_blocks, H, block_size, D]`` (``D`` the widened head size; any strides): the CPU backend
+from its ``[num_blocks, H, block_size, 2 * D]`` pages (per block and head, key rows then value
+rows), the CUDA one from its ``[B, H, N, 2 * D]`` pages (key and value side by side). The stock
+kernels may keep rows in their own packing (the CPU key rows are ISA-packed), but the blocks of
+a packed prefix are read only through this module, so their rows are stored plainly: region
+``(block j, layer page l)`` of the prefix is the rows ``[H * block_size, D]`` of page ``l``'s
+block ``j``, filled in the order :class:`~vllm_compaction.cache.PagedPacking` defines. Keys
+carry beta in their bias coordinates (:func:`.bias.encode_beta`), so the engine's dtype sets its
+precision as in the padded layout. The header goes, as bytes, into the first key rows of block 0.
+
+Pure torch (no vLLM import): both backends use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from vllm_compaction.cache import CacheError, PagedPacking
+from vllm_compaction.vllm.bias import BIAS_COORDS, decode_beta, encode_beta
+from vllm_compaction.vllm.layout import PackedPrefix
+from vllm_compaction.vllm.varlen_attention import prefix_attention
+
+__all__ = ["BatchSplit", "PackedRequest", "PagedPrefixPages", "attend_prefixes", "split_batch"]
+
+
+class PagedPrefixPages:
+    """The engine's KV pages, one key and one value view ``[num_blocks, H, block_size, D]`` per
+    attention layer (in layer order), seen as the rows of packed prefixes."""
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], head_size: int) -> None:
+        if not keys or len(keys) != len(values):
+            raise ValueError("packed prefixes need one key and one value view per layer")
+        shape = tuple(keys[0].shape)
+        if len(shape) != 4 or any(tuple(t.shape) != shape for t in (*keys, *values)):
+            raise ValueError("packed prefixes need every layer's pages in one [blocks, H, block_size, D] shape")
+        _, self.num_kv_heads, self.block_size, self.width = shape
+        self.head_size = head_size
+        if self.width < head_size + BIAS_COORDS:
+            raise ValueError(f"pages of head size {self.width} cannot hold {head_size} plus the bias")
+        self._keys, self._values = list(keys), list(values)  # views: writes land in the engine's pages
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._keys)
+
+    def check(self, packing: PagedPacking) -> None:
+        """Refuse a prefix whose geometry is not this engine's (one sentence saying why)."""
+        engine = (self.num_layers, self.num_kv_heads, self.head_size, self.block_size)
+        prefix = (packing.num_layers, packing.num_kv_heads, packing.head_dim, packing.block_size)
+        if engine != prefix:
+            raise CacheError(f"the packed prefix has layers x KV heads x head size x block size "
+                             f"{prefix}, the engine {engine}")
+
+    # ------------------------------------------------------------------ write
+    def write(self, prefix: PackedPrefix, block_ids: Sequence[int], first_block: int = 0) -> None:
+        """Write blocks ``first_block..`` of ``prefix`` into the engine blocks ``block_ids[...]``.
+
+        ``block_ids`` are the request's prefix blocks (all of them); blocks before
+        ``first_block`` already hold their content (prefix-cache hits).
+        """
+        packing = prefix.packing
+        self.check(packing)
+        if len(block_ids) < packing.num_blocks:
+            raise CacheError(f"the packed prefix needs {packing.num_blocks} blocks, the request has "
+                             f"{len(block_ids)}")
+        if first_block >= packing.num_blocks:
+            return
+        dtype, d = self._keys[0].dtype, self.head_size
+        shape = (packing.num_blocks, packing.num_layers, self.num_kv_heads, self.block_size)
+        keys = torch.zeros(*shape, self.width, dtype=dtype)
+        values = torch.zeros(*shape, self.width, dtype=dtype)
+        keys[..., :d] = prefix.keys.view(*shape, d)
+        keys[..., d : d + BIAS_COORDS] = encode_beta(prefix.beta.view(shape), dtype)
+        values[..., :d] = prefix.values.view(*shape, d)
+        blocks = torch.as_tensor(list(block_ids[first_block : packing.num_blocks]), dtype=torch.long)
+        blocks = blocks.to(self._keys[0].device)
+        for layer in range(self.num_layers):
+            self._keys[layer][blocks] = keys[first_block:, layer].to(self._keys[layer].device)
+            self._values[layer][blocks] = values[first_block:, layer].to(self._values[layer].device)
+        if first_block == 0:
+            header = packing.header().view(torch.uint8)
+            rows = self._header_rows(int(block_ids[0]), header.numel())
+            staged = torch.zeros(rows.shape, dtype=dtype)
+            staged.view(-1).view(torch.uint8)[: header.numel()] = header
+            rows.copy_(staged)
+
+    def _header_rows(self, first_block: int, nbytes: int) -> torch.Tensor:
+        """The first key rows of lane 0 of ``first_block``: enough of them for ``nbytes``."""
+        row_bytes = self.width * self._keys[0].element_size()
+        return self._keys[0][first_block, 0, : -(-nbytes // row_bytes)]
+
+    # ------------------------------------------------------------------ read
+    def packing_at(self, first_block: int) -> PagedPacking:
+        """The geometry recorded in the header of the prefix that starts at ``first_block``."""
+        words = 5 + self.num_layers * self.num_kv_heads
+        rows = self._header_rows(first_block, 4 * words).cpu().contiguous()
+        raw = rows.view(-1).view(torch.uint8)[: 4 * words].clone().view(torch.int32)
+        try:
+            return PagedPacking.from_header(raw, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                                            head_dim=self.head_size, block_size=self.block_size)
+        except ValueError as exc:
+            raise CacheError(f"block {first_block}: {exc}") from None
+
+    def layer_rows(self, packing: PagedPacking, layer: int, block_ids: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s rows of the prefix in ``block_ids``: keys ``[N, d]``, beta ``[N]``
+        (fp32), values ``[N, d]``, head after head (``packing.cu_seqlens(layer)``)."""
+        key_parts, value_parts = [], []
+        region = packing.region_rows
+        for span in packing.layer_spans(layer):
+            block = int(block_ids[span.block])
+            key_parts.append(self._keys[span.layer][block].reshape(region, self.width)[span.start : span.stop])
+            value_parts.append(self._values[span.layer][block].reshape(region, self.width)[span.start : span.stop])
+        d = self.head_size
+        if not key_parts:
+            empty = self._keys[0].new_zeros(0, d)
+            return empty, empty.new_zeros(0, dtype=torch.float32), empty
+        keys, values = torch.cat(key_parts), torch.cat(value_parts)
+        return keys[:, :d], decode_beta(keys[:, d : d + BIAS_COORDS]), values[:, :d]
+
+
+# ---------------------------------------------------------------------- a step's batch
+@dataclass
+class PackedRequest:
+    """One request on a packed prefix: its query rows within the packed sub-batch, its prefix
+    blocks and their geometry."""
+
+    tokens: torch.Tensor
+    blocks: torch.Tensor
+    packing: PagedPacking
+
+
+@dataclass
+class BatchSplit:
+    """A batch's requests split into plain ones and ones on packed prefixes.
+
+    ``*_rows`` index requests of the batch, ``*_tokens`` its query rows. For the packed requests
+    ``block_table`` and ``seq_lens`` have the prefix cut off (what the stock kernel attends),
+    ``query_start_loc`` is relative to ``packed_tokens``.
+    """
+
+    plain_rows: list[int]
+    plain_tokens: torch.Tensor
+    packed_rows: list[int]
+    packed_tokens: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    requests: list[PackedRequest]
+
+    def plain_query_start_loc(self, query_start_loc: torch.Tensor) -> torch.Tensor:
+        return _sub_starts(query_start_loc, self.plain_rows)
+
+
+def _sub_starts(query_start_loc: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    lengths = (query_start_loc[1:] - query_start_loc[:-1])[rows]
+    starts = torch.zeros(len(rows) + 1, dtype=query_start_loc.dtype, device=query_start_loc.device)
+    starts[1:] = torch.cumsum(lengths, 0)
+    return starts
+
+
+def _tokens(starts: list[int], rows: list[int], device) -> torch.Tensor:
+    parts = [torch.arange(starts[r], starts[r + 1], device=device) for r in rows]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def split_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                prefixes: dict[int, int], pages: PagedPrefixPages) -> BatchSplit | None:
+    """Split a batch by the first block of each request (``prefixes``: first block id -> prefix
+    blocks, from the connector). None when no request starts on a packed prefix."""
+    num_reqs = query_start_loc.numel() - 1
+    first_blocks = block_table[:num_reqs, 0].tolist()
+    packed_rows = [r for r, block in enumerate(first_blocks) if block in prefixes]
+    if not packed_rows:
+        return None
+    packed = set(packed_rows)
+    plain_rows = [r for r in range(num_reqs) if r not in packed]
+    starts, device = query_start_loc.tolist(), block_table.device
+    cut = torch.tensor([prefixes[first_blocks[r]] for r in packed_rows], device=device)
+    width = block_table.shape[1]
+    shifted = (torch.arange(width, device=device)[None, :] + cut[:, None]).clamp_max(width - 1)
+    rows = torch.tensor(packed_rows, device=device)
+    requests, offset = [], 0
+    for row, blocks in zip(packed_rows, cut.tolist()):
+        count = starts[row + 1] - starts[row]
+        prefix_blocks = block_table[row, :blocks].clone()
+        requests.append(PackedRequest(torch.arange(offset, offset + count, device=device), prefix_blocks,
+                                      pages.packing_at(int(prefix_blocks[0]))))
+        offset += count
+    return BatchSplit(
+        plain_rows=plain_rows, plain_tokens=_tokens(starts, plain_rows, device),
+        packed_rows=packed_rows, packed_tokens=_tokens(starts, packed_rows, device),
+        block_table=torch.gather(block_table[rows], 1, shifted.to(torch.long)),
+        seq_lens=seq_lens[rows] - (cut * pages.block_size).to(seq_lens.dtype),
+        query_start_loc=_sub_starts(query_start_loc, packed_rows), requests=requests)
+
+
+def attend_prefixes(query: torch.Tensor, split: BatchSplit, pages: PagedPrefixPages, layer: int,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the packed requests' queries ``[m, Hq, d]`` (``split.packed_tokens`` order)
+    over their prefixes in ``layer``: fp32 ``out [m, Hq, d]`` and ``lse [m, Hq]``."""
+    outs, lses = [], []
+    for request in split.requests:
+        keys, beta, values = pages.layer_rows(request.packing, layer, request.blocks)
+        out, lse = prefix_attention(query[request.tokens], keys, beta, values,
+                                    request.packing.cu_seqlens(layer).to(keys.device), scale)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)

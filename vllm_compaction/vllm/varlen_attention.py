@@ -1,0 +1,103 @@
+"""Attention over a varlen-packed compacted prefix plus the request's ordinary tokens (pure torch).
+
+A request whose prefix is packed varlen (:mod:`.paged_prefix`) attends in two parts:
+
+* the prefix, here: each KV head ``h`` scores its own ``t_h`` rows (keys, beta, values) for the
+  query heads of its GQA group, giving a normalised output ``o_p`` and its log-sum-exp ``lse_p``;
+* the tokens after the prefix (the suffix), in the engine's stock paged kernel, over the request's
+  block table with the prefix blocks cut off.
+
+The stock kernel returns normalised outputs only, so two of its features recover what the merge
+needs. Every value row carries a 1 in coordinate ``d`` (:data:`.bias.VALUE_ONES_COORD`), and the
+call gets an attention *sink* ``s`` per query head (a logit with no value, added to the
+denominator). With ``Z`` and ``S`` the suffix's softmax mass and weighted value sum,
+
+    o = S / (Z + e^s),   o[d] = Z / (Z + e^s),   1 - o[d] = e^s / (Z + e^s),
+
+and the exact result over prefix and suffix, ``(S + e^{lse_p} o_p) / (Z + e^{lse_p})``, divided
+through by ``Z + e^s``, is
+
+    (o + w (1 - o[d]) o_p) / (o[d] + w (1 - o[d])),   w = exp(lse_p - s).
+
+Choosing ``s = max lse_p`` over the batch keeps ``w <= 1``, so no term is divided by a small
+number and the error stays at the kernel's output precision (tests/serving/test_varlen_math.py).
+A kernel that returns its log-sum-exp (the CUDA Triton one) merges directly: :func:`merge_by_lse`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["merge_by_lse", "merge_with_prefix", "prefix_attention", "sink_for"]
+
+
+def prefix_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor,
+                     cu_seqlens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query [n, Hq, d]`` over varlen heads, batched over heads, never padded.
+
+    ``keys``/``values [N, d]``, ``beta [N]`` hold head ``h``'s rows at
+    ``cu_seqlens[h]:cu_seqlens[h+1]``; query head ``j`` reads KV head ``j // (Hq / H)``.
+    Returns fp32 ``out [n, Hq, d]`` (0 for an empty head) and ``lse [n, Hq]`` (``-inf`` there).
+
+    Two GEMMs over all ``N`` rows instead of a ``[H, max t_h]`` padding: heads are very uneven
+    (one may keep nearly every token while the others keep a few), and padding to the longest
+    would cost ``H * max(t_h)`` rows where the prefix has ``N``.
+    """
+    n, num_q_heads, d = query.shape
+    num_kv_heads = cu_seqlens.numel() - 1
+    group = num_q_heads // num_kv_heads
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    head_of_row = torch.repeat_interleave(torch.arange(num_kv_heads, device=keys.device), lengths)  # [N]
+    rows = head_of_row.numel()
+    q = query.float()
+    # every query head against every row (one GEMM), then each row keeps its own group's heads
+    scores = torch.matmul(q, keys.float().T)  # [n, Hq, N]
+    own = head_of_row[None, :] * group + torch.arange(group, device=keys.device)[:, None]  # [group, N]
+    scores = scores.gather(1, own[None].expand(n, group, rows)) * scale + beta.float()  # [n, group, N]
+    index = head_of_row[None, None, :].expand(n, group, rows)
+    top = torch.full((n, group, num_kv_heads), float("-inf"), device=keys.device)
+    top = top.scatter_reduce(2, index, scores, reduce="amax", include_self=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # empty heads: no rows anyway
+    weights = torch.exp(scores - top.gather(2, index))  # [n, group, N]
+    mass = torch.zeros_like(top).scatter_add(2, index, weights)  # [n, group, H]
+    # per head: weights masked to its rows, times the values (one GEMM)
+    member = head_of_row[None, :] == torch.arange(num_kv_heads, device=keys.device)[:, None]  # [H, N]
+    per_head = weights[:, :, None, :] * member  # [n, group, H, N]
+    out = torch.matmul(per_head, values.float())  # [n, group, H, d]
+    out = out / mass.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    lse = torch.where(mass > 0, top + torch.log(mass.clamp_min(torch.finfo(torch.float32).tiny)),
+                      torch.full_like(mass, float("-inf")))
+    # [n, group, H, ...] -> query-head order h * group + g
+    out = out.permute(0, 2, 1, 3).reshape(n, num_q_heads, d)
+    lse = lse.permute(0, 2, 1).reshape(n, num_q_heads)
+    return out, lse
+
+
+def sink_for(prefix_lse: torch.Tensor) -> torch.Tensor:
+    """Per query head sink logit ``[Hq]``: the largest finite ``lse_p`` over tokens (0 if none)."""
+    finite = torch.where(torch.isfinite(prefix_lse), prefix_lse, torch.full_like(prefix_lse, float("-inf")))
+    sink = finite.amax(dim=0) if finite.shape[0] else prefix_lse.new_zeros(prefix_lse.shape[1])
+    return torch.where(torch.isfinite(sink), sink, torch.zeros_like(sink)).float()
+
+
+def merge_with_prefix(suffix_out: torch.Tensor, head_size: int, sink: torch.Tensor,
+                      prefix_out: torch.Tensor, prefix_lse: torch.Tensor) -> torch.Tensor:
+    """Exact attention over prefix and suffix from the sink-kernel output (see the module doc).
+
+    ``suffix_out [n, Hq, D]`` is the stock kernel's output with sink ``sink [Hq]`` over value rows
+    whose coordinate ``head_size`` is 1; returns fp32 ``[n, Hq, head_size]``.
+    """
+    out = suffix_out[..., :head_size].float()
+    suffix_share = suffix_out[..., head_size].float()
+    sink_share = (1.0 - suffix_share).clamp_min(0.0)
+    prefix_weight = torch.exp(prefix_lse - sink[None, :]) * sink_share  # exp(-inf) = 0: empty prefix
+    return (out + prefix_weight[..., None] * prefix_out) / (suffix_share + prefix_weight)[..., None]
+
+
+def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets from each one's output ``[n, Hq, d]`` and ``lse [n, Hq]``."""
+    top = torch.maximum(lse_a, lse_b)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    total = (weight_a + weight_b).clamp_min(torch.finfo(torch.float32).tiny)
+    return (out_a.float() * weight_a[..., None] + out_b.float() * weight_b[..., None]) / total[..., None]
