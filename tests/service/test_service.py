@@ -56,6 +56,9 @@ def test_submit_checks(service):
     job = service.submit(request(messages=HISTORY), "a")
     assert job.original_tokens == len(service.chat.chat_ids(HISTORY)) and job.messages_covered == 2
     assert job.max_head_ratio == pytest.approx(0.6)  # 3 x ratio: padded serving
+    service.layout = "varlen"  # each head its own slots: no cap by default
+    assert service.submit(request(messages=HISTORY), "a").max_head_ratio == 1.0
+    service.layout = "padded"
     assert status_of(lambda: service.submit(CompactRequest(model="other", prompt="x", ratio=0.5), "a")) == 404
     assert status_of(lambda: service.submit(request(messages=[{"role": "user"}]), "a")) == 400
     assert status_of(lambda: service.submit(request(prompt="one two", keep_last_tokens=10), "a")) == 400

@@ -95,8 +95,8 @@ class CompactRequest(BaseModel):
     keep_last_tokens: int = Field(0, ge=0, description="the last content tokens stay exact")
     max_head_ratio: float | None = Field(
         None, gt=0.0, le=1.0,
-        description="cap on any one head's slots / content tokens (default 3 x ratio): the engine pads "
-                    "every head to the longest, so an uncapped head makes the prefix as long as the original")
+        description="cap on any one head's slots / content tokens (default: none where the engine holds "
+                    "prefixes varlen; 3 x ratio where it pads every head to the longest)")
 
     @model_validator(mode="after")
     def _one_source_one_size(self) -> "CompactRequest":

@@ -29,7 +29,9 @@ __all__ = ["CompactionService", "PrefixPlan"]
 logger = logging.getLogger(__name__)
 
 HEAD_CAP_FACTOR = 3.0
-"""Default cap of one head's slots, as a multiple of the average ratio (see ``max_head_ratio``)."""
+"""Default cap of one head's slots, as a multiple of the average ratio, when the engine holds
+prefixes padded (the longest head sets their length). Varlen prefixes are not capped: caps cost
+needle accuracy (benchmarks/results/head_caps.json) and save no memory there."""
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,8 @@ class CompactionService:
             raise JobError(400, f"nothing to compact: {int(mask.sum())} content tokens and "
                                 f"keep_last_tokens={keep_last_tokens}")
         average = ratio if ratio is not None else min(1.0, target_tokens / content)
-        if max_head_ratio is None:  # padded serving: the longest head sets the prefix length
-            max_head_ratio = min(1.0, HEAD_CAP_FACTOR * average)
+        if max_head_ratio is None:
+            max_head_ratio = 1.0 if self.layout == "varlen" else min(1.0, HEAD_CAP_FACTOR * average)
         elif max_head_ratio < average:
             raise JobError(400, f"max_head_ratio={max_head_ratio} is below the average ratio {average:.4g}")
         return JobRecord(id=new_compaction_id(), status=JobStatus.queued, created=int(time.time()),
