@@ -86,7 +86,7 @@ class PagedPacking:
 
     @functools.cached_property
     def header_rows(self) -> int:
-        nbytes = 4 * (_HEADER_FIELDS + self.head_lengths.numel())
+        nbytes = 4 * self.header_words(self.num_layers, self.num_kv_heads)
         return -(-nbytes // (2 * self.head_dim))
 
     @functools.cached_property
@@ -129,6 +129,11 @@ class PagedPacking:
         return spans
 
     # ------------------------------------------------------------------ header
+    @staticmethod
+    def header_words(num_layers: int, num_kv_heads: int) -> int:
+        """int32 words of the header of an ``L x H`` prefix."""
+        return _HEADER_FIELDS + num_layers * num_kv_heads
+
     def header(self) -> torch.Tensor:
         """The int32 header: magic, version, L, H, blocks, then ``t[l, h]`` row-major."""
         fields = torch.tensor([PAGED_MAGIC, _PAGED_VERSION, self.num_layers, self.num_kv_heads,
@@ -144,7 +149,7 @@ class PagedPacking:
             ValueError: the words are not a header, or describe another model or block count.
         """
         words = words.reshape(-1).to(torch.int64)
-        count = _HEADER_FIELDS + num_layers * num_kv_heads
+        count = cls.header_words(num_layers, num_kv_heads)
         if words.numel() < count or int(words[0]) != PAGED_MAGIC or int(words[1]) != _PAGED_VERSION:
             raise ValueError("the prefix blocks hold no packed-prefix header")
         if (int(words[2]), int(words[3])) != (num_layers, num_kv_heads):

@@ -25,7 +25,9 @@ from vllm_compaction.vllm.plugin import CONNECTOR_NAME
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-__all__ = ["AugmentedHeadSizes", "compaction_enabled"]
+    from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages
+
+__all__ = ["AugmentedHeadSizes", "compaction_enabled", "packed_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,28 @@ def compaction_enabled(vllm_config: Any) -> bool:
         return False
     path = kv.kv_connector_module_path or ""
     return kv.kv_connector == CONNECTOR_NAME or path.startswith("vllm_compaction")
+
+
+def packed_batch(metadata: Any) -> "tuple[BatchSplit, PagedPrefixPages] | None":
+    """This step's requests on packed (varlen) prefixes, split off the batch, with the pages to
+    read them from; None when there are none. Asked by every layer of both backends, computed by
+    the first and kept on the attention metadata object the layers of a step share."""
+    cached = getattr(metadata, "_vllm_compaction_packed", False)
+    if cached is not False:
+        return cached
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    from vllm_compaction.vllm.paged_prefix import split_batch
+
+    result = None
+    connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+    prefixes = connector.packed_prefixes() if hasattr(connector, "packed_prefixes") else {}
+    if prefixes:
+        pages = connector.prefix_pages()
+        split = split_batch(metadata.query_start_loc, metadata.seq_lens, metadata.block_table, prefixes, pages)
+        result = (split, pages) if split is not None else None
+    metadata._vllm_compaction_packed = result
+    return result
 
 
 class AugmentedHeadSizes:

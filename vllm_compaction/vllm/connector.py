@@ -76,7 +76,8 @@ class CompactionConnector(KVConnectorBase_V1):
                  kv_cache_config: "KVCacheConfig | None" = None):
         check_vllm_version()
         super().__init__(vllm_config, role, kv_cache_config)
-        self._scheduler = _SchedulerSide(_block_size(vllm_config, kv_cache_config)) if role == KVConnectorRole.SCHEDULER else None
+        block_size = _block_size(vllm_config, kv_cache_config)
+        self._scheduler = _SchedulerSide(block_size) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _WorkerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
 
     # ---------------------------------------------------------------- scheduler side
@@ -218,6 +219,7 @@ class _WorkerSide:
                 t == "sliding_attention" for t in getattr(self.hf_config, "layer_types", None) or []):
             raise ValueError("compacted prefixes on hybrid sliding-window models are not supported yet")
         self.kv_caches: dict[str, torch.Tensor] = {}
+        self._by_layer: list[tuple[str, torch.Tensor]] = []  # kv_caches in layer order
         self._pages: PagedPrefixPages | None = None
         self._prepared: OrderedDict[str, PhysicalPrefix | PackedPrefix] = OrderedDict()
         self._failed: set[int] = set()

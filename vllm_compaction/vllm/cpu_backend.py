@@ -19,7 +19,6 @@ import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import get_current_vllm_config
-from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
@@ -28,9 +27,9 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
 )
 
-from vllm_compaction.vllm.backend_common import AugmentedHeadSizes, compaction_enabled
+from vllm_compaction.vllm.backend_common import AugmentedHeadSizes, compaction_enabled, packed_batch
 from vllm_compaction.vllm.bias import augment_kv, augment_query, augmented_head_size
-from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages, attend_prefixes, split_batch
+from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages, attend_prefixes
 from vllm_compaction.vllm.varlen_attention import merge_with_prefix, sink_for
 
 __all__ = ["CompactionCPUAttentionBackend", "CompactionCPUAttentionImpl", "cpu_augmented_head_size"]
@@ -78,8 +77,9 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         else:
             if split.plain is not None:
                 tokens = split.split.plain_tokens
-                part = torch.empty_like(q[tokens])
-                super().forward(layer, q[tokens], key, value, kv_cache, split.plain, part)
+                plain_q = q[tokens]
+                part = torch.empty_like(plain_q)
+                super().forward(layer, plain_q, key, value, kv_cache, split.plain, part)
                 out[tokens] = part
             self._forward_packed(layer, q, plain_query, kv_cache, split, out)
         output[:n].view(n, self.num_heads, self.head_size).copy_(out[..., : self.head_size])
@@ -92,12 +92,13 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         prefix_out, prefix_lse = attend_prefixes(plain_query[tokens], split.split, split.pages,
                                                  extract_layer_index(layer.layer_name), self.scale)
         sink = sink_for(prefix_lse)
-        suffix = torch.empty_like(q[tokens])
+        packed_q = q[tokens]
+        suffix = torch.empty_like(packed_q)
         num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
         metadata = split.packed
         ops.cpu_attention_with_kv_cache(
-            query=q[tokens], key_cache=key_cache, value_cache=value_cache, output=suffix,
+            query=packed_q, key_cache=key_cache, value_cache=value_cache, output=suffix,
             query_start_loc=metadata.query_start_loc, seq_lens=metadata.seq_lens, scale=self.scale,
             causal=True, alibi_slopes=None, sliding_window=self.sliding_window,
             block_table=metadata.block_table, softcap=self.logits_soft_cap,
@@ -154,20 +155,17 @@ def _split_for(metadata: CPUAttentionMetadata, impl: CompactionCPUAttentionImpl,
     if hasattr(metadata, _SPLIT_ATTR):
         return getattr(metadata, _SPLIT_ATTR)
     result = None
-    connector = get_kv_transfer_group() if has_kv_transfer_group() else None
-    prefixes = connector.packed_prefixes() if hasattr(connector, "packed_prefixes") else {}
-    if prefixes and metadata.causal is True and metadata.encoder_cache is None:
-        pages = connector.prefix_pages()
-        split = split_batch(metadata.query_start_loc, metadata.seq_lens, metadata.block_table, prefixes, pages)
-        if split is not None:
-            plain = None
-            if split.plain_rows:
-                rows = split.plain_rows
-                plain = _sub_metadata(metadata, impl, layer, dtype, split.plain_query_start_loc(metadata.query_start_loc),
-                                      metadata.seq_lens[rows], metadata.block_table[rows])
-            packed = _sub_metadata(metadata, impl, layer, dtype, split.query_start_loc, split.seq_lens,
-                                   split.block_table)
-            result = _Split(split, plain, packed, pages)
+    found = packed_batch(metadata) if metadata.causal is True and metadata.encoder_cache is None else None
+    if found is not None:
+        split, pages = found
+        plain = None
+        if split.plain_rows:
+            rows = split.plain_rows
+            plain = _sub_metadata(metadata, impl, layer, dtype, split.plain_query_start_loc(metadata.query_start_loc),
+                                  metadata.seq_lens[rows], metadata.block_table[rows])
+        packed = _sub_metadata(metadata, impl, layer, dtype, split.query_start_loc, split.seq_lens,
+                               split.block_table)
+        result = _Split(split, plain, packed, pages)
     setattr(metadata, _SPLIT_ATTR, result)
     return result
 

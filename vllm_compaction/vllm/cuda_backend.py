@@ -46,9 +46,9 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
 
-from vllm_compaction.vllm.backend_common import AugmentedHeadSizes, compaction_enabled
+from vllm_compaction.vllm.backend_common import AugmentedHeadSizes, compaction_enabled, packed_batch
 from vllm_compaction.vllm.bias import BIAS_COORDS, augment_kv
-from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages, attend_prefixes, split_batch
+from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages, attend_prefixes
 from vllm_compaction.vllm.varlen_attention import merge_by_lse
 from vllm_compaction_kernels.paged_bias_attention import paged_bias_attention
 
@@ -353,7 +353,7 @@ class CompactionTritonImpl(TritonAttentionImpl):
         if attn_metadata.rswa_window is not None:
             raise NotImplementedError("R-SWA attention with the compaction Triton backend")
         n = attn_metadata.num_actual_tokens
-        split = self._packed_split(attn_metadata)
+        split = packed_batch(attn_metadata)
         if split is not None:
             from vllm.model_executor.models.utils import extract_layer_index
 
@@ -372,24 +372,6 @@ class CompactionTritonImpl(TritonAttentionImpl):
             output[:n],
         )
         return output
-
-    @staticmethod
-    def _packed_split(metadata: TritonAttentionMetadata) -> tuple[BatchSplit, PagedPrefixPages] | None:
-        """The step's requests on packed prefixes (None: none), computed once per step."""
-        cached = getattr(metadata, "_vllm_compaction_split", False)
-        if cached is not False:
-            return cached
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        result = None
-        connector = get_kv_transfer_group() if has_kv_transfer_group() else None
-        prefixes = connector.packed_prefixes() if hasattr(connector, "packed_prefixes") else {}
-        if prefixes:
-            pages = connector.prefix_pages()
-            split = split_batch(metadata.query_start_loc, metadata.seq_lens, metadata.block_table, prefixes, pages)
-            result = (split, pages) if split is not None else None
-        metadata._vllm_compaction_split = result
-        return result
 
     @staticmethod
     def prefix_page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

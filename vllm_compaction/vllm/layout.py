@@ -5,11 +5,11 @@ Two layouts, named in the request's salt (:class:`.prompt.CompactedRef`):
 * ``varlen`` (:func:`packed_prefix`): every head stores only its own slots, packed back to back
   across heads and layers into whole blocks (:class:`~vllm_compaction.cache.PagedPacking`); the
   prefix takes about ``sum(t) / (L * H)`` token slots. Only the compaction attention reads
-  these blocks (:mod:`.varlen`).
+  these blocks (:mod:`.paged_prefix`, :mod:`.varlen_attention`).
 * ``padded`` (:func:`physical_prefix`): the stock kernels read the prefix like any other tokens.
 
-Padded layout: every layer and head of the prefix gets the same number of physical slots ``P`` (the longest head
-of the cache): head ``h`` of layer ``l`` fills its first ``t_{l,h}`` slots and the rest are masked
+Padded layout: every layer and head of the prefix gets the same number of physical slots ``P``
+(the longest head of the cache): head ``h`` of layer ``l`` fills its first ``t_{l,h}`` slots and the rest are masked
 padding (``MASKED_BETA``, zero keys and values). Keys are re-based by ``-(T - P)`` positions so
 continuation tokens at physical positions ``P, P+1, ...`` see them as at ``T, T+1, ...``.
 
@@ -25,12 +25,12 @@ import torch
 from vllm_compaction.cache import PREFIX_LAYOUTS as LAYOUTS  # noqa: N811
 from vllm_compaction.cache import CompactedCache, PagedPacking
 from vllm_compaction.models.rope import rotate_keys
-
-DEFAULT_LAYOUT = "varlen"
-"""Both compaction backends read packed prefixes; ``padded`` stays available per prompt."""
 from vllm_compaction.vllm.bias import MASKED_BETA
 
 __all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "PackedPrefix", "PhysicalPrefix", "packed_prefix", "physical_prefix"]
+
+DEFAULT_LAYOUT = "varlen"
+"""Both compaction backends read packed prefixes; ``padded`` stays available per prompt."""
 
 
 @dataclass(frozen=True)

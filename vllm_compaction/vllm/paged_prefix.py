@@ -73,17 +73,19 @@ class PagedPrefixPages:
         if first_block >= packing.num_blocks:
             return
         dtype, d = self._keys[0].dtype, self.head_size
-        shape = (packing.num_blocks, packing.num_layers, self.num_kv_heads, self.block_size)
+        # stage only the blocks to write, in page width with beta in the bias coordinates
+        shape = (packing.num_blocks - first_block, packing.num_layers, self.num_kv_heads, self.block_size)
+        rows = slice(first_block * packing.rows_per_block, packing.num_blocks * packing.rows_per_block)
         keys = torch.zeros(*shape, self.width, dtype=dtype)
         values = torch.zeros(*shape, self.width, dtype=dtype)
-        keys[..., :d] = prefix.keys.view(*shape, d)
-        keys[..., d : d + BIAS_COORDS] = encode_beta(prefix.beta.view(shape), dtype)
-        values[..., :d] = prefix.values.view(*shape, d)
+        keys[..., :d] = prefix.keys[rows].view(*shape, d)
+        keys[..., d : d + BIAS_COORDS] = encode_beta(prefix.beta[rows].view(shape), dtype)
+        values[..., :d] = prefix.values[rows].view(*shape, d)
         blocks = torch.as_tensor(list(block_ids[first_block : packing.num_blocks]), dtype=torch.long)
         blocks = blocks.to(self._keys[0].device)
         for layer in range(self.num_layers):
-            self._keys[layer][blocks] = keys[first_block:, layer].to(self._keys[layer].device)
-            self._values[layer][blocks] = values[first_block:, layer].to(self._values[layer].device)
+            self._keys[layer][blocks] = keys[:, layer].to(self._keys[layer].device)
+            self._values[layer][blocks] = values[:, layer].to(self._values[layer].device)
         if first_block == 0:
             header = packing.header().view(torch.uint8)
             rows = self._header_rows(int(block_ids[0]), header.numel())
@@ -99,7 +101,7 @@ class PagedPrefixPages:
     # ------------------------------------------------------------------ read
     def packing_at(self, first_block: int) -> PagedPacking:
         """The geometry recorded in the header of the prefix that starts at ``first_block``."""
-        words = 5 + self.num_layers * self.num_kv_heads
+        words = PagedPacking.header_words(self.num_layers, self.num_kv_heads)
         rows = self._header_rows(first_block, 4 * words).cpu().contiguous()
         raw = rows.view(-1).view(torch.uint8)[: 4 * words].clone().view(torch.int32)
         try:

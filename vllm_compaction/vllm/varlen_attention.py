@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_compaction.vllm.bias import VALUE_ONES_COORD
+
 __all__ = ["merge_by_lse", "merge_with_prefix", "prefix_attention", "sink_for"]
 
 
@@ -75,8 +77,7 @@ def prefix_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor
 
 def sink_for(prefix_lse: torch.Tensor) -> torch.Tensor:
     """Per query head sink logit ``[Hq]``: the largest finite ``lse_p`` over tokens (0 if none)."""
-    finite = torch.where(torch.isfinite(prefix_lse), prefix_lse, torch.full_like(prefix_lse, float("-inf")))
-    sink = finite.amax(dim=0) if finite.shape[0] else prefix_lse.new_zeros(prefix_lse.shape[1])
+    sink = prefix_lse.amax(dim=0) if prefix_lse.shape[0] else prefix_lse.new_zeros(prefix_lse.shape[1])
     return torch.where(torch.isfinite(sink), sink, torch.zeros_like(sink)).float()
 
 
@@ -85,10 +86,10 @@ def merge_with_prefix(suffix_out: torch.Tensor, head_size: int, sink: torch.Tens
     """Exact attention over prefix and suffix from the sink-kernel output (see the module doc).
 
     ``suffix_out [n, Hq, D]`` is the stock kernel's output with sink ``sink [Hq]`` over value rows
-    whose coordinate ``head_size`` is 1; returns fp32 ``[n, Hq, head_size]``.
+    whose coordinate ``head_size + VALUE_ONES_COORD`` is 1; returns fp32 ``[n, Hq, head_size]``.
     """
     out = suffix_out[..., :head_size].float()
-    suffix_share = suffix_out[..., head_size].float()
+    suffix_share = suffix_out[..., head_size + VALUE_ONES_COORD].float()
     sink_share = (1.0 - suffix_share).clamp_min(0.0)
     prefix_weight = torch.exp(prefix_lse - sink[None, :]) * sink_share  # exp(-inf) = 0: empty prefix
     return (out + prefix_weight[..., None] * prefix_out) / (suffix_share + prefix_weight)[..., None]
