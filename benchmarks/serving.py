@@ -251,14 +251,14 @@ def measure_capacity(args, prefix_ids: list[int], question_ids: list[int], store
             _drain(engine, fit, SamplingParams(max_tokens=1, temperature=0.0), f"{name}-warm")
             decode = _drain(engine, fit, params, f"{name}-decode")
             entry = dict(prompt_tokens=prompt_tokens, layout=layout or "uncompacted", sessions_submitted=count,
-                         blocks_per_session=math.ceil((prompt_tokens + args.decode_tokens) / block_size),
+                         blocks_per_session=blocks,
                          max_concurrent_sessions=everyone["peak_running"], run_all=everyone,
                          decode_sessions=len(fit), decode_tokens_per_s=decode["generated"] / decode["seconds"],
                          decode_run=decode)
             if cache is not None:
                 layers, heads = cache.num_layers, cache.model.num_kv_heads
                 entry.update(prefix_tokens_exact=cache.physical_slots / (layers * heads),
-                             prefix_tokens=cache.physical_tokens(layout, block_size),
+                             prefix_tokens=tokens,
                              kept_slots=cache.physical_slots)
                 for i in range(count):
                     store.delete_id(f"cap-{run}-{i}")
