@@ -18,7 +18,7 @@ def store_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def llm(store_dir):
-    """The compaction-enabled fp32 engine."""
-    engine = start_llm("float32", store=store_dir)
+    """The compaction-enabled fp32 engine (KV snapshots on)."""
+    engine = start_llm("float32", store=store_dir, kv_snapshots=True)
     yield engine
     stop_llm(engine)

@@ -13,13 +13,13 @@ ENGINE_OPTIONS = dict(enforce_eager=True, kv_cache_memory_bytes=1 << 30, max_mod
                       max_num_seqs=16, seed=0)
 
 
-def start_llm(dtype: str, *, store=None, compaction: bool = True):
+def start_llm(dtype: str, *, store=None, compaction: bool = True, kv_snapshots: bool = False):
     from vllm import LLM
 
     from vllm_compaction.models import resolve
     from vllm_compaction.vllm import engine_kwargs
 
-    extra = engine_kwargs(store=store) if compaction else {"enable_prefix_caching": True}
+    extra = engine_kwargs(store=store, kv_snapshots=kv_snapshots) if compaction else {"enable_prefix_caching": True}
     return LLM(str(resolve("smollm2-135m")), dtype=dtype, **ENGINE_OPTIONS, **extra)
 
 

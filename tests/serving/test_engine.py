@@ -71,6 +71,32 @@ def test_plain_prompts_unchanged_by_the_plugin(llm, vanilla, essay):
     assert ours.token_ids == theirs.token_ids
 
 
+def test_engine_kv_snapshot_is_what_the_model_computes(llm, smollm2, essay, store_dir):
+    """A snapshot holds the engine's post-RoPE K/V of every prompt token, in layer/head order."""
+    from vllm import SamplingParams
+
+    from vllm_compaction.vllm.snapshot import snapshot_dir, snapshot_kv
+
+    prefix_ids, _ = essay
+    kv = snapshot_kv(llm, prefix_ids)
+    reference = smollm2.prefill(prefix_ids, capture_queries=False)
+    assert kv.keys.shape == (smollm2.num_layers, reference.keys[0].shape[0], len(prefix_ids), reference.keys[0].shape[2])
+    for layer in range(smollm2.num_layers):
+        assert torch.allclose(kv.keys[layer], reference.keys[layer], atol=5e-4, rtol=1e-4), layer
+        assert torch.allclose(kv.values[layer], reference.values[layer], atol=5e-4, rtol=1e-4), layer
+    assert not list(snapshot_dir(store_dir).glob("*"))  # read and removed
+    # a request that asks for one with an already cached prefix gets none, and decodes normally
+    path = snapshot_dir(store_dir) / "asked.safetensors"
+    asking = {"prompt_token_ids": prefix_ids, "cache_salt": "shared"}
+    params = SamplingParams(max_tokens=1, temperature=0.0,
+                            extra_args={"kv_transfer_params": {"compaction_snapshot": path.stem}})
+    llm.generate([asking], params)  # computes the prefix: a snapshot is written
+    assert path.is_file()
+    path.unlink()
+    again = llm.generate([asking], params)[0].outputs[0]  # prefix from the prefix cache: refused
+    assert not path.exists() and again.finish_reason == "length"
+
+
 def test_engine_allocates_widened_pages_only_with_the_connector(llm, vanilla):
     from vllm_compaction.vllm.engine import kv_bytes_per_token
 

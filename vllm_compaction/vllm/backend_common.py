@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages
 
-__all__ = ["AugmentedHeadSizes", "compaction_enabled", "packed_batch"]
+__all__ = ["AugmentedHeadSizes", "compaction_enabled", "kv_snapshots_enabled", "packed_batch", "record_kv_write"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,14 @@ def compaction_enabled(vllm_config: Any) -> bool:
         return False
     path = kv.kv_connector_module_path or ""
     return kv.kv_connector == CONNECTOR_NAME or path.startswith("vllm_compaction")
+
+
+def kv_snapshots_enabled(vllm_config: Any) -> bool:
+    """Whether this engine opted in to KV snapshots (:mod:`.snapshot`); when not, the backends
+    do not even look for them on a K/V write."""
+    if not compaction_enabled(vllm_config):
+        return False
+    return bool((vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("kv_snapshots"))
 
 
 def packed_batch(metadata: Any) -> "tuple[BatchSplit, PagedPrefixPages] | None":
@@ -65,6 +73,17 @@ def packed_batch(metadata: Any) -> "tuple[BatchSplit, PagedPrefixPages] | None":
         result = (split, pages) if split is not None else None
     metadata._vllm_compaction_packed = result
     return result
+
+
+def record_kv_write(layer: Any, key: Any, value: Any, slot_mapping: Any) -> None:
+    """Show a layer's K/V write (``[N, H, d]`` at ``slot_mapping``) to the connector, which keeps
+    the rows of requests being snapshotted (:mod:`.snapshot`)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        record = getattr(get_kv_transfer_group(), "record_kv", None)
+        if record is not None:
+            record(layer.layer_name, key, value, slot_mapping)
 
 
 class AugmentedHeadSizes:

@@ -16,6 +16,10 @@ their blocks: the scheduler tells the workers, every step, which scheduled reque
 workers keep the engine's pages as :class:`.paged_prefix.PagedPrefixPages` for the attention to
 read the prefix rows from.
 
+KV snapshots (:mod:`.snapshot`), when the engine opted in with ``kv_snapshots``: the scheduler side
+plans, per step, which prompt positions of a snapshot request are computed in which slots; the
+workers record those rows as the backends write them and save the snapshot after the last one.
+
 Configure with ``--kv-transfer-config '{"kv_connector": "CompactionConnector",
 "kv_role": "kv_both", "kv_connector_extra_config": {"store": "/path/to/store"}}'``.
 """
@@ -39,6 +43,7 @@ from vllm_compaction.vllm.layout import PackedPrefix, PhysicalPrefix, packed_pre
 from vllm_compaction.vllm.paged_prefix import PagedPrefixPages
 from vllm_compaction.vllm.plugin import check_vllm_version
 from vllm_compaction.vllm.prompt import PLACEHOLDER_TOKEN_ID, CompactedRef, open_store
+from vllm_compaction.vllm.snapshot import SnapshotPlan, SnapshotRecorder, snapshot_dir, snapshot_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -69,6 +74,7 @@ class PrefixLoad:
 class CompactionMetadata(KVConnectorMetadata):
     loads: list[PrefixLoad] = field(default_factory=list)
     packed: dict[int, int] = field(default_factory=dict)  # first block id -> prefix blocks
+    snapshots: list[SnapshotPlan] = field(default_factory=list)
 
 
 class CompactionConnector(KVConnectorBase_V1):
@@ -77,7 +83,9 @@ class CompactionConnector(KVConnectorBase_V1):
         check_vllm_version()
         super().__init__(vllm_config, role, kv_cache_config)
         block_size = _block_size(vllm_config, kv_cache_config)
-        self._scheduler = _SchedulerSide(block_size) if role == KVConnectorRole.SCHEDULER else None
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        snapshots = bool(extra.get("kv_snapshots", False))
+        self._scheduler = _SchedulerSide(block_size, snapshots) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _WorkerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
 
     # ---------------------------------------------------------------- scheduler side
@@ -114,6 +122,19 @@ class CompactionConnector(KVConnectorBase_V1):
         """The engine's pages as packed-prefix rows (worker side)."""
         return self._worker.pages()
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # before the forward pass (loads may start after it, when no request waits on one)
+        if self._worker is not None and isinstance(connector_metadata, CompactionMetadata):
+            self._worker.begin_step(connector_metadata.snapshots)
+
+    def record_kv(self, layer_name: str, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Called by the compaction backends with every K/V write: feeds this step's snapshots."""
+        if self._worker is not None and self._worker.recorder is not None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            self._worker.recorder.record(extract_layer_index(layer_name), key, value, slot_mapping)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, CompactionMetadata)
@@ -127,7 +148,8 @@ class CompactionConnector(KVConnectorBase_V1):
         return  # nothing is saved: caches come from the compaction worker's store
 
     def wait_for_save(self):
-        return
+        if self._worker is not None:
+            self._worker.finish_step()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()
@@ -139,14 +161,18 @@ def _block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | Non
 
 
 class _SchedulerSide:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, snapshots: bool = False) -> None:
         self.block_size = block_size
+        self.snapshots = snapshots
+        self._snapshot_of: dict[str, tuple[str, int]] = {}  # request -> snapshot name, prompt length
+        self._snapshot_blocks: dict[str, list[int]] = {}  # request -> its block ids so far
         self._pending: dict[str, tuple[CompactedRef, int, str | None]] = {}
         self._loads: list[PrefixLoad] = []
         self._packed_blocks: dict[str, int] = {}  # request -> prefix blocks, for packed prefixes
         self._first_block: dict[str, int] = {}  # request -> its first block id, once allocated
 
     def num_new_matched(self, request: "Request", num_computed_tokens: int) -> int:
+        self._plan_snapshot(request, num_computed_tokens)
         try:
             ref = CompactedRef.parse(request.cache_salt)
         except ValueError as exc:
@@ -195,10 +221,61 @@ class _SchedulerSide:
                     self._first_block[req_id] = blocks[0][0]  # resumed: a new block table
         packed = {self._first_block[r]: self._packed_blocks[r]
                   for r in scheduler_output.num_scheduled_tokens if r in self._first_block}
-        metadata, self._loads = CompactionMetadata(self._loads, packed), []
+        snapshots = self._snapshot_plans(scheduler_output) if self._snapshot_of else []
+        metadata, self._loads = CompactionMetadata(self._loads, packed, snapshots), []
         return metadata
 
+    def _plan_snapshot(self, request: "Request", num_computed_tokens: int) -> None:
+        try:
+            name = snapshot_name(request.kv_transfer_params)
+        except ValueError as exc:
+            logger.error("request %s: %s; no KV snapshot taken", request.request_id, exc)
+            return
+        if name is None or request.request_id in self._snapshot_of:
+            return  # (a resumed request keeps its plan: the rows recorded before stay valid)
+        if not self.snapshots:
+            logger.error("request %s asks for a KV snapshot, but this engine was not started with "
+                         "kv_snapshots enabled; none is taken", request.request_id)
+        elif num_computed_tokens:
+            logger.error("request %s: %d prompt tokens came from the prefix cache, so no KV snapshot can be "
+                         "taken; give snapshot requests a cache_salt of their own", request.request_id,
+                         num_computed_tokens)
+        else:
+            self._snapshot_of[request.request_id] = (name, request.num_prompt_tokens)
+
+    def _snapshot_plans(self, scheduler_output: "SchedulerOutput") -> list[SnapshotPlan]:
+        """The prompt positions of snapshot requests computed this step, and their slots."""
+        computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._snapshot_of:
+                self._snapshot_blocks[new.req_id] = list(new.block_ids[0])
+                computed[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            if req_id in self._snapshot_of:
+                blocks = cached.new_block_ids[index]
+                known = [] if req_id in cached.resumed_req_ids else self._snapshot_blocks.get(req_id, [])
+                self._snapshot_blocks[req_id] = known + (list(blocks[0]) if blocks else [])
+                computed[req_id] = cached.num_computed_tokens[index]
+        plans = []
+        for req_id, start in computed.items():
+            name, length = self._snapshot_of[req_id]
+            end = min(start + scheduler_output.num_scheduled_tokens[req_id], length)
+            if start >= length:
+                continue
+            blocks = self._snapshot_blocks[req_id]
+            slots = [blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
+            plans.append(SnapshotPlan(name, start, end, slots, length))
+            if end >= length:
+                self._forget_snapshot(req_id)
+        return plans
+
+    def _forget_snapshot(self, request_id: str) -> None:
+        self._snapshot_of.pop(request_id, None)
+        self._snapshot_blocks.pop(request_id, None)
+
     def forget(self, request_id: str) -> None:
+        self._forget_snapshot(request_id)
         self._pending.pop(request_id, None)
         self._packed_blocks.pop(request_id, None)
         self._first_block.pop(request_id, None)
@@ -223,6 +300,17 @@ class _WorkerSide:
         self._pages: PagedPrefixPages | None = None
         self._prepared: OrderedDict[str, PhysicalPrefix | PackedPrefix] = OrderedDict()
         self._failed: set[int] = set()
+        self.recorder = (SnapshotRecorder(snapshot_dir(self.store.root),
+                                          self.model_config.get_num_layers(vllm_config.parallel_config))
+                         if extra.get("kv_snapshots") else None)
+
+    def begin_step(self, plans: list[SnapshotPlan]) -> None:
+        if self.recorder is not None:
+            self.recorder.begin_step(plans)
+
+    def finish_step(self) -> None:
+        if self.recorder is not None:
+            self.recorder.finish_step()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index

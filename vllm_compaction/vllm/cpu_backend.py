@@ -27,7 +27,13 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
 )
 
-from vllm_compaction.vllm.backend_common import AugmentedHeadSizes, compaction_enabled, packed_batch
+from vllm_compaction.vllm.backend_common import (
+    AugmentedHeadSizes,
+    compaction_enabled,
+    kv_snapshots_enabled,
+    packed_batch,
+    record_kv_write,
+)
 from vllm_compaction.vllm.bias import augment_kv, augment_query, augmented_head_size
 from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages, attend_prefixes
 from vllm_compaction.vllm.varlen_attention import merge_with_prefix, sink_for
@@ -58,9 +64,11 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.augmented: int | None = None
+        self.records_kv = False  # K/V writes shown to a KV snapshot (.snapshot)
         if self.attn_type == AttentionType.DECODER and compaction_enabled(get_current_vllm_config()):
             self.augmented = cpu_augmented_head_size(self.head_size)
             _AUGMENTED.record(self.head_size, self.augmented)
+            self.records_kv = kv_snapshots_enabled(get_current_vllm_config())
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
@@ -118,6 +126,8 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.augmented is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if self.records_kv:
+            record_kv_write(layer, key, value, slot_mapping)
         key, value = augment_kv(key, value, self.augmented)
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 

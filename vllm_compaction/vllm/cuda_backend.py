@@ -46,7 +46,13 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
 
-from vllm_compaction.vllm.backend_common import AugmentedHeadSizes, compaction_enabled, packed_batch
+from vllm_compaction.vllm.backend_common import (
+    AugmentedHeadSizes,
+    compaction_enabled,
+    kv_snapshots_enabled,
+    packed_batch,
+    record_kv_write,
+)
 from vllm_compaction.vllm.bias import BIAS_COORDS, augment_kv
 from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages, attend_prefixes
 from vllm_compaction.vllm.varlen_attention import merge_by_lse
@@ -283,6 +289,7 @@ class CompactionTritonImpl(TritonAttentionImpl):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.augmented: int | None = None
+        self.records_kv = False  # K/V writes shown to a KV snapshot (.snapshot)
         if not compaction_enabled(get_current_vllm_config()):
             return
         if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
@@ -296,6 +303,7 @@ class CompactionTritonImpl(TritonAttentionImpl):
             )
         self.augmented = triton_augmented_head_size(self.head_size)
         _AUGMENTED.record(self.head_size, self.augmented)
+        self.records_kv = kv_snapshots_enabled(get_current_vllm_config())
         # a quantized query (fp8 KV cache paths) would reach a kernel that reads it as float
         self.supports_quant_query_input = False
 
@@ -390,6 +398,8 @@ class CompactionTritonImpl(TritonAttentionImpl):
     ) -> None:
         if self.augmented is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if self.records_kv:
+            record_kv_write(layer, key, value, slot_mapping)
         # ordinary tokens: beta 0, i.e. exactly the scores of the stock backend
         write_augmented_kv(kv_cache, slot_mapping, key, value, None, augmented=self.augmented,
                            kv_cache_dtype=self.kv_cache_dtype, k_scale=layer._k_scale,

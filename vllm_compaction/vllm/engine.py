@@ -32,25 +32,33 @@ def engine_fingerprint(model_config) -> ModelFingerprint:
     return _fingerprint(str(model_config.model), str(model_config.dtype).removeprefix("torch."))
 
 
-def kv_transfer_config(store: str | Path | None = None) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` value that enables compacted prefixes."""
+def kv_transfer_config(store: str | Path | None = None, *, kv_snapshots: bool = False) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` value that enables compacted prefixes.
+
+    ``kv_snapshots`` lets requests ask for the K/V the engine computed (:mod:`.snapshot`); they
+    write files under the store, so it is off unless asked for (never on a public server).
+    """
     from vllm_compaction.vllm.prompt import default_store_dir
 
+    extra: dict[str, Any] = {"store": str(store or default_store_dir())}
+    if kv_snapshots:
+        extra["kv_snapshots"] = True
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": "vllm_compaction.vllm.connector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"store": str(store or default_store_dir())},
+        "kv_connector_extra_config": extra,
     }
 
 
-def engine_kwargs(store: str | Path | None = None, **overrides: Any) -> dict[str, Any]:
+def engine_kwargs(store: str | Path | None = None, *, kv_snapshots: bool = False, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` with compaction enabled.
 
     Prefix caching stays on: it is what lets requests on the same cache share loaded pages. On
     CUDA the compaction backend is selected (``attention_backend="CUSTOM"``).
     """
-    kwargs: dict[str, Any] = {"kv_transfer_config": kv_transfer_config(store), "enable_prefix_caching": True}
+    kwargs: dict[str, Any] = {"kv_transfer_config": kv_transfer_config(store, kv_snapshots=kv_snapshots),
+                              "enable_prefix_caching": True}
     if torch.cuda.is_available():
         kwargs["attention_backend"] = "CUSTOM"  # the Triton bias kernel; the CPU platform has no choice
     kwargs.update(overrides)
