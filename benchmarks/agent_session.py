@@ -1,6 +1,6 @@
 """A long agent-style session with auto-compaction through the OpenAI API.
 
-Run ``python -m benchmarks.agent_session [--threshold 512] [--ratio 0.1] [--target-multiple 4]``.
+Run ``python -m benchmarks.agent_session [--threshold 512] [--ratio 0.1 | --target-tokens N] [--target-multiple 4]``.
 A ``vllm-compaction serve`` process (SmolLM2-135M, CPU) runs with auto-compaction above
 ``--threshold`` physical prompt tokens (the KV cap of the session). Turn 0 plants three facts;
 every later turn adds an essay excerpt (a tool output) and the model's one-line reply. After every
@@ -38,6 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threshold", type=int, default=512, help="auto-compaction threshold (tokens)")
     parser.add_argument("--ratio", type=float, default=0.1)
+    parser.add_argument("--target-tokens", type=int, default=None,
+                        help="compact to this many content slots per head instead of --ratio")
     parser.add_argument("--method", default="am-highest-attn")
     parser.add_argument("--queries", default="repeat-prefill")
     parser.add_argument("--turn-tokens", type=int, default=150, help="essay tokens added per turn")
@@ -63,6 +65,7 @@ def main() -> None:
         str(1 << 30), "--max-num-seqs", "8", "--seed", "0", "--compaction-store", str(work / "store"),
         "--auto-compact-threshold-tokens", str(args.threshold), "--auto-compact-ratio", str(args.ratio),
         "--auto-compact-method", args.method, "--auto-compact-queries", args.queries,
+        *(["--auto-compact-target-tokens", str(args.target_tokens)] if args.target_tokens else []),
     ], work / "server.log")
     server.start()
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0, timeout=600)
@@ -92,8 +95,9 @@ def main() -> None:
         server.stop()
     result = {
         "command": "python -m benchmarks.agent_session " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
-        "model": MODEL, "threshold_tokens": args.threshold, "ratio": args.ratio, "method": args.method,
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None),
+        "model": MODEL, "threshold_tokens": args.threshold, "ratio": None if args.target_tokens else args.ratio,
+        "target_tokens": args.target_tokens, "method": args.method,
         "queries": args.queries, "turns": turns,
         "compactions": [{k: j[k] for k in ("id", "status", "original_tokens", "compacted_tokens", "ratio",
                                            "messages_covered", "timings", "error")} for j in jobs],
@@ -167,7 +171,9 @@ def _plot(result: dict, path: Path) -> None:
     top.axhline(result["threshold_tokens"], color="gray", ls="--", label="auto-compaction threshold")
     top.set_ylabel("tokens")
     top.legend()
-    top.set_title(f"Agent session, auto-compaction at {result['ratio']:.0%} ({result['method']})")
+    size = (f"to {result['target_tokens']} slots per head" if result.get("target_tokens")
+            else f"at {result['ratio']:.0%}")
+    top.set_title(f"Agent session, auto-compaction {size} ({result['method']})")
     bottom.plot(x, [sum(p["compacted"] for p in t["probes"]) for t in turns], "o-", label="compacted")
     bottom.plot(x, [sum(p["full"] for p in t["probes"]) for t in turns], "x--", label="full history")
     bottom.set_ylabel(f"facts right / {len(FACTS)}")

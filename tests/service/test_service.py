@@ -122,6 +122,21 @@ def test_auto_compaction_by_conversation(service):
     assert by_id.messages == diverged
 
 
+def test_auto_compaction_to_a_target_size(tmp_path, checkpoint):
+    path, tokenizer, fingerprint = checkpoint
+    config = ServiceConfig(store=tmp_path / "store", auto_compact_threshold_tokens=20, auto_compact_target_tokens=16)
+    service = CompactionService(config, model_path=path, served_model_names=[MODEL], fingerprint=fingerprint,
+                                tokenizer=tokenizer, kv_bytes_per_token=100, max_model_len=4096)
+    long = HISTORY + QUESTION
+    assert service.plan_chat("a", long, conversation_id="c") is None
+    (job,) = service.book.list("a")
+    assert job.target_tokens == 16 and job.ratio_requested is None
+    # content no longer than the target: nothing to gain, so no job
+    config.auto_compact_target_tokens = 10_000
+    assert service.plan_chat("a", long, conversation_id="d") is None
+    assert [j.conversation_id for j in service.book.list("a")] == ["c"]
+
+
 def test_uploads_are_verified(service, tmp_path):
     job = service.submit(request(messages=HISTORY), "a")
     service.book.claim("w")

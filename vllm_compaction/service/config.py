@@ -24,6 +24,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "auto_compact_threshold_tokens": ("--auto-compact-threshold-tokens",
                                       "compact a conversation once its prompt exceeds this many tokens"),
     "auto_compact_ratio": ("--auto-compact-ratio", "ratio of automatic compactions"),
+    "auto_compact_target_tokens": ("--auto-compact-target-tokens",
+                                   "content slots per head that automatic compactions keep, instead of a "
+                                   "ratio: compact to fit (a conversation no longer than this is left alone)"),
     "auto_compact_keep_last_tokens": ("--auto-compact-keep-last-tokens",
                                       "content tokens at the end that automatic compactions keep exact"),
     "auto_compact_method": ("--auto-compact-method", "method of automatic compactions"),
@@ -40,6 +43,7 @@ class ServiceConfig(BaseModel):
     heartbeat_s: float = Field(1.0, gt=0)
     auto_compact_threshold_tokens: int | None = Field(None, gt=0)
     auto_compact_ratio: float = Field(0.2, gt=0, le=1)
+    auto_compact_target_tokens: int | None = Field(None, gt=0)
     auto_compact_keep_last_tokens: int = Field(0, ge=0)
     auto_compact_method: str = "am-omp-fast"
     auto_compact_queries: str | None = None

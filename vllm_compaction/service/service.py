@@ -99,7 +99,7 @@ class CompactionService:
     def _record(self, messages: list[dict[str, str]], owner: str, *, model: str, method: str,
                 queries: str | None, ratio: float | None, target_tokens: int | None,
                 keep_last_tokens: int, conversation_id: str | None,
-                max_head_ratio: float | None = None) -> JobRecord:
+                max_head_ratio: float | None = None, least_content: int = 0) -> JobRecord:
         try:
             ids, mask = self.chat.chat_content(messages)
         except ValueError as exc:  # ChatTemplateError included
@@ -108,9 +108,10 @@ class CompactionService:
             raise JobError(400, f"the conversation has {len(ids)} tokens, more than the model's "
                                 f"window of {self.max_model_len}")
         content = int(mask.sum()) - keep_last_tokens
-        if content <= 0:
+        if content <= least_content:
             raise JobError(400, f"nothing to compact: {int(mask.sum())} content tokens and "
-                                f"keep_last_tokens={keep_last_tokens}")
+                                f"keep_last_tokens={keep_last_tokens}"
+                                + (f" leave no more than the {least_content} to keep" if least_content else ""))
         average = ratio if ratio is not None else min(1.0, target_tokens / content)
         if max_head_ratio is None:
             max_head_ratio = 1.0 if self.layout == "varlen" else min(1.0, HEAD_CAP_FACTOR * average)
@@ -245,11 +246,12 @@ class CompactionService:
         if physical <= threshold or self.book.active_for_conversation(conversation_id, owner):
             return
         cfg = self.config
+        target = cfg.auto_compact_target_tokens
         try:
             record = self._record(messages, owner, model=self.served_model_names[0], method=cfg.auto_compact_method,
-                                  queries=cfg.auto_compact_queries, ratio=cfg.auto_compact_ratio,
-                                  target_tokens=None, keep_last_tokens=cfg.auto_compact_keep_last_tokens,
-                                  conversation_id=conversation_id)
+                                  queries=cfg.auto_compact_queries, ratio=None if target else cfg.auto_compact_ratio,
+                                  target_tokens=target, keep_last_tokens=cfg.auto_compact_keep_last_tokens,
+                                  conversation_id=conversation_id, least_content=target or 0)
         except JobError as exc:
             logger.warning("no automatic compaction of conversation %s: %s", conversation_id, exc)
             return
