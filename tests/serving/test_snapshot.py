@@ -50,6 +50,23 @@ def test_chunked_prefill_is_planned_step_by_step_with_its_slots():
     assert scheduler.take_metadata(_step(cached=[("a", None, 10, False)], scheduled={"a": 1})).snapshots == []
 
 
+def test_a_request_that_ends_mid_prompt_has_its_rows_dropped(tmp_path):
+    scheduler = _SchedulerSide(BLOCK, snapshots=True)
+    scheduler.num_new_matched(_request("a", 10, "snap-a"), 0)
+    (plan,) = scheduler.take_metadata(_step(new=[("a", [7, 3], 0)], scheduled={"a": 6})).snapshots
+    recorder = SnapshotRecorder(tmp_path, 1)
+    recorder.begin_step([plan])
+    recorder.record(0, torch.ones(6, 1, 2), torch.ones(6, 1, 2), torch.tensor(plan.slots))
+    recorder.finish_step()
+    assert recorder.pending == ["snap-a"]
+    scheduler.forget("a")  # aborted after the first chunk
+    metadata = scheduler.take_metadata(_step())
+    assert metadata.abandoned_snapshots == ["snap-a"] and metadata.snapshots == []
+    recorder.drop(metadata.abandoned_snapshots)
+    assert recorder.pending == [] and not list(tmp_path.iterdir())
+    assert scheduler.take_metadata(_step()).abandoned_snapshots == []  # said once
+
+
 def test_snapshots_are_refused_when_off_misnamed_or_partly_cached(caplog):
     off = _SchedulerSide(BLOCK, snapshots=False)
     off.num_new_matched(_request("a", 8, "snap"), 0)

@@ -75,6 +75,7 @@ class CompactionMetadata(KVConnectorMetadata):
     loads: list[PrefixLoad] = field(default_factory=list)
     packed: dict[int, int] = field(default_factory=dict)  # first block id -> prefix blocks
     snapshots: list[SnapshotPlan] = field(default_factory=list)
+    abandoned_snapshots: list[str] = field(default_factory=list)  # requests that ended before their prompt did
 
 
 class CompactionConnector(KVConnectorBase_V1):
@@ -126,7 +127,7 @@ class CompactionConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         # before the forward pass (loads may start after it, when no request waits on one)
         if self._worker is not None and isinstance(connector_metadata, CompactionMetadata):
-            self._worker.begin_step(connector_metadata.snapshots)
+            self._worker.begin_step(connector_metadata.snapshots, connector_metadata.abandoned_snapshots)
 
     def record_kv(self, layer_name: str, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Called by the compaction backends with every K/V write: feeds this step's snapshots."""
@@ -166,6 +167,7 @@ class _SchedulerSide:
         self.snapshots = snapshots
         self._snapshot_of: dict[str, tuple[str, int]] = {}  # request -> snapshot name, prompt length
         self._snapshot_blocks: dict[str, list[int]] = {}  # request -> its block ids so far
+        self._abandoned: list[str] = []  # snapshots whose request ended first: workers drop their rows
         self._pending: dict[str, tuple[CompactedRef, int, str | None]] = {}
         self._loads: list[PrefixLoad] = []
         self._packed_blocks: dict[str, int] = {}  # request -> prefix blocks, for packed prefixes
@@ -222,7 +224,8 @@ class _SchedulerSide:
         packed = {self._first_block[r]: self._packed_blocks[r]
                   for r in scheduler_output.num_scheduled_tokens if r in self._first_block}
         snapshots = self._snapshot_plans(scheduler_output) if self._snapshot_of else []
-        metadata, self._loads = CompactionMetadata(self._loads, packed, snapshots), []
+        metadata = CompactionMetadata(self._loads, packed, snapshots, self._abandoned)
+        self._loads, self._abandoned = [], []
         return metadata
 
     def _plan_snapshot(self, request: "Request", num_computed_tokens: int) -> None:
@@ -275,6 +278,8 @@ class _SchedulerSide:
         self._snapshot_blocks.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
+        if request_id in self._snapshot_of:  # aborted (or failed) before its prompt was computed
+            self._abandoned.append(self._snapshot_of[request_id][0])
         self._forget_snapshot(request_id)
         self._pending.pop(request_id, None)
         self._packed_blocks.pop(request_id, None)
@@ -304,8 +309,9 @@ class _WorkerSide:
                                           self.model_config.get_num_layers(vllm_config.parallel_config))
                          if extra.get("kv_snapshots") else None)
 
-    def begin_step(self, plans: list[SnapshotPlan]) -> None:
+    def begin_step(self, plans: list[SnapshotPlan], abandoned: list[str]) -> None:
         if self.recorder is not None:
+            self.recorder.drop(abandoned)
             self.recorder.begin_step(plans)
 
     def finish_step(self) -> None:

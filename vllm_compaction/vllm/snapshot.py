@@ -80,6 +80,16 @@ class SnapshotRecorder:
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> keys, values [L,H,T,d]
         self._lookup: tuple[torch.Tensor, torch.Tensor] | None = None  # sorted slots, their positions
 
+    @property
+    def pending(self) -> list[str]:
+        """Snapshots with rows recorded and no file written yet."""
+        return list(self._buffers)
+
+    def drop(self, names: list[str]) -> None:
+        """Forget the rows of snapshots whose request ended before its prompt was computed."""
+        for name in names:
+            self._buffers.pop(name, None)
+
     def begin_step(self, plans: list[SnapshotPlan]) -> None:
         """Index this step's planned slots (one sorted table for every layer of the step)."""
         self._lookup = None
