@@ -296,7 +296,7 @@ def plot_capacity(result: dict, path: Path) -> None:
 
 
 def measure_overhead(args, adapter) -> dict[str, Any]:
-    """3. plugin on vs off (a stock engine) on plain prompts: one engine at a time (an idle engine
+    """4. plugin on vs off (a stock engine) on plain prompts: one engine at a time (an idle engine
     beside a busy one takes CPU from it), alternating on/off over ``--trials`` rounds."""
     from vllm_compaction.corpus import haystack_text
 

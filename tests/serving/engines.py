@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import gc
 
-import torch
-
-from vllm_compaction.am.heads import CompactedHeads
 from vllm_compaction.cache import CompactedCache
 
 ENGINE_OPTIONS = dict(enforce_eager=True, kv_cache_memory_bytes=1 << 30, max_model_len=4096,
@@ -34,8 +31,4 @@ def stop_llm(llm) -> None:
 def exact_cache(adapter, token_ids) -> CompactedCache:
     """A cache that keeps every key with beta = 0: serving it must equal the full prompt."""
     prefix = adapter.prefill(token_ids, capture_queries=False)
-    positions = torch.arange(len(token_ids))
-    layers = [CompactedHeads.exact(prefix.keys[l], prefix.values[l], positions) for l in range(adapter.num_layers)]
-    return CompactedCache(layers=layers, logical_length=len(token_ids), token_ids=list(token_ids),
-                          compacted_span=(0, len(token_ids)), layer_compacted=[False] * adapter.num_layers,
-                          model=adapter.fingerprint(), method="none", ratio=1.0)
+    return CompactedCache.identity(prefix.keys, prefix.values, token_ids, adapter.fingerprint())

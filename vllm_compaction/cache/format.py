@@ -195,6 +195,17 @@ class CompactedCache:
     timings: dict[str, float] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
 
+    @classmethod
+    def identity(cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], token_ids: Sequence[int],
+                 model: ModelFingerprint) -> "CompactedCache":
+        """Every key kept at its position with ``beta = 0`` (t = T), from per-layer keys/values
+        ``[H, T, d]`` (post-RoPE): served or decoded, it must reproduce the uncompacted prompt."""
+        length = len(token_ids)
+        positions = torch.arange(length)
+        layers = [CompactedHeads.exact(k, v, positions) for k, v in zip(keys, values)]
+        return cls(layers=layers, logical_length=length, token_ids=list(token_ids), compacted_span=(0, length),
+                   layer_compacted=[False] * len(layers), model=model, method="none", ratio=1.0)
+
     def __post_init__(self) -> None:
         self.layers = list(self.layers)
         self.token_ids = [int(t) for t in self.token_ids]

@@ -200,14 +200,8 @@ def _connector_extra(llm: Any) -> dict[str, Any]:
 def identity_cache(llm: Any, kv: EngineKV):
     """A ``CompactedCache`` that keeps every snapshotted key with beta = 0 (t = T): served by the
     same engine it must reproduce the uncompacted prompt exactly, in the engine's dtype."""
-    from vllm_compaction.am.heads import CompactedHeads
     from vllm_compaction.cache import CompactedCache
     from vllm_compaction.vllm.engine import engine_fingerprint
 
-    length = len(kv.token_ids)
-    positions = torch.arange(length)
-    layers = [CompactedHeads.exact(kv.keys[layer], kv.values[layer], positions) for layer in range(kv.keys.shape[0])]
-    return CompactedCache(layers=layers, logical_length=length, token_ids=list(kv.token_ids),
-                          compacted_span=(0, length), layer_compacted=[False] * len(layers),
-                          model=engine_fingerprint(llm.llm_engine.vllm_config.model_config),
-                          method="none", ratio=1.0)
+    return CompactedCache.identity(kv.keys, kv.values, kv.token_ids,
+                                   engine_fingerprint(llm.llm_engine.vllm_config.model_config))
