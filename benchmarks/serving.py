@@ -17,8 +17,9 @@ Run ``python -m benchmarks.serving [--prefix-tokens 4000] [--sessions 16] [--qui
    from the scheduler (an in-process engine), then decode tokens/s with that many sessions
    (``--only-capacity`` runs just this, into ``serving_capacity.json`` and ``.png``);
 4. decode tokens/s on ordinary uncompacted traffic with the plugin on (compaction connector
-   configured: widened head dim) vs off (stock engine): one engine at a time, alternating
-   on/off over the trials (``--only-overhead`` runs just this, into ``plugin_overhead.json``).
+   configured), with stock-width pages (the CPU default) and with widened pages, vs off (stock
+   engine): one engine at a time, alternating the three over the trials (``--only-overhead`` runs
+   just this, into ``plugin_overhead.json``).
 """
 
 from __future__ import annotations
@@ -41,13 +42,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 QUESTION = [{"role": "user", "content": "Summarize the essay above in one sentence."}]
 
 
-def _engine(dtype: str, store: Path | None, max_len: int, kv_bytes: int, max_num_seqs: int = 32):
+def _engine(dtype: str, store: Path | None, max_len: int, kv_bytes: int, max_num_seqs: int = 32,
+            pages: str | None = None):
+    """A plugin engine on ``store`` (``pages``: the KV page width, default the platform's), or a
+    stock engine when ``store`` is None."""
     from vllm import LLM
 
     from vllm_compaction.models import resolve
     from vllm_compaction.vllm import engine_kwargs
 
-    extra = engine_kwargs(store=store) if store is not None else {"enable_prefix_caching": True}
+    extra = engine_kwargs(store=store, pages=pages) if store is not None else {"enable_prefix_caching": True}
     return LLM(str(resolve("smollm2-135m")), dtype=dtype, enforce_eager=True, max_model_len=max_len,
                kv_cache_memory_bytes=kv_bytes, max_num_seqs=max_num_seqs, seed=0, **extra)
 
@@ -218,8 +222,9 @@ def measure_capacity(args, prefix_ids: list[int], question_ids: list[int], store
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     max_len = len(prefix_ids) + len(question_ids) + args.decode_tokens + 64
+    # widened pages: the padded layout needs them, and one engine serves every kind side by side
     engine = _engine(args.dtype, Path(args.store), max_len, args.capacity_kv_mib << 20,
-                     max_num_seqs=args.capacity_sessions)
+                     max_num_seqs=args.capacity_sessions, pages="widened")
     block_size = engine.llm_engine.vllm_config.cache_config.block_size
     result: dict[str, Any] = dict(kv_mib=args.capacity_kv_mib, sessions_submitted=args.capacity_sessions,
                                   decode_tokens=args.decode_tokens, block_size=block_size, kinds={})
@@ -295,37 +300,68 @@ def plot_capacity(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+OVERHEAD_ENGINES = ("stock", "widened", "off")
+"""Plugin on with stock-width pages (the CPU default), plugin on with widened pages, plugin off."""
+
+
 def measure_overhead(args, adapter) -> dict[str, Any]:
-    """4. plugin on vs off (a stock engine) on plain prompts: one engine at a time (an idle engine
-    beside a busy one takes CPU from it), alternating on/off over ``--trials`` rounds."""
+    """4. plugin on (stock-width and widened pages) vs off (a stock engine) on plain prompts, and
+    the two plugin engines on compacted (varlen) sessions: one engine at a time (an idle engine
+    beside a busy one takes CPU from it), alternating the three over ``--trials`` rounds."""
+    from vllm_compaction.cache import LocalDiskStore
     from vllm_compaction.corpus import haystack_text
+    from vllm_compaction.pipeline import compact
+    from vllm_compaction.vllm import compacted_prompt
 
     plain = [{"prompt_token_ids": adapter.chat_ids([{"role": "user", "content": haystack_text(
         args.plain_tokens, adapter.tokenizer, seed=100 + i)}], add_generation_prompt=True)}
              for i in range(args.sessions)]
+    # compacted sessions: one essay of the same length at --ratio, each session its own question
+    # (the prefix blocks are shared through the prefix cache; every session attends them anyway)
+    messages = [{"role": "user", "content": "Read this essay.\n\n" +
+                 haystack_text(args.plain_tokens, adapter.tokenizer, seed=100)}]
+    store = LocalDiskStore(Path(args.store))
+    cache = compact(adapter, messages, ratio=args.ratio, method="am-highest-attn-fast")
+    questions = [[{"role": "user", "content": f"Question {i + 1}: what is the essay above about?"}]
+                 for i in range(args.sessions)]
     small_len = args.plain_tokens + args.decode_tokens + 128
     # vLLM's CPU executor reserves one core more whenever a KV connector is configured (meant for
     # NIXL transfers): on a 2-core box the plugin engine would then compute on both cores and the
     # stock one on one. The same reservation for both makes the comparison about the plugin.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    result: dict[str, Any] = {"VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"]}
-    rates: dict[str, list[float]] = {"on": [], "off": []}
+    result: dict[str, Any] = {"VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"],
+                              "compacted_prefix": {"logical_tokens": cache.logical_length,
+                                                   "ratio": args.ratio, "kept_slots": cache.physical_slots}}
+    rates: dict[str, list[float]] = {name: [] for name in OVERHEAD_ENGINES}
+    compacted_rates: dict[str, list[float]] = {name: [] for name in OVERHEAD_ENGINES if name != "off"}
     for _ in range(args.trials):
-        for name in ("on", "off"):
-            engine = _engine(args.dtype, Path(args.store) if name == "on" else None, small_len,
-                             int(args.overhead_kv_gib * (1 << 30)))
+        for name in OVERHEAD_ENGINES:
+            engine = _engine(args.dtype, None if name == "off" else store.root, small_len,
+                             int(args.overhead_kv_gib * (1 << 30)), pages=None if name == "off" else name)
             try:
-                result[f"kv_bytes_per_token_plugin_{name}"] = _kv_bytes_per_token(engine)
+                result[f"kv_bytes_per_token_{name}"] = _kv_bytes_per_token(engine)
                 _timed(engine, plain, 1)  # prefill (then cached)
                 _timed(engine, plain, 8)  # warm the decode path
                 seconds, outputs = _timed(engine, plain, args.decode_tokens)
                 rates[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds)
+                if name != "off":
+                    compacted = [compacted_prompt(cache, q, llm=engine, store=store) for q in questions]
+                    _timed(engine, compacted, 1)  # load and prefill
+                    seconds, outputs = _timed(engine, compacted, args.decode_tokens)
+                    compacted_rates[name].append(sum(len(o.outputs[0].token_ids) for o in outputs) / seconds)
             finally:
                 _stop(engine)
-    result["plain_decode_tokens_per_s"] = {k: statistics.median(v) for k, v in rates.items()}
+    medians = {k: statistics.median(v) for k, v in rates.items()}
+    result["plain_decode_tokens_per_s"] = medians
     result["plain_decode_tokens_per_s_all"] = rates
-    result["plugin_decode_overhead"] = 1 - result["plain_decode_tokens_per_s"]["on"] / result["plain_decode_tokens_per_s"]["off"]
-    logger.warning("plugin overhead on plain decode: %.1f%% (%s)", 100 * result["plugin_decode_overhead"], rates)
+    result["plugin_decode_overhead"] = {name: 1 - medians[name] / medians["off"] for name in ("stock", "widened")}
+    # per round: each round's engines ran back to back, so their ratio is less exposed to drift
+    result["plugin_decode_overhead_per_round"] = {
+        name: [1 - on / off for on, off in zip(rates[name], rates["off"])] for name in ("stock", "widened")}
+    result["compacted_decode_tokens_per_s"] = {k: statistics.median(v) for k, v in compacted_rates.items()}
+    result["compacted_decode_tokens_per_s_all"] = compacted_rates
+    logger.warning("plugin overhead on plain decode: %s (%s); compacted sessions: %s",
+                   result["plugin_decode_overhead"], rates, compacted_rates)
     return result
 
 

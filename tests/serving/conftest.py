@@ -1,7 +1,8 @@
 """Session fixtures of the serving tests.
 
-One compaction-enabled fp32 engine serves the whole session; the vanilla and bf16 engines live
-only as long as the module that needs them, so at most three engines are up at once.
+One compaction-enabled fp32 engine with the default (stock-width) pages serves the whole session;
+the vanilla, widened-page and bf16 engines live only as long as the module that needs them, so at
+most three engines are up at once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def store_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def llm(store_dir):
-    """The compaction-enabled fp32 engine (KV snapshots on)."""
+    """The compaction-enabled fp32 engine: default pages (stock width on CPU), KV snapshots on."""
     engine = start_llm("float32", store=store_dir, kv_snapshots=True)
     yield engine
     stop_llm(engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 
 from vllm_compaction.cache import CompactedCache
 
@@ -10,13 +11,19 @@ ENGINE_OPTIONS = dict(enforce_eager=True, kv_cache_memory_bytes=1 << 30, max_mod
                       max_num_seqs=16, seed=0)
 
 
-def start_llm(dtype: str, *, store=None, compaction: bool = True, kv_snapshots: bool = False):
+def start_llm(dtype: str, *, store=None, compaction: bool = True, kv_snapshots: bool = False,
+              pages: str | None = None):
     from vllm import LLM
 
     from vllm_compaction.models import resolve
+    # vLLM's CPU executor reserves one core more whenever any KV connector is configured (meant for
+    # NIXL): plugin and stock engines would then run different thread counts, whose fp32 sums
+    # round differently. One reservation for all makes "the same computation" comparable.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     from vllm_compaction.vllm import engine_kwargs
 
-    extra = engine_kwargs(store=store, kv_snapshots=kv_snapshots) if compaction else {"enable_prefix_caching": True}
+    extra = (engine_kwargs(store=store, kv_snapshots=kv_snapshots, pages=pages) if compaction
+             else {"enable_prefix_caching": True})
     return LLM(str(resolve("smollm2-135m")), dtype=dtype, **ENGINE_OPTIONS, **extra)
 
 

@@ -74,7 +74,8 @@ def _dtype_id(dtype: torch.dtype) -> str:
 @pytest.fixture(scope="module")
 def compaction_config(tmp_path_factory) -> VllmConfig:
     store = tmp_path_factory.mktemp("store")
-    return VllmConfig(kv_transfer_config=KVTransferConfig(**kv_transfer_config(store)))
+    # widened: the CUDA default, named because on this CPU-only machine the default is stock
+    return VllmConfig(kv_transfer_config=KVTransferConfig(**kv_transfer_config(store, pages="widened")))
 
 
 @pytest.fixture(autouse=True)
@@ -319,6 +320,12 @@ def test_unsupported_layers_are_refused(compaction_config, kwargs, what):
     with pytest.raises(NotImplementedError, match=what):
         _impl(compaction_config, **kwargs)
     assert cuda_backend._AUGMENTED.get(D) is None  # a refused layer widens nothing
+
+
+def test_stock_width_pages_are_refused_on_cuda(tmp_path):
+    config = VllmConfig(kv_transfer_config=KVTransferConfig(**kv_transfer_config(tmp_path, pages="stock")))
+    with pytest.raises(NotImplementedError, match="CPU-only"):
+        _impl(config)
 
 
 def test_a_cache_that_was_not_widened_is_refused():

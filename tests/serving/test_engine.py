@@ -65,10 +65,15 @@ def test_identity_cache_matches_vanilla_vllm(llm, vanilla, smollm2, essay, store
 
 
 def test_plain_prompts_unchanged_by_the_plugin(llm, vanilla, essay):
+    """Stock-width pages: a plain request runs vLLM's own kernel on the same pages, bit for bit."""
     prefix_ids, question_ids = essay
-    ours = llm.generate([{"prompt_token_ids": prefix_ids + question_ids}], greedy(32))[0].outputs[0]
-    theirs = vanilla.generate([{"prompt_token_ids": prefix_ids + question_ids}], greedy(32))[0].outputs[0]
+    # a salt of its own: the whole prompt is prefilled in both engines (a prefix-cache hit would
+    # split the prefill differently, and with it the fp32 rounding)
+    prompt = {"prompt_token_ids": prefix_ids + question_ids, "cache_salt": "plain-traffic"}
+    ours = llm.generate([prompt], greedy(32, logprobs=5))[0].outputs[0]
+    theirs = vanilla.generate([prompt], greedy(32, logprobs=5))[0].outputs[0]
     assert ours.token_ids == theirs.token_ids
+    assert [top_logprobs(step) for step in ours.logprobs] == [top_logprobs(step) for step in theirs.logprobs]
 
 
 def test_engine_kv_snapshot_is_what_the_model_computes(llm, smollm2, essay, store_dir):
@@ -97,12 +102,29 @@ def test_engine_kv_snapshot_is_what_the_model_computes(llm, smollm2, essay, stor
     assert not path.exists() and again.finish_reason == "length"
 
 
-def test_engine_allocates_widened_pages_only_with_the_connector(llm, vanilla):
+def test_stock_width_pages_cost_no_kv_memory(llm, vanilla):
     from vllm_compaction.vllm.engine import kv_bytes_per_token
 
     layers_heads_fp32 = 30 * 3 * 2 * 4
-    assert kv_bytes_per_token(llm.llm_engine.vllm_config) == layers_heads_fp32 * 80
+    assert kv_bytes_per_token(llm.llm_engine.vllm_config) == layers_heads_fp32 * 64
     assert kv_bytes_per_token(vanilla.llm_engine.vllm_config) == layers_heads_fp32 * 64
+    spec = llm.llm_engine.vllm_config.cache_config
+    assert spec.num_gpu_blocks == vanilla.llm_engine.vllm_config.cache_config.num_gpu_blocks  # same pages
+
+
+def test_padded_prefixes_are_refused_on_stock_pages(llm, smollm2, niah_cases, store_dir):
+    """Padded prefixes need the bias coordinates: the prompt builder says so, and a hand-made
+    request fails alone while the rest of its batch is served."""
+    _, prompt, cache = niah_cases[0]
+    with pytest.raises(ValueError, match="stock-width KV pages"):
+        compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir, layout="padded")
+    varlen = compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir)
+    padded_slots = cache.physical_tokens("padded", None)
+    ref = CompactedRef.parse(varlen["cache_salt"])
+    forged = {"prompt_token_ids": [PLACEHOLDER_TOKEN_ID] * padded_slots + prompt.continuation_ids,
+              "cache_salt": CompactedRef(ref.entry_id, padded_slots, ref.digest, "padded").salt}
+    bad, good = llm.generate([forged, varlen], greedy(8))
+    assert _failed(bad) and not _failed(good)
 
 
 def _first_logprob_gap(output, reference_logits: torch.Tensor) -> float:

@@ -1,17 +1,17 @@
 """The identity in bf16, where rounding makes "the same computation" a strict requirement.
 
-Served from a snapshot of the engine's own K/V, an identity cache in the padded layout must give
-bit for bit what the same engine gives for the plain prompt whose prefix comes from vLLM's
-prefix cache: the same prefix K/V, the same pages, the same kernel over the question tokens. The
-prefix is cut to whole blocks, because vLLM caches whole blocks only (a partial last block would
-be recomputed on the plain side and change the rounding).
+Three bf16 engines see the same block-aligned essay prefix (vLLM caches whole blocks only, so a
+partial last block would be recomputed on one side and change the rounding):
 
-Against stock vLLM (no plugin, d = 64 pages) bf16 cannot be bit-exact: the widened pages
-(d = 80) make the CPU kernel tile a long prefill differently, so the plain prompt itself rounds
-differently in the two engines (decode steps are bit-equal, a 540-token prefill differs by
-3e-5). That comparison is therefore the first step's top logprobs within two bf16 steps. The
-varlen layout attends the prefix in fp32 torch and merges it with the kernel's bf16 output:
-also a different rounding, checked the same way.
+* stock-width pages (the CPU default): a plain prompt runs vLLM's own kernel on the same pages as
+  stock vLLM, so its 64 greedy tokens and every top-3 logprob equal stock vLLM's, bit for bit.
+  The identity cache (t = T, beta = 0, built from the engine's own K/V snapshot) served varlen is
+  attended in fp32 torch, a different rounding: first-step logprobs within two bf16 steps.
+* widened pages: the identity cache in the padded layout gives bit for bit what the same engine
+  gives for the plain prompt with its prefix from vLLM's prefix cache (same K/V, same pages, same
+  kernel). Against stock vLLM it cannot be bit-exact, because the wider pages (d = 80) make the
+  CPU kernel tile a long prefill differently (decode steps are bit-equal, a 540-token prefill
+  differs by 3e-5): first-step logprobs within two bf16 steps.
 """
 
 from __future__ import annotations
@@ -41,41 +41,55 @@ def _common(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
 
 
-def test_identity_from_an_engine_snapshot_is_bit_exact_in_bf16(smollm2, tmp_path):
+def _same_steps(a, b) -> bool:
+    def steps(output):
+        return [{token: lp.logprob for token, lp in step.items()} for step in output.logprobs]
+    return steps(a) == steps(b)
+
+
+def test_bf16_plain_traffic_and_identity_caches_are_exact_where_the_kernel_is_shared(smollm2, tmp_path):
     from vllm import SamplingParams
 
     messages = [{"role": "user", "content": "Read this essay.\n\n" + haystack_text(600, smollm2.tokenizer, seed=7)}]
     question = smollm2.turn_ids([{"role": "user", "content": "What is the essay about?"}])
     params = SamplingParams(max_tokens=64, temperature=0.0, logprobs=3)
     prime = SamplingParams(max_tokens=1, temperature=0.0)
+    block = 128  # vLLM's CPU default block size, checked below
+    prefix_ids = smollm2.chat_ids(messages)
+    prefix_ids = prefix_ids[: len(prefix_ids) // block * block]
+    assert len(prefix_ids) >= block
 
-    def from_prefix_cache(engine, prefix_ids):
+    def from_prefix_cache(engine):
+        assert engine.llm_engine.vllm_config.cache_config.block_size == block
         engine.generate([{"prompt_token_ids": prefix_ids, "cache_salt": "plain"}], prime, use_tqdm=False)
         return engine.generate([{"prompt_token_ids": prefix_ids + question, "cache_salt": "plain"}], params,
                                use_tqdm=False)[0].outputs[0]
 
-    served_llm = start_llm("bfloat16", store=tmp_path, kv_snapshots=True)
-    try:
-        block = served_llm.llm_engine.vllm_config.cache_config.block_size
-        prefix_ids = smollm2.chat_ids(messages)
-        prefix_ids = prefix_ids[: len(prefix_ids) // block * block]
-        assert len(prefix_ids) >= block
-        plain = from_prefix_cache(served_llm, prefix_ids)
-        cache = identity_cache(served_llm, snapshot_kv(served_llm, prefix_ids))
-        served = {layout: served_llm.generate([compacted_prompt(cache, question, llm=served_llm, store=tmp_path,
-                                                                layout=layout)], params, use_tqdm=False)[0].outputs[0]
-                  for layout in ("padded", "varlen")}
-    finally:
-        stop_llm(served_llm)
+    def serve(pages: str, layout: str):
+        """The plain prompt, and the identity cache from the engine's own snapshot, on one engine."""
+        engine = start_llm("bfloat16", store=tmp_path / pages, kv_snapshots=True, pages=pages)
+        try:
+            plain = from_prefix_cache(engine)
+            cache = identity_cache(engine, snapshot_kv(engine, prefix_ids))
+            prompt = compacted_prompt(cache, question, llm=engine, store=tmp_path / pages, layout=layout)
+            return plain, engine.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        finally:
+            stop_llm(engine)
+
+    stock_plain, varlen = serve("stock", "varlen")
+    widened_plain, padded = serve("widened", "padded")
     vanilla = start_llm("bfloat16", compaction=False)
     try:
-        stock = from_prefix_cache(vanilla, prefix_ids)
+        stock = from_prefix_cache(vanilla)
     finally:
         stop_llm(vanilla)
 
-    padded = served["padded"]
-    assert len(plain.token_ids) == 64 and padded.token_ids == plain.token_ids, (padded.text, plain.text)
-    for step_served, step_plain in zip(padded.logprobs, plain.logprobs):
-        assert {t: lp.logprob for t, lp in step_served.items()} == {t: lp.logprob for t, lp in step_plain.items()}
-    assert _close(served["varlen"], plain) < BF16_STEPS and _common(served["varlen"], plain) >= 4
-    assert _close(plain, stock) < BF16_STEPS and _close(padded, stock) < BF16_STEPS
+    # stock-width pages: plain traffic is stock vLLM's computation, bit for bit
+    assert len(stock.token_ids) == 64 and stock_plain.token_ids == stock.token_ids
+    assert _same_steps(stock_plain, stock)
+    # widened pages: the padded identity is the same engine's plain prompt, bit for bit
+    assert padded.token_ids == widened_plain.token_ids, (padded.text, widened_plain.text)
+    assert _same_steps(padded, widened_plain)
+    # different roundings: close
+    assert _close(varlen, stock) < BF16_STEPS and _common(varlen, stock) >= 4
+    assert _close(widened_plain, stock) < BF16_STEPS and _close(padded, stock) < BF16_STEPS

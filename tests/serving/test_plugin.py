@@ -44,7 +44,8 @@ def test_compacted_ref_round_trip_and_malformed_salts():
     assert CompactedRef.parse(ref.salt) == ref
     assert CompactedRef.parse(None) is None and CompactedRef.parse("user-salt") is None
     for bad in ("vllm-compaction:1:a/b:3:" + "0" * 32, "vllm-compaction:2:a:3:" + "0" * 32,
-                "vllm-compaction:1:a:x:" + "0" * 32):
+                "vllm-compaction:1:a:x:" + "0" * 32,
+                "vllm-compaction:2:varlen:a:3:" + "0" * 32):  # an older packing version
         with pytest.raises(ValueError, match="malformed"):
             CompactedRef.parse(bad)
 

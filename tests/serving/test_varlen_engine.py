@@ -1,5 +1,7 @@
-"""Varlen (packed) prefixes through the real engine: the same answers as the padded layout and the
-reference decoder, the memory the engine reserves, prefix reuse, and refusals."""
+"""Varlen (packed) prefixes through the real engine with widened pages (which hold padded prefixes
+too): the same answers as the padded layout and the reference decoder, the memory the engine
+reserves, prefix reuse, and refusals. (The session engine, stock-width pages, serves varlen
+prefixes in tests/serving/test_engine.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from serving.engines import exact_cache
+from serving.engines import exact_cache, start_llm, stop_llm
 from serving.test_engine import QUESTION, _failed, _first_logprob_gap, essay_messages, greedy
 from vllm_compaction.am.heads import CompactedHeads
 from vllm_compaction.cache import CacheMismatchError, CompactedCache, LocalDiskStore
@@ -17,6 +19,20 @@ from vllm_compaction.reference import ReferenceDecoder
 from vllm_compaction.vllm import CompactedRef, compacted_prompt
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llm(store_dir):
+    """A widened-page fp32 engine (this module's tests compare varlen with padded prefixes)."""
+    engine = start_llm("float32", store=store_dir, pages="widened")
+    yield engine
+    stop_llm(engine)
+
+
+def test_widened_pages_cost_a_quarter_more_kv_memory(llm):
+    from vllm_compaction.vllm.engine import kv_bytes_per_token
+
+    assert kv_bytes_per_token(llm.llm_engine.vllm_config) == 30 * 3 * 2 * 4 * 80  # d = 64 -> 80
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
 """Varlen-packed prefixes without an engine: the block geometry, writing and reading pages, the
-per-head prefix attention and its exact merge with the stock CPU kernel run with a sink."""
+per-head prefix attention and its exact merge with the tokens after the prefix, either from the
+stock CPU kernel run with a sink (widened pages) or read back from stock-width pages and attended
+in torch."""
 
 from __future__ import annotations
 
@@ -9,9 +11,15 @@ import torch
 from vllm_compaction.am.heads import CompactedHeads
 from vllm_compaction.cache import CacheError, PagedPacking
 from vllm_compaction.vllm.bias import augment_kv, augment_query
-from vllm_compaction.vllm.layout import PackedPrefix
+from vllm_compaction.vllm.layout import PackedPrefix, pack_layers
 from vllm_compaction.vllm.paged_prefix import PagedPrefixPages
-from vllm_compaction.vllm.varlen_attention import merge_with_prefix, prefix_attention, sink_for
+from vllm_compaction.vllm.varlen_attention import (
+    causal_attention,
+    merge_by_lse,
+    merge_with_prefix,
+    prefix_attention,
+    sink_for,
+)
 
 LENGTHS = torch.tensor([[0, 5, 300], [129, 1, 0], [40, 40, 40]])  # includes empty and long heads
 
@@ -27,7 +35,8 @@ def test_geometry_counts_only_real_slots():
     packing = PagedPacking(LENGTHS, head_dim=64, block_size=32)
     assert packing.rows_per_block == 3 * 3 * 32
     assert packing.header_rows == -(-4 * (5 + 9) // 128)
-    assert packing.num_rows == packing.header_rows + int(LENGTHS.sum())
+    assert packing.beta_rows == -(-int(LENGTHS.sum()) // 32)  # fp32 betas in rows of 2 * 64 bytes
+    assert packing.num_rows == packing.header_rows + packing.beta_rows + int(LENGTHS.sum())
     assert packing.num_blocks == -(-packing.num_rows // packing.rows_per_block)
     assert packing.num_tokens == packing.num_blocks * 32
     # every layer's rows are covered once, in order, by its spans
@@ -39,8 +48,15 @@ def test_geometry_counts_only_real_slots():
         for s in spans:
             region = s.block * 3 + s.layer
             covered += list(range(region * packing.region_rows + s.start, region * packing.region_rows + s.stop))
-    assert covered == list(range(packing.header_rows, packing.num_rows))
+    assert covered == list(range(packing.data_start, packing.num_rows))
     assert packing.cu_seqlens(0).tolist() == [0, 0, 5, 305]
+    # each layer's betas: the beta rows from its first to its last, skipping the betas before it
+    for layer in range(3):
+        spans, skip = packing.beta_spans(layer)
+        first = int(packing.layer_offsets[layer]) - packing.data_start
+        assert skip == first % 32
+        assert spans[0].start == packing.header_rows + first // 32
+        assert sum(s.stop - s.start for s in spans) * 32 >= skip + int(LENGTHS[layer].sum())
 
 
 def test_header_round_trip_and_refusals():
@@ -58,23 +74,21 @@ def test_header_round_trip_and_refusals():
         PagedPacking(-LENGTHS, head_dim=64, block_size=32)
 
 
-def _packed(lengths: torch.Tensor, d: int, block_size: int, dtype=torch.float32) -> PackedPrefix:
+def _packed(lengths: torch.Tensor, d: int, block_size: int, dtype=torch.float32) -> tuple[PackedPrefix, list]:
+    """A random packed prefix and its per-layer (keys, beta, values)."""
     packing = PagedPacking(lengths, head_dim=d, block_size=block_size)
-    rows = packing.num_blocks * packing.rows_per_block
-    keys, values = torch.zeros(rows, d, dtype=dtype), torch.zeros(rows, d, dtype=dtype)
-    beta = torch.zeros(rows)
-    data = slice(packing.header_rows, packing.num_rows)
-    keys[data] = torch.randn(packing.num_rows - packing.header_rows, d).to(dtype)
-    values[data] = torch.randn(packing.num_rows - packing.header_rows, d).to(dtype)
-    beta[data] = torch.rand(packing.num_rows - packing.header_rows) * 6 - 3
-    return PackedPrefix(packing, keys, values, beta, logical_length=1000)
+    layers = [(torch.randn(int(n), d).to(dtype), torch.rand(int(n)) * 6 - 3, torch.randn(int(n), d).to(dtype))
+              for n in lengths.sum(1)]
+    prefix = pack_layers(packing, [k for k, _, _ in layers], [v for _, _, v in layers], [b for _, b, _ in layers],
+                         dtype=dtype, logical_length=1000)
+    return prefix, layers
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pages_round_trip_through_scattered_blocks(dtype):
     torch.manual_seed(0)
     d, width, block_size = 64, 80, 32
-    prefix = _packed(LENGTHS, d, block_size, dtype)
+    prefix, layers = _packed(LENGTHS, d, block_size, dtype)
     packing = prefix.packing
     pages = [torch.full((12, 3, block_size, 2 * width), 7.0, dtype=dtype) for _ in range(3)]
     view = cpu_pages(pages, d)
@@ -84,10 +98,9 @@ def test_pages_round_trip_through_scattered_blocks(dtype):
     assert torch.equal(found.head_lengths, LENGTHS)
     for layer in range(3):
         keys, beta, values = view.layer_rows(found, layer, torch.tensor(blocks))
-        start, stop = int(packing.layer_offsets[layer]), int(packing.layer_offsets[layer + 1])
-        assert torch.equal(keys, prefix.keys[start:stop]) and torch.equal(values, prefix.values[start:stop])
-        tolerance = 0 if dtype == torch.float32 else 1e-4  # beta keeps ~16 bits in bf16 (hi + lo)
-        assert (beta - prefix.beta[start:stop]).abs().max() <= tolerance
+        want_keys, want_beta, want_values = layers[layer]
+        assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+        assert torch.equal(beta, want_beta)  # fp32 bytes: exact in every page dtype
     untouched = [b for b in range(12) if b not in blocks]
     assert all(bool((page[untouched] == 7.0).all()) for page in pages)
     # a partial write (leading blocks already cached) leaves those blocks alone
@@ -100,7 +113,7 @@ def test_pages_refuse_another_geometry():
     pages = [torch.zeros(4, 2, 32, 160) for _ in range(3)]
     view = cpu_pages(pages, 64)
     with pytest.raises(CacheError, match=r"\(3, 3, 64, 32\), the engine \(3, 2, 64, 32\)"):
-        view.write(_packed(LENGTHS, 64, 32), [0, 1, 2, 3])
+        view.write(_packed(LENGTHS, 64, 32)[0], [0, 1, 2, 3])
     with pytest.raises(CacheError, match="no packed-prefix header"):
         view.packing_at(0)
 
@@ -108,12 +121,8 @@ def test_pages_refuse_another_geometry():
 def packed_from_heads(heads: CompactedHeads, block_size: int) -> PackedPrefix:
     """A one-layer packed prefix holding ``heads``."""
     packing = PagedPacking(heads.head_budgets[None], heads.head_dim, block_size)
-    rows = packing.num_blocks * packing.rows_per_block
-    keys, values = heads.keys.new_zeros(rows, heads.head_dim), heads.values.new_zeros(rows, heads.head_dim)
-    beta = torch.zeros(rows)
-    data = slice(packing.header_rows, packing.num_rows)
-    keys[data], values[data], beta[data] = heads.keys, heads.values, heads.beta
-    return PackedPrefix(packing, keys, values, beta, logical_length=1000)
+    return pack_layers(packing, [heads.keys], [heads.values], [heads.beta], dtype=heads.keys.dtype,
+                       logical_length=1000)
 
 
 def full_reference(query, heads: CompactedHeads, suffix_k, suffix_v, scale):
@@ -182,3 +191,74 @@ def test_prefix_plus_sink_kernel_equals_full_attention(dtype):
     error = (merged.double() - reference).abs().max().item()
     assert error < (1e-5 if dtype == torch.float32 else 2e-2), error
     assert torch.isinf(prefix_lse[:, :group]).all()  # the empty head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,head_size", [(128, 64), (32, 80)])
+def test_page_order_reads_back_what_the_write_op_stored(dtype, block_size, head_size):
+    """The probed element order turns the ISA-packed pages back into the rows that were written."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm_compaction.vllm.cpu_pages import probe_page_order
+
+    torch.manual_seed(2)
+    isa = _get_attn_isa(dtype, block_size, head_size)
+    order = probe_page_order(dtype, block_size, head_size, isa)
+    heads, blocks = 3, 5
+    cache = torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
+    key_cache, value_cache = cache.view(blocks, heads, 2 * block_size, head_size).chunk(2, dim=2)
+    slots = torch.randperm(blocks * block_size)[:100]
+    keys, values = torch.randn(100, heads, head_size).to(dtype), torch.randn(100, heads, head_size).to(dtype)
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    read_keys, read_values = order.read(cache, slots // block_size, slots % block_size)
+    assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
+
+
+def test_causal_attention_matches_a_dense_softmax():
+    torch.manual_seed(4)
+    query, keys, values = torch.randn(5, 6, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16)
+    last_key = torch.tensor([4, 5, 6, 7, 8])
+    out, lse = causal_attention(query, keys, values, last_key, 0.25)
+    for i in range(5):
+        for j in range(6):
+            scores = keys[: last_key[i] + 1, j // 3] @ query[i, j] * 0.25
+            assert torch.allclose(out[i, j], torch.softmax(scores, 0) @ values[: last_key[i] + 1, j // 3], atol=1e-5)
+            assert torch.allclose(lse[i, j], torch.logsumexp(scores, 0), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefix_plus_suffix_read_from_stock_pages_equals_full_attention(dtype):
+    """Stock-width pages: the tokens after the prefix are read back through the probed order and
+    attended in torch, then merged with the prefix by log-sum-exp."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm_compaction.vllm.cpu_pages import probe_page_order
+
+    torch.manual_seed(3)
+    num_kv, group, d, block_size = 3, 3, 64, 32
+    lengths = torch.tensor([0, 37, 300])
+    heads = CompactedHeads.from_padded(torch.randn(3, 300, d) * 2, torch.rand(3, 300) * 6 - 3,
+                                       torch.randn(3, 300, d), torch.arange(300).expand(3, 300), lengths)
+    suffix_len, n = 70, 4
+    suffix_k, suffix_v = torch.randn(suffix_len, num_kv, d).to(dtype), torch.randn(suffix_len, num_kv, d).to(dtype)
+    query = (torch.randn(n, num_kv * group, d) * 2).to(dtype)
+    scale = d ** -0.5
+    isa = _get_attn_isa(dtype, block_size, d)
+    cache = torch.zeros(4, num_kv, block_size, 2 * d, dtype=dtype)
+    key_cache, value_cache = cache.view(4, num_kv, 2 * block_size, d).chunk(2, dim=2)
+    table = torch.tensor([3, 1, 0, 2])
+    positions = torch.arange(suffix_len)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    ops.cpu_attn_reshape_and_cache(suffix_k, suffix_v, key_cache, value_cache, slots, isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+    keys, values = probe_page_order(dtype, block_size, d, isa).read(cache, table[positions // block_size],
+                                                                     positions % block_size)
+    suffix_out, suffix_lse = causal_attention(query, keys, values, torch.arange(suffix_len - n, suffix_len), scale)
+    prefix_out, prefix_lse = prefix_attention(query, heads.keys, heads.beta, heads.values, heads.cu_seqlens, scale)
+    merged = merge_by_lse(prefix_out, prefix_lse, suffix_out, suffix_lse)
+    reference = full_reference(query.float(), heads, suffix_k.float(), suffix_v.float(), scale)
+    assert (merged.double() - reference).abs().max().item() < 1e-5  # fp32 math on the stored rows

@@ -7,15 +7,18 @@ for one key row and one value row. A packed prefix ignores that pairing: its ``n
 
     g = ((block * L + layer) * H + lane) * block_size + slot,
 
-and the cache's rows go there back to back: a header first, then layer after layer, each layer
-head after head (its ``cu_seqlens`` order). So a prefix with ``sum(t)`` slots over all layers
-and heads takes ``ceil((header + sum(t)) / (L * H * block_size))`` blocks, however uneven the
-per-head lengths are; the padded layout takes ``max(t)`` token slots instead.
+and the prefix fills them in this order: a header, the betas, then the cache's rows layer after
+layer, each layer head after head (its ``cu_seqlens`` order). So a prefix with ``sum(t)`` slots
+over all layers and heads takes about ``sum(t) * (1 + 2 / head_dim) / (L * H * block_size)``
+blocks, however uneven the per-head lengths are; the padded layout takes ``max(t)`` token slots.
 
 The header (int32: magic, version, L, H, blocks, then ``t[l, h]``) makes the blocks describe
-themselves, so whoever reads them needs only the block ids. Its size is counted in rows of
-``2 * head_dim`` bytes (the smallest row any storage dtype gives), so the geometry depends on
-the cache and the block size alone, never on the engine's dtype or page width.
+themselves, so whoever reads them needs only the block ids. The betas are fp32, in data-row
+order, ``head_dim / 2`` to a row: they travel as bytes in key rows, so they stay exact in any
+storage dtype and need no spare coordinate (pages of the model's own head size can hold a packed
+prefix). Header and beta rows are counted in rows of ``2 * head_dim`` bytes (the smallest row any
+storage dtype gives), so the geometry depends on the cache and the block size alone, never on the
+engine's dtype or page width.
 
 Pure integer bookkeeping (no engine, no model): the vLLM loader and attention use it, and so
 does the service when it reports how many prompt tokens a compacted prefix takes.
@@ -34,7 +37,7 @@ PREFIX_LAYOUTS = ("varlen", "padded")
 """How a prefix sits in paged blocks: packed per head (this module) or every head padded to the longest."""
 
 PAGED_MAGIC = 0x50434C56  # "VLCP" little-endian
-_PAGED_VERSION = 1
+_PAGED_VERSION = 2  # 2: betas in rows of their own (1: in widened key coordinates)
 _HEADER_FIELDS = 5  # magic, version, layers, heads, blocks
 
 
@@ -62,8 +65,9 @@ class PagedPacking:
             raise ValueError(f"head_lengths must be a non-empty [L, H] table, got shape {tuple(lengths.shape)}")
         if (lengths < 0).any():
             raise ValueError("head lengths must be >= 0")
-        if self.head_dim <= 0 or self.block_size <= 0:
-            raise ValueError(f"head_dim and block_size must be positive (got {self.head_dim}, {self.block_size})")
+        if self.head_dim <= 0 or self.head_dim % 2 or self.block_size <= 0:
+            raise ValueError(f"head_dim must be even and positive and block_size positive "
+                             f"(got {self.head_dim}, {self.block_size})")
         object.__setattr__(self, "head_lengths", lengths.cpu())
 
     # ------------------------------------------------------------------ sizes
@@ -89,12 +93,27 @@ class PagedPacking:
         nbytes = 4 * self.header_words(self.num_layers, self.num_kv_heads)
         return -(-nbytes // (2 * self.head_dim))
 
+    @property
+    def betas_per_row(self) -> int:
+        """fp32 betas in one beta row (``2 * head_dim`` bytes)."""
+        return self.head_dim // 2
+
+    @functools.cached_property
+    def beta_rows(self) -> int:
+        """Rows after the header that hold the betas of every data row, in data-row order."""
+        return -(-int(self.head_lengths.sum()) // self.betas_per_row)
+
+    @property
+    def data_start(self) -> int:
+        """First data row: after the header and the betas."""
+        return self.header_rows + self.beta_rows
+
     @functools.cached_property
     def layer_offsets(self) -> torch.Tensor:
-        """``[L+1]`` first row of each layer (after the header); the last entry ends the data."""
+        """``[L+1]`` first row of each layer (after header and betas); the last entry ends the data."""
         offsets = torch.zeros(self.num_layers + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(self.head_lengths.sum(1), 0)
-        return offsets + self.header_rows
+        return offsets + self.data_start
 
     @property
     def num_rows(self) -> int:
@@ -118,7 +137,20 @@ class PagedPacking:
 
     def layer_spans(self, layer: int) -> list[RegionSpan]:
         """The region pieces holding ``layer``'s rows, in row order."""
-        start, stop = int(self.layer_offsets[layer]), int(self.layer_offsets[layer + 1])
+        return self.spans(int(self.layer_offsets[layer]), int(self.layer_offsets[layer + 1]))
+
+    def beta_spans(self, layer: int) -> tuple[list[RegionSpan], int]:
+        """The region pieces of the beta rows that hold ``layer``'s betas, and how many betas of
+        the first of those rows precede them (the layer's ``sum(t)`` betas follow)."""
+        first = int(self.layer_offsets[layer]) - self.data_start
+        stop = int(self.layer_offsets[layer + 1]) - self.data_start
+        per_row = self.betas_per_row
+        start_row, stop_row = first // per_row, -(-stop // per_row)
+        spans = self.spans(self.header_rows + start_row, self.header_rows + stop_row)
+        return spans, first - start_row * per_row
+
+    def spans(self, start: int, stop: int) -> list[RegionSpan]:
+        """The region pieces holding rows ``[start, stop)``, in row order."""
         spans, size = [], self.region_rows
         while start < stop:
             region, offset = divmod(start, size)

@@ -27,7 +27,13 @@ if TYPE_CHECKING:
 
     from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages
 
-__all__ = ["AugmentedHeadSizes", "compaction_enabled", "kv_snapshots_enabled", "packed_batch", "record_kv_write"]
+__all__ = ["PAGE_WIDTHS", "AugmentedHeadSizes", "compaction_enabled", "kv_snapshots_enabled", "packed_batch",
+           "page_width", "record_kv_write"]
+
+PAGE_WIDTHS = ("stock", "widened")
+"""KV page widths with compaction on: ``stock`` keeps the model's head size (plain requests run
+vLLM's kernel untouched; prefixes must be varlen), ``widened`` adds the bias coordinates (padded
+prefixes too, at +25% KV bytes per token for d = 64)."""
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,25 @@ def kv_snapshots_enabled(vllm_config: Any) -> bool:
     if not compaction_enabled(vllm_config):
         return False
     return bool((vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("kv_snapshots"))
+
+
+def page_width(vllm_config: Any) -> str:
+    """``"stock"`` or ``"widened"``: the ``pages`` entry of the connector's extra config.
+
+    Default: ``stock`` on CPU (the compaction attention reads the tokens after a packed prefix
+    back from the pages), ``widened`` on CUDA (the Triton kernel reads beta from the pages).
+    Without the connector: ``stock`` (the backends are vLLM's own).
+    """
+    if not compaction_enabled(vllm_config):
+        return "stock"
+    width = (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("pages")
+    if width is None:
+        from vllm.platforms import current_platform
+
+        width = "widened" if current_platform.is_cuda_alike() else "stock"
+    if width not in PAGE_WIDTHS:
+        raise ValueError(f"kv_connector_extra_config 'pages' must be one of {', '.join(PAGE_WIDTHS)}, not {width!r}")
+    return width
 
 
 def packed_batch(metadata: Any) -> "tuple[BatchSplit, PagedPrefixPages] | None":

@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_compaction.cache import CacheError, CompactedCache, read_metadata
+from vllm_compaction.vllm.backend_common import page_width
 from vllm_compaction.vllm.layout import PackedPrefix, PhysicalPrefix, packed_prefix, physical_prefix
 from vllm_compaction.vllm.paged_prefix import PagedPrefixPages
 from vllm_compaction.vllm.plugin import check_vllm_version
@@ -86,7 +87,8 @@ class CompactionConnector(KVConnectorBase_V1):
         block_size = _block_size(vllm_config, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         snapshots = bool(extra.get("kv_snapshots", False))
-        self._scheduler = _SchedulerSide(block_size, snapshots) if role == KVConnectorRole.SCHEDULER else None
+        self._scheduler = (_SchedulerSide(block_size, snapshots, page_width(vllm_config))
+                           if role == KVConnectorRole.SCHEDULER else None)
         self._worker = _WorkerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
 
     # ---------------------------------------------------------------- scheduler side
@@ -162,9 +164,10 @@ def _block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | Non
 
 
 class _SchedulerSide:
-    def __init__(self, block_size: int, snapshots: bool = False) -> None:
+    def __init__(self, block_size: int, snapshots: bool = False, pages: str = "widened") -> None:
         self.block_size = block_size
         self.snapshots = snapshots
+        self.pages = pages  # page width (backend_common.page_width): stock pages hold varlen prefixes only
         self._snapshot_of: dict[str, tuple[str, int]] = {}  # request -> snapshot name, prompt length
         self._snapshot_blocks: dict[str, list[int]] = {}  # request -> its block ids so far
         self._abandoned: list[str] = []  # snapshots whose request ended first: workers drop their rows
@@ -189,6 +192,10 @@ class _SchedulerSide:
             if ref.num_slots % self.block_size:
                 problem = (f"a packed prefix of {ref.num_slots} placeholders does not fill whole blocks of "
                            f"{self.block_size} (the prompt was built for another block size)")
+        elif self.pages != "widened":
+            problem = ("a padded prefix needs the bias coordinates of widened KV pages, and this engine "
+                       "runs stock-width pages; build the prompt with layout='varlen' (or start the "
+                       "engine with pages='widened')")
         if request.num_prompt_tokens <= ref.num_slots:
             problem = (f"the prompt has {request.num_prompt_tokens} tokens, not the {ref.num_slots} "
                        f"placeholders of the compacted prefix plus at least one more")

@@ -1,14 +1,21 @@
 """vLLM's CPU attention backend with a per-slot logit bias (see :mod:`.bias`).
 
-When the compaction connector is configured, every decoder attention layer widens its KV pages
-from ``d`` to ``augmented_head_size(d)`` coordinates; queries get ``1/scale`` in the bias
-coordinates and the stock C++ kernels (``cpu_attn_reshape_and_cache``,
-``cpu_attention_with_kv_cache``) do the rest, ISA packing included. Without the connector the
-class behaves exactly like ``CPUAttentionBackend``.
+Two page widths (:func:`.backend_common.page_width`), chosen when the engine starts:
 
-Requests whose prefix is packed varlen (:mod:`.paged_prefix`) are split off the batch: the stock
-kernel runs them over their blocks after the prefix with an attention sink, the prefix is attended
-in torch per head, and the two are merged exactly (:mod:`.varlen_attention`).
+* ``stock`` (the CPU default): pages keep the model's head size, and a step with no request on a
+  packed prefix runs vLLM's own forward untouched, so plain traffic pays nothing. Requests whose
+  prefix is packed varlen (:mod:`.paged_prefix`) are split off the batch and attended in torch:
+  the prefix per head with its betas, the tokens after it read back from the pages
+  (:mod:`.cpu_pages`), merged by log-sum-exp (:mod:`.varlen_attention`). Padded prefixes need
+  the bias coordinates and are refused.
+* ``widened``: every decoder attention layer widens its KV pages from ``d`` to
+  ``augmented_head_size(d)`` coordinates; queries get ``1/scale`` in the bias coordinates and the
+  stock C++ kernels (``cpu_attn_reshape_and_cache``, ``cpu_attention_with_kv_cache``) do the rest,
+  ISA packing included, so padded prefixes run in the stock kernel. Requests on packed prefixes
+  attend the tokens after the prefix in the stock kernel with an attention sink, merged exactly
+  with the prefix (:func:`.varlen_attention.merge_with_prefix`).
+
+Without the connector the class behaves exactly like ``CPUAttentionBackend``.
 """
 
 from __future__ import annotations
@@ -27,16 +34,19 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
 )
 
+from vllm_compaction.cache import CacheError
 from vllm_compaction.vllm.backend_common import (
     AugmentedHeadSizes,
     compaction_enabled,
     kv_snapshots_enabled,
     packed_batch,
+    page_width,
     record_kv_write,
 )
 from vllm_compaction.vllm.bias import augment_kv, augment_query, augmented_head_size
+from vllm_compaction.vllm.cpu_pages import probe_page_order
 from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages, attend_prefixes
-from vllm_compaction.vllm.varlen_attention import merge_with_prefix, sink_for
+from vllm_compaction.vllm.varlen_attention import causal_attention, merge_by_lse, merge_with_prefix, sink_for
 
 __all__ = ["CompactionCPUAttentionBackend", "CompactionCPUAttentionImpl", "cpu_augmented_head_size"]
 
@@ -59,27 +69,36 @@ class CompactionCPUAttentionBackend(CPUAttentionBackend):
 
 
 class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
-    """Pads q/k/v into the augmented head size around the stock kernels."""
+    """Splits steps with requests on packed prefixes; with widened pages, pads q/k/v into the
+    augmented head size around the stock kernels."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.augmented: int | None = None
+        self.compaction = False  # a decoder layer of an engine with the compaction connector
+        self.augmented: int | None = None  # the widened page size, None for stock-width pages
         self.records_kv = False  # K/V writes shown to a KV snapshot (.snapshot)
-        if self.attn_type == AttentionType.DECODER and compaction_enabled(get_current_vllm_config()):
-            self.augmented = cpu_augmented_head_size(self.head_size)
-            _AUGMENTED.record(self.head_size, self.augmented)
-            self.records_kv = kv_snapshots_enabled(get_current_vllm_config())
+        config = get_current_vllm_config()
+        if self.attn_type == AttentionType.DECODER and compaction_enabled(config):
+            self.compaction = True
+            if page_width(config) == "widened":
+                self.augmented = cpu_augmented_head_size(self.head_size)
+                _AUGMENTED.record(self.head_size, self.augmented)
+            elif self.alibi_slopes is not None or self.logits_soft_cap or self.sinks is not None:
+                raise ValueError("compacted prefixes on stock-width pages do not support ALiBi, attention "
+                                 "softcapping or sinks yet; start the engine with pages='widened'")
+            self.records_kv = kv_snapshots_enabled(config)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
-        if self.augmented is None or attn_metadata is None:
+        split = (_split_for(attn_metadata, self, layer, query.dtype)
+                 if self.compaction and attn_metadata is not None else None)
+        if self.augmented is None and split is None:  # no compaction, warm-up, or a plain step
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         n = attn_metadata.num_actual_tokens
         plain_query = query[:n].view(n, self.num_heads, self.head_size)
-        q = augment_query(plain_query, self.augmented, self.scale)
+        q = plain_query if self.augmented is None else augment_query(plain_query, self.augmented, self.scale)
         out = torch.empty_like(q)
-        split = _split_for(attn_metadata, self, layer, q.dtype)
         if split is None:
             super().forward(layer, q, key, value, kv_cache, attn_metadata, out, output_scale, output_block_scale)
         else:
@@ -89,13 +108,37 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
                 part = torch.empty_like(plain_q)
                 super().forward(layer, plain_q, key, value, kv_cache, split.plain, part)
                 out[tokens] = part
-            self._forward_packed(layer, q, plain_query, kv_cache, split, out)
+            if self.augmented is None:
+                self._forward_packed_stock(layer, plain_query, kv_cache, split, out)
+            else:
+                self._forward_packed_widened(layer, q, plain_query, kv_cache, split, out)
         output[:n].view(n, self.num_heads, self.head_size).copy_(out[..., : self.head_size])
         return output
 
-    def _forward_packed(self, layer, q, plain_query, kv_cache, split: "_Split", out) -> None:
-        """Requests on packed prefixes: prefix in torch, the rest in the stock kernel with a sink,
-        merged exactly (:mod:`.varlen_attention`)."""
+    def _forward_packed_stock(self, layer, query, kv_cache, split: "_Split", out) -> None:
+        """Requests on packed prefixes, stock-width pages: prefix and the tokens after it both in
+        torch (the latter read back from the ISA-packed pages), merged by log-sum-exp."""
+        tokens = split.split.packed_tokens
+        packed_q = query[tokens]
+        prefix_out, prefix_lse = attend_prefixes(packed_q, split.split, split.pages,
+                                                 extract_layer_index(layer.layer_name), self.scale)
+        block_size = kv_cache.shape[2]
+        order = probe_page_order(kv_cache.dtype, block_size, self.head_size, layer.isa)
+        suffix_out, suffix_lse = torch.empty_like(prefix_out), torch.empty_like(prefix_lse)
+        for row, request in enumerate(split.split.requests):
+            seq_len, count = int(split.split.seq_lens[row]), request.tokens.numel()
+            positions = torch.arange(seq_len, device=kv_cache.device)
+            blocks = split.split.block_table[row, positions // block_size]
+            keys, values = order.read(kv_cache, blocks, positions % block_size)
+            part, lse = causal_attention(packed_q[request.tokens], keys, values,
+                                         torch.arange(seq_len - count, seq_len), self.scale)
+            suffix_out[request.tokens], suffix_lse[request.tokens] = part, lse
+        merged = merge_by_lse(prefix_out, prefix_lse, suffix_out, suffix_lse)
+        out[tokens] = merged.to(out.dtype)
+
+    def _forward_packed_widened(self, layer, q, plain_query, kv_cache, split: "_Split", out) -> None:
+        """Requests on packed prefixes, widened pages: prefix in torch, the rest in the stock kernel
+        with a sink, merged exactly (:mod:`.varlen_attention`)."""
         tokens = split.split.packed_tokens
         prefix_out, prefix_lse = attend_prefixes(plain_query[tokens], split.split, split.pages,
                                                  extract_layer_index(layer.layer_name), self.scale)
@@ -124,11 +167,10 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         return view[:, :, 0], view[:, :, 1]
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        if self.augmented is None:
-            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         if self.records_kv:
             record_kv_write(layer, key, value, slot_mapping)
-        key, value = augment_kv(key, value, self.augmented)
+        if self.augmented is not None:
+            key, value = augment_kv(key, value, self.augmented)
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
     def write_slots(self, layer, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -138,7 +180,8 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         Goes through the engine's own packing op, so the ISA-specific page layout is respected.
         """
         if self.augmented is None:
-            raise RuntimeError("this attention layer was built without the compaction connector")
+            raise CacheError("padded prefixes need the bias coordinates of widened KV pages; build the prompt "
+                             "with layout='varlen', or start the engine with pages='widened'")
         dtype = kv_cache.dtype
         key_aug, value_aug = augment_kv(keys.to(dtype), values.to(dtype), self.augmented, beta)
         super().do_kv_cache_update(layer, key_aug, value_aug, kv_cache, slot_mapping)
@@ -151,7 +194,7 @@ class _Split:
 
     split: BatchSplit
     plain: CPUAttentionMetadata | None
-    packed: CPUAttentionMetadata
+    packed: CPUAttentionMetadata | None  # the sink kernel's (widened pages only)
     pages: PagedPrefixPages
 
 
@@ -173,8 +216,8 @@ def _split_for(metadata: CPUAttentionMetadata, impl: CompactionCPUAttentionImpl,
             rows = split.plain_rows
             plain = _sub_metadata(metadata, impl, layer, dtype, split.plain_query_start_loc(metadata.query_start_loc),
                                   metadata.seq_lens[rows], metadata.block_table[rows])
-        packed = _sub_metadata(metadata, impl, layer, dtype, split.query_start_loc, split.seq_lens,
-                               split.block_table)
+        packed = None if impl.augmented is None else _sub_metadata(
+            metadata, impl, layer, dtype, split.query_start_loc, split.seq_lens, split.block_table)
         result = _Split(split, plain, packed, pages)
     setattr(metadata, _SPLIT_ATTR, result)
     return result
@@ -185,7 +228,7 @@ def _sub_metadata(metadata: CPUAttentionMetadata, impl, layer, dtype: torch.dtyp
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     scheduler = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=seq_lens.numel(), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
-        head_dim=impl.augmented, seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc,
+        head_dim=impl.augmented or impl.head_size, seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc,
         causal=True, sliding_window_size=impl.sliding_window, isa=layer.isa,
         enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype=impl.kv_cache_dtype)
     return replace(metadata, num_actual_tokens=int(query_start_loc[-1]), max_query_len=int(query_lens.max()),

@@ -51,6 +51,7 @@ from vllm_compaction.vllm.backend_common import (
     compaction_enabled,
     kv_snapshots_enabled,
     packed_batch,
+    page_width,
     record_kv_write,
 )
 from vllm_compaction.vllm.bias import BIAS_COORDS, augment_kv
@@ -295,6 +296,9 @@ class CompactionTritonImpl(TritonAttentionImpl):
         if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
             return  # no KV cache, nothing for a compacted prefix to live in
         problems = self._unsupported_features()
+        if page_width(get_current_vllm_config()) != "widened":
+            problems.append("stock-width pages (pages='stock') are CPU-only; the Triton kernel reads beta "
+                            "from widened pages (pages='widened', the CUDA default)")
         if problems:
             raise NotImplementedError(
                 "the compaction Triton backend (--attention-backend CUSTOM) cannot serve this "

@@ -32,17 +32,26 @@ def engine_fingerprint(model_config) -> ModelFingerprint:
     return _fingerprint(str(model_config.model), str(model_config.dtype).removeprefix("torch."))
 
 
-def kv_transfer_config(store: str | Path | None = None, *, kv_snapshots: bool = False) -> dict[str, Any]:
+def kv_transfer_config(store: str | Path | None = None, *, kv_snapshots: bool = False,
+                       pages: str | None = None) -> dict[str, Any]:
     """The ``--kv-transfer-config`` value that enables compacted prefixes.
 
     ``kv_snapshots`` lets requests ask for the K/V the engine computed (:mod:`.snapshot`); they
     write files under the store, so it is off unless asked for (never on a public server).
+    ``pages`` is ``"stock"`` (the model's head size: plain requests run vLLM's kernel untouched,
+    prefixes must be varlen) or ``"widened"`` (bias coordinates: padded prefixes too); default
+    stock on CPU, widened on CUDA (:func:`.backend_common.page_width`).
     """
+    from vllm_compaction.vllm.backend_common import PAGE_WIDTHS
     from vllm_compaction.vllm.prompt import default_store_dir
 
     extra: dict[str, Any] = {"store": str(store or default_store_dir())}
     if kv_snapshots:
         extra["kv_snapshots"] = True
+    if pages is not None:
+        if pages not in PAGE_WIDTHS:
+            raise ValueError(f"pages must be one of {', '.join(PAGE_WIDTHS)}, not {pages!r}")
+        extra["pages"] = pages
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": "vllm_compaction.vllm.connector",
@@ -51,13 +60,14 @@ def kv_transfer_config(store: str | Path | None = None, *, kv_snapshots: bool = 
     }
 
 
-def engine_kwargs(store: str | Path | None = None, *, kv_snapshots: bool = False, **overrides: Any) -> dict[str, Any]:
+def engine_kwargs(store: str | Path | None = None, *, kv_snapshots: bool = False, pages: str | None = None,
+                  **overrides: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` with compaction enabled.
 
     Prefix caching stays on: it is what lets requests on the same cache share loaded pages. On
     CUDA the compaction backend is selected (``attention_backend="CUSTOM"``).
     """
-    kwargs: dict[str, Any] = {"kv_transfer_config": kv_transfer_config(store, kv_snapshots=kv_snapshots),
+    kwargs: dict[str, Any] = {"kv_transfer_config": kv_transfer_config(store, kv_snapshots=kv_snapshots, pages=pages),
                               "enable_prefix_caching": True}
     if torch.cuda.is_available():
         kwargs["attention_backend"] = "CUSTOM"  # the Triton bias kernel; the CPU platform has no choice
@@ -66,13 +76,13 @@ def engine_kwargs(store: str | Path | None = None, *, kv_snapshots: bool = False
 
 
 def kv_bytes_per_token(vllm_config) -> int:
-    """KV cache bytes per token over all layers, as the engine allocates them (widened pages
-    when compaction is enabled). For full-attention models with one head size."""
-    from vllm_compaction.vllm.backend_common import compaction_enabled
+    """KV cache bytes per token over all layers, as the engine allocates them (more with widened
+    pages). For full-attention models with one head size."""
+    from vllm_compaction.vllm.backend_common import page_width
 
     model = vllm_config.model_config
     head = model.get_head_size()
-    if compaction_enabled(vllm_config):  # the same test the backends use to widen their pages
+    if page_width(vllm_config) == "widened":  # the same test the backends use to widen their pages
         from vllm.platforms import current_platform
 
         if current_platform.is_cuda():

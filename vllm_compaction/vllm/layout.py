@@ -27,7 +27,8 @@ from vllm_compaction.cache import CompactedCache, PagedPacking
 from vllm_compaction.models.rope import rotate_keys
 from vllm_compaction.vllm.bias import MASKED_BETA
 
-__all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "PackedPrefix", "PhysicalPrefix", "packed_prefix", "physical_prefix"]
+__all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "PackedPrefix", "PhysicalPrefix", "pack_layers", "packed_prefix",
+           "physical_prefix"]
 
 DEFAULT_LAYOUT = "varlen"
 """Both compaction backends read packed prefixes; ``padded`` stays available per prompt."""
@@ -81,14 +82,35 @@ def physical_prefix(cache: CompactedCache, rope_config, *, dtype: torch.dtype | 
 
 @dataclass(frozen=True)
 class PackedPrefix:
-    """A cache's rows in packed order (:class:`PagedPacking`): ``keys``/``values [rows, d]``,
-    ``beta [rows]`` fp32; header and tail rows are zero. ``rows = blocks * L * H * block_size``."""
+    """A cache's rows in packed order (:class:`PagedPacking`): ``keys``/``values [rows, d]`` with
+    ``rows = blocks * L * H * block_size``. The beta rows of ``keys`` hold the fp32 betas as bytes
+    (:func:`pack_layers`); header, value rows beside them and tail rows are zero."""
 
     packing: PagedPacking
     keys: torch.Tensor
     values: torch.Tensor
-    beta: torch.Tensor
     logical_length: int
+
+
+def pack_layers(packing: PagedPacking, keys: list[torch.Tensor], values: list[torch.Tensor],
+                beta: list[torch.Tensor], *, dtype: torch.dtype, logical_length: int) -> PackedPrefix:
+    """Per layer ``keys``/``values [sum_h t_{l,h}, d]`` and ``beta [sum_h t_{l,h}]`` (head after
+    head) -> the packed rows, with the betas written as fp32 bytes into the beta rows."""
+    rows, d = packing.num_blocks * packing.rows_per_block, packing.head_dim
+    key_rows = torch.zeros(rows, d, dtype=dtype)
+    value_rows = torch.zeros(rows, d, dtype=dtype)
+    for index, (layer_keys, layer_values) in enumerate(zip(keys, values)):
+        start, stop = int(packing.layer_offsets[index]), int(packing.layer_offsets[index + 1])
+        key_rows[start:stop] = layer_keys.to(dtype)
+        value_rows[start:stop] = layer_values.to(dtype)
+    betas = torch.zeros(packing.beta_rows * packing.betas_per_row, dtype=torch.float32)
+    flat = torch.cat([b.reshape(-1).float() for b in beta]) if beta else betas[:0]
+    betas[: flat.numel()] = flat
+    # the first 2 * d bytes of each beta row: as many as a row has in the narrowest dtype
+    row_bytes = key_rows.view(torch.uint8).view(rows, -1)
+    beta_rows = slice(packing.header_rows, packing.data_start)
+    row_bytes[beta_rows, : 2 * d] = betas.view(torch.uint8).view(packing.beta_rows, 2 * d)
+    return PackedPrefix(packing, key_rows, value_rows, logical_length)
 
 
 def packed_prefix(cache: CompactedCache, rope_config, *, block_size: int,
@@ -99,16 +121,8 @@ def packed_prefix(cache: CompactedCache, rope_config, *, block_size: int,
     the continuation starts at physical position ``P``.
     """
     packing = cache.paged_packing(block_size)
-    rows, d = packing.num_blocks * packing.rows_per_block, cache.model.head_dim
-    cast = dtype or cache.dtype
-    keys = torch.zeros(rows, d, dtype=cast)
-    values = torch.zeros(rows, d, dtype=cast)
-    beta = torch.zeros(rows, dtype=torch.float32)
     shift = packing.num_tokens - cache.logical_length
-    for index, layer in enumerate(cache.layers):
-        start, stop = int(packing.layer_offsets[index]), int(packing.layer_offsets[index + 1])
-        layer_keys = rotate_keys(layer.keys, shift, rope_config) if shift else layer.keys
-        keys[start:stop] = layer_keys.to(cast)
-        values[start:stop] = layer.values.to(cast)
-        beta[start:stop] = layer.beta.float()
-    return PackedPrefix(packing, keys, values, beta, cache.logical_length)
+    keys = [rotate_keys(layer.keys, shift, rope_config) if shift else layer.keys for layer in cache.layers]
+    return pack_layers(packing, keys, [layer.values for layer in cache.layers],
+                       [layer.beta for layer in cache.layers], dtype=dtype or cache.dtype,
+                       logical_length=cache.logical_length)

@@ -2,15 +2,16 @@
 splitting a step's batch into plain requests and requests on packed prefixes.
 
 Each backend shows its pages as key and value views of logical shape
-``[num_blocks, H, block_size, D]`` (``D`` the widened head size; any strides): the CPU backend
+``[num_blocks, H, block_size, D]`` (``D`` the page width, ``d`` or widened; any strides): the CPU backend
 from its ``[num_blocks, H, block_size, 2 * D]`` pages (per block and head, key rows then value
 rows), the CUDA one from its ``[B, H, N, 2 * D]`` pages (key and value side by side). The stock
 kernels may keep rows in their own packing (the CPU key rows are ISA-packed), but the blocks of
 a packed prefix are read only through this module, so their rows are stored plainly: region
 ``(block j, layer page l)`` of the prefix is the rows ``[H * block_size, D]`` of page ``l``'s
-block ``j``, filled in the order :class:`~vllm_compaction.cache.PagedPacking` defines. Keys
-carry beta in their bias coordinates (:func:`.bias.encode_beta`), so the engine's dtype sets its
-precision as in the padded layout. The header goes, as bytes, into the first key rows of block 0.
+block ``j``, filled in the order :class:`~vllm_compaction.cache.PagedPacking` defines. The betas
+are fp32 bytes in key rows of their own (:func:`.layout.pack_layers`), so they are exact in any
+dtype and the pages need no spare coordinate: stock-width pages (``D = d``) hold packed prefixes
+as well as widened ones. The header goes, as bytes, into the first key rows of block 0.
 
 Pure torch (no vLLM import): both backends use it.
 """
@@ -23,7 +24,6 @@ from typing import Sequence
 import torch
 
 from vllm_compaction.cache import CacheError, PagedPacking
-from vllm_compaction.vllm.bias import BIAS_COORDS, decode_beta, encode_beta
 from vllm_compaction.vllm.layout import PackedPrefix
 from vllm_compaction.vllm.varlen_attention import prefix_attention
 
@@ -42,8 +42,8 @@ class PagedPrefixPages:
             raise ValueError("packed prefixes need every layer's pages in one [blocks, H, block_size, D] shape")
         _, self.num_kv_heads, self.block_size, self.width = shape
         self.head_size = head_size
-        if self.width < head_size + BIAS_COORDS:
-            raise ValueError(f"pages of head size {self.width} cannot hold {head_size} plus the bias")
+        if self.width < head_size:
+            raise ValueError(f"pages of head size {self.width} cannot hold rows of {head_size}")
         self._keys, self._values = list(keys), list(values)  # views: writes land in the engine's pages
 
     @property
@@ -73,13 +73,14 @@ class PagedPrefixPages:
         if first_block >= packing.num_blocks:
             return
         dtype, d = self._keys[0].dtype, self.head_size
-        # stage only the blocks to write, in page width with beta in the bias coordinates
+        if prefix.keys.dtype != dtype:
+            raise CacheError(f"the packed prefix was laid out in {prefix.keys.dtype}, the engine's pages are {dtype}")
+        # stage only the blocks to write, in page width (spare coordinates, if any, stay zero)
         shape = (packing.num_blocks - first_block, packing.num_layers, self.num_kv_heads, self.block_size)
         rows = slice(first_block * packing.rows_per_block, packing.num_blocks * packing.rows_per_block)
         keys = torch.zeros(*shape, self.width, dtype=dtype)
         values = torch.zeros(*shape, self.width, dtype=dtype)
         keys[..., :d] = prefix.keys[rows].view(*shape, d)
-        keys[..., d : d + BIAS_COORDS] = encode_beta(prefix.beta[rows].view(shape), dtype)
         values[..., :d] = prefix.values[rows].view(*shape, d)
         blocks = torch.as_tensor(list(block_ids[first_block : packing.num_blocks]), dtype=torch.long)
         blocks = blocks.to(self._keys[0].device)
@@ -114,18 +115,27 @@ class PagedPrefixPages:
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s rows of the prefix in ``block_ids``: keys ``[N, d]``, beta ``[N]``
         (fp32), values ``[N, d]``, head after head (``packing.cu_seqlens(layer)``)."""
-        key_parts, value_parts = [], []
-        region = packing.region_rows
-        for span in packing.layer_spans(layer):
-            block = int(block_ids[span.block])
-            key_parts.append(self._keys[span.layer][block].reshape(region, self.width)[span.start : span.stop])
-            value_parts.append(self._values[span.layer][block].reshape(region, self.width)[span.start : span.stop])
         d = self.head_size
-        if not key_parts:
+        count = int(packing.layer_offsets[layer + 1] - packing.layer_offsets[layer])
+        if not count:
             empty = self._keys[0].new_zeros(0, d)
             return empty, empty.new_zeros(0, dtype=torch.float32), empty
-        keys, values = torch.cat(key_parts), torch.cat(value_parts)
-        return keys[:, :d], decode_beta(keys[:, d : d + BIAS_COORDS]), values[:, :d]
+        spans = packing.layer_spans(layer)
+        keys = self._gather(self._keys, spans, block_ids)
+        values = self._gather(self._values, spans, block_ids)
+        beta_spans, skip = packing.beta_spans(layer)
+        beta_rows = self._gather(self._keys, beta_spans, block_ids)[:, :d].contiguous()
+        betas = beta_rows.view(torch.uint8).view(beta_rows.shape[0], -1)[:, : 2 * d].contiguous().view(torch.float32)
+        return keys[:, :d], betas.reshape(-1)[skip : skip + count], values[:, :d]
+
+    def _gather(self, pages: list[torch.Tensor], spans, block_ids: torch.Tensor) -> torch.Tensor:
+        """The rows of ``spans`` (a region's rows run lane after lane), copying only their lanes."""
+        parts, size = [], self.block_size
+        for span in spans:
+            first, last = span.start // size, -(-span.stop // size)
+            lanes = pages[span.layer][int(block_ids[span.block]), first:last].reshape(-1, self.width)
+            parts.append(lanes[span.start - first * size : span.stop - first * size])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 # ---------------------------------------------------------------------- a step's batch

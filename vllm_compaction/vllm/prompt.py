@@ -19,6 +19,7 @@ from typing import Any
 from vllm_compaction.cache import CacheError, CompactedCache, LocalDiskStore, read_metadata
 from vllm_compaction.cache.format import ModelFingerprint
 from vllm_compaction.models.chat import ChatTokenizer, Continuation
+from vllm_compaction.vllm.backend_common import page_width
 from vllm_compaction.vllm.layout import DEFAULT_LAYOUT, LAYOUTS
 
 __all__ = ["CompactedRef", "PLACEHOLDER_TOKEN_ID", "compacted_prompt", "default_store_dir", "open_store"]
@@ -26,7 +27,7 @@ __all__ = ["CompactedRef", "PLACEHOLDER_TOKEN_ID", "compacted_prompt", "default_
 PLACEHOLDER_TOKEN_ID = 0
 """Token id of the placeholder positions; never embedded, since the connector claims them."""
 
-_SALT_RE = re.compile(r"vllm-compaction:2:(varlen|padded):([A-Za-z0-9_-]{1,128}):(\d{1,9}):([0-9a-f]{32})")
+_SALT_RE = re.compile(r"vllm-compaction:3:(varlen|padded):([A-Za-z0-9_-]{1,128}):(\d{1,9}):([0-9a-f]{32})")
 
 def default_store_dir() -> Path:
     """``$VLLM_COMPACTION_HOME/store`` (default ``~/.cache/vllm-compaction/store``)."""
@@ -50,7 +51,7 @@ class CompactedRef:
 
     @property
     def salt(self) -> str:
-        return f"vllm-compaction:2:{self.layout}:{self.entry_id}:{self.num_slots}:{self.digest}"
+        return f"vllm-compaction:3:{self.layout}:{self.entry_id}:{self.num_slots}:{self.digest}"
 
     @classmethod
     def parse(cls, salt: str | None) -> "CompactedRef | None":
@@ -127,6 +128,9 @@ def compacted_prompt(
     layout = layout or (DEFAULT_LAYOUT if block_size else "padded")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
+    if layout == "padded" and llm is not None and page_width(llm.llm_engine.vllm_config) != "widened":
+        raise ValueError("this engine runs stock-width KV pages, which hold varlen prefixes only; use "
+                         "layout='varlen', or start the engine with engine_kwargs(..., pages='widened')")
     if layout == "varlen" and not block_size:
         raise ValueError("a varlen prefix needs the engine's block size (pass llm= or block_size=)")
     entry_id, loaded = _entry_for(cache, store, expect)
