@@ -14,6 +14,7 @@ from vllm_compaction.vllm.bias import augment_kv, augment_query
 from vllm_compaction.vllm.layout import PackedPrefix, pack_layers
 from vllm_compaction.vllm.paged_prefix import PagedPrefixPages
 from vllm_compaction.vllm.varlen_attention import (
+    batched_decode_attention,
     causal_attention,
     merge_by_lse,
     merge_with_prefix,
@@ -226,6 +227,18 @@ def test_causal_attention_matches_a_dense_softmax():
             scores = keys[: last_key[i] + 1, j // 3] @ query[i, j] * 0.25
             assert torch.allclose(out[i, j], torch.softmax(scores, 0) @ values[: last_key[i] + 1, j // 3], atol=1e-5)
             assert torch.allclose(lse[i, j], torch.logsumexp(scores, 0), atol=1e-5)
+
+
+def test_batched_decode_attention_equals_one_call_per_request():
+    torch.manual_seed(5)
+    lengths = [7, 1, 12]
+    query = torch.randn(3, 6, 16)
+    keys, values = torch.randn(3, 12, 2, 16), torch.randn(3, 12, 2, 16)
+    out, lse = batched_decode_attention(query, keys, values, torch.tensor(lengths), 0.25)
+    for r, length in enumerate(lengths):
+        want, want_lse = causal_attention(query[r : r + 1], keys[r, :length], values[r, :length],
+                                          torch.tensor([length - 1]), 0.25)
+        assert torch.allclose(out[r], want[0], atol=1e-5) and torch.allclose(lse[r], want_lse[0], atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -46,7 +46,13 @@ from vllm_compaction.vllm.backend_common import (
 from vllm_compaction.vllm.bias import augment_kv, augment_query, augmented_head_size
 from vllm_compaction.vllm.cpu_pages import probe_page_order
 from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages, attend_prefixes
-from vllm_compaction.vllm.varlen_attention import causal_attention, merge_by_lse, merge_with_prefix, sink_for
+from vllm_compaction.vllm.varlen_attention import (
+    batched_decode_attention,
+    causal_attention,
+    merge_by_lse,
+    merge_with_prefix,
+    sink_for,
+)
 
 __all__ = ["CompactionCPUAttentionBackend", "CompactionCPUAttentionImpl", "cpu_augmented_head_size"]
 
@@ -122,17 +128,20 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         packed_q = query[tokens]
         prefix_out, prefix_lse = attend_prefixes(packed_q, split.split, split.pages,
                                                  extract_layer_index(layer.layer_name), self.scale)
-        block_size = kv_cache.shape[2]
-        order = probe_page_order(kv_cache.dtype, block_size, self.head_size, layer.isa)
+        suffix = split.suffix_plan(kv_cache.shape[2])
+        order = probe_page_order(kv_cache.dtype, suffix.block_size, self.head_size, layer.isa)
         suffix_out, suffix_lse = torch.empty_like(prefix_out), torch.empty_like(prefix_lse)
-        for row, request in enumerate(split.split.requests):
-            seq_len, count = int(split.split.seq_lens[row]), request.tokens.numel()
-            positions = torch.arange(seq_len, device=kv_cache.device)
-            blocks = split.split.block_table[row, positions // block_size]
-            keys, values = order.read(kv_cache, blocks, positions % block_size)
-            part, lse = causal_attention(packed_q[request.tokens], keys, values,
+        if suffix.decode_tokens.numel():  # one query row each: all in one batched call
+            keys, values = order.read(kv_cache, suffix.decode_blocks, suffix.decode_slots)
+            part, lse = batched_decode_attention(packed_q[suffix.decode_tokens], keys[suffix.decode_rows],
+                                                 values[suffix.decode_rows], suffix.decode_lengths, self.scale)
+            suffix_out[suffix.decode_tokens], suffix_lse[suffix.decode_tokens] = part, lse
+        for request_tokens, blocks, slots in suffix.chunks:  # prefill chunks: one call per request
+            keys, values = order.read(kv_cache, blocks, slots)
+            seq_len, count = slots.numel(), request_tokens.numel()
+            part, lse = causal_attention(packed_q[request_tokens], keys, values,
                                          torch.arange(seq_len - count, seq_len), self.scale)
-            suffix_out[request.tokens], suffix_lse[request.tokens] = part, lse
+            suffix_out[request_tokens], suffix_lse[request_tokens] = part, lse
         merged = merge_by_lse(prefix_out, prefix_lse, suffix_out, suffix_lse)
         out[tokens] = merged.to(out.dtype)
 
@@ -196,6 +205,55 @@ class _Split:
     plain: CPUAttentionMetadata | None
     packed: CPUAttentionMetadata | None  # the sink kernel's (widened pages only)
     pages: PagedPrefixPages
+    _suffix: "_SuffixPlan | None" = None
+
+    def suffix_plan(self, block_size: int) -> "_SuffixPlan":
+        """Where the packed requests' tokens after the prefix sit (stock-width pages); built by the
+        first layer of the step, shared by the others."""
+        if self._suffix is None:
+            self._suffix = _SuffixPlan.build(self.split, block_size)
+        return self._suffix
+
+
+@dataclass
+class _SuffixPlan:
+    """The tokens after the prefix of each packed request, as (block, slot) pairs to read.
+
+    Requests with one query row (decode steps) are read in one gather and attended in one batched
+    call: ``decode_rows [R, S_max]`` index the gathered rows per request (padding repeats row 0
+    and is masked by ``decode_lengths``). Requests with more rows (prefill chunks) are ``chunks``.
+    """
+
+    block_size: int
+    decode_tokens: torch.Tensor
+    decode_blocks: torch.Tensor
+    decode_slots: torch.Tensor
+    decode_rows: torch.Tensor
+    decode_lengths: torch.Tensor
+    chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def build(cls, split: BatchSplit, block_size: int) -> "_SuffixPlan":
+        table, seq_lens = split.block_table, split.seq_lens.tolist()
+        device = table.device
+        decode_tokens, decode_blocks, decode_slots, lengths, chunks = [], [], [], [], []
+        for row, request in enumerate(split.requests):
+            positions = torch.arange(seq_lens[row], device=device)
+            blocks, slots = table[row, positions // block_size], positions % block_size
+            if request.tokens.numel() == 1:
+                decode_tokens.append(request.tokens)
+                decode_blocks.append(blocks)
+                decode_slots.append(slots)
+                lengths.append(seq_lens[row])
+            else:
+                chunks.append((request.tokens, blocks, slots))
+        longest = max(lengths, default=0)
+        starts = torch.tensor([0] + lengths, device=device).cumsum(0)[:-1]
+        rows = (starts[:, None] + torch.arange(longest, device=device)[None, :]).clamp_max(max(sum(lengths) - 1, 0))
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        cat = lambda parts: torch.cat(parts) if parts else empty  # noqa: E731
+        return cls(block_size, cat(decode_tokens), cat(decode_blocks), cat(decode_slots), rows,
+                   torch.tensor(lengths, device=device), chunks)
 
 
 _SPLIT_ATTR = "_vllm_compaction_split"

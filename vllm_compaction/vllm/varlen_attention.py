@@ -32,7 +32,7 @@ import torch
 
 from vllm_compaction.vllm.bias import VALUE_ONES_COORD
 
-__all__ = ["causal_attention", "merge_by_lse", "merge_with_prefix", "prefix_attention", "sink_for"]
+__all__ = ["batched_decode_attention", "causal_attention", "merge_by_lse", "merge_with_prefix", "prefix_attention", "sink_for"]
 
 
 def prefix_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor,
@@ -95,6 +95,26 @@ def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     lse = torch.logsumexp(scores, dim=-1)  # [H, group, n]
     out = torch.matmul(torch.exp(scores - lse[..., None]), v[:, None])  # [H, group, n, d]
     return out.permute(2, 0, 1, 3).reshape(n, num_q_heads, d), lse.permute(2, 0, 1).reshape(n, num_q_heads)
+
+
+def batched_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query row per request: ``query [R, Hq, d]`` over ``keys``/``values [R, S, H, d]``, row
+    ``r`` seeing its first ``lengths[r]`` keys (the rest is padding).
+
+    Returns fp32 ``out [R, Hq, d]`` and ``lse [R, Hq]``: the decode steps of many requests in two
+    batched GEMMs instead of a call per request.
+    """
+    num_reqs, num_q_heads, d = query.shape
+    num_kv_heads = keys.shape[2]
+    group = num_q_heads // num_kv_heads
+    q = query.float().view(num_reqs, num_kv_heads, group, d)
+    scores = torch.einsum("rhgd,rshd->rhgs", q, keys.float()) * scale
+    padding = torch.arange(keys.shape[1], device=keys.device)[None, :] >= lengths.to(keys.device)[:, None]
+    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [R, H, group]
+    out = torch.einsum("rhgs,rshd->rhgd", torch.exp(scores - lse[..., None]), values.float())
+    return out.reshape(num_reqs, num_q_heads, d), lse.reshape(num_reqs, num_q_heads)
 
 
 def sink_for(prefix_lse: torch.Tensor) -> torch.Tensor:
