@@ -14,8 +14,7 @@ from vllm_compaction.vllm.bias import augment_kv, augment_query
 from vllm_compaction.vllm.layout import PackedPrefix, pack_layers
 from vllm_compaction.vllm.paged_prefix import PagedPrefixPages
 from vllm_compaction.vllm.varlen_attention import (
-    batched_decode_attention,
-    causal_attention,
+    masked_attention,
     merge_by_lse,
     merge_with_prefix,
     prefix_attention,
@@ -221,7 +220,8 @@ def test_causal_attention_matches_a_dense_softmax():
     torch.manual_seed(4)
     query, keys, values = torch.randn(5, 6, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16)
     last_key = torch.tensor([4, 5, 6, 7, 8])
-    out, lse = causal_attention(query, keys, values, last_key, 0.25)
+    out, lse = masked_attention(query[None], keys[None], values[None], last_key[None], 0.25)
+    out, lse = out[0], lse[0]
     for i in range(5):
         for j in range(6):
             scores = keys[: last_key[i] + 1, j // 3] @ query[i, j] * 0.25
@@ -230,15 +230,17 @@ def test_causal_attention_matches_a_dense_softmax():
 
 
 def test_batched_decode_attention_equals_one_call_per_request():
+    """Decode steps of several requests over padded suffixes: the padding changes nothing."""
     torch.manual_seed(5)
     lengths = [7, 1, 12]
     query = torch.randn(3, 6, 16)
     keys, values = torch.randn(3, 12, 2, 16), torch.randn(3, 12, 2, 16)
-    out, lse = batched_decode_attention(query, keys, values, torch.tensor(lengths), 0.25)
+    out, lse = masked_attention(query[:, None], keys, values, torch.tensor(lengths)[:, None] - 1, 0.25)
     for r, length in enumerate(lengths):
-        want, want_lse = causal_attention(query[r : r + 1], keys[r, :length], values[r, :length],
-                                          torch.tensor([length - 1]), 0.25)
-        assert torch.allclose(out[r], want[0], atol=1e-5) and torch.allclose(lse[r], want_lse[0], atol=1e-5)
+        scores = torch.einsum("hgd,shd->hgs", query[r].view(2, 3, 16), keys[r, :length]) * 0.25
+        want = torch.einsum("hgs,shd->hgd", torch.softmax(scores, -1), values[r, :length]).reshape(6, 16)
+        assert torch.allclose(out[r, 0], want, atol=1e-5)
+        assert torch.allclose(lse[r, 0], torch.logsumexp(scores, -1).reshape(6), atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -270,7 +272,9 @@ def test_prefix_plus_suffix_read_from_stock_pages_equals_full_attention(dtype):
 
     keys, values = probe_page_order(dtype, block_size, d, isa).read(cache, table[positions // block_size],
                                                                      positions % block_size)
-    suffix_out, suffix_lse = causal_attention(query, keys, values, torch.arange(suffix_len - n, suffix_len), scale)
+    suffix_out, suffix_lse = masked_attention(query[None], keys[None], values[None],
+                                              torch.arange(suffix_len - n, suffix_len)[None], scale)
+    suffix_out, suffix_lse = suffix_out[0], suffix_lse[0]
     prefix_out, prefix_lse = prefix_attention(query, heads.keys, heads.beta, heads.values, heads.cu_seqlens, scale)
     merged = merge_by_lse(prefix_out, prefix_lse, suffix_out, suffix_lse)
     reference = full_reference(query.float(), heads, suffix_k.float(), suffix_v.float(), scale)

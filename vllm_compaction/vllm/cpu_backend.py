@@ -47,8 +47,7 @@ from vllm_compaction.vllm.bias import augment_kv, augment_query, augmented_head_
 from vllm_compaction.vllm.cpu_pages import probe_page_order
 from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages, attend_prefixes
 from vllm_compaction.vllm.varlen_attention import (
-    batched_decode_attention,
-    causal_attention,
+    masked_attention,
     merge_by_lse,
     merge_with_prefix,
     sink_for,
@@ -103,8 +102,12 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
                                    output_scale, output_block_scale)
         n = attn_metadata.num_actual_tokens
         plain_query = query[:n].view(n, self.num_heads, self.head_size)
-        q = plain_query if self.augmented is None else augment_query(plain_query, self.augmented, self.scale)
-        out = torch.empty_like(q)
+        result = output[:n].view(n, self.num_heads, self.head_size)
+        if self.augmented is None:  # stock width: the parts are written into the output directly
+            q, out = plain_query, result
+        else:
+            q = augment_query(plain_query, self.augmented, self.scale)
+            out = torch.empty_like(q)
         if split is None:
             super().forward(layer, q, key, value, kv_cache, attn_metadata, out, output_scale, output_block_scale)
         else:
@@ -118,7 +121,8 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
                 self._forward_packed_stock(layer, plain_query, kv_cache, split, out)
             else:
                 self._forward_packed_widened(layer, q, plain_query, kv_cache, split, out)
-        output[:n].view(n, self.num_heads, self.head_size).copy_(out[..., : self.head_size])
+        if out is not result:
+            result.copy_(out[..., : self.head_size])
         return output
 
     def _forward_packed_stock(self, layer, query, kv_cache, split: "_Split", out) -> None:
@@ -133,15 +137,15 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         suffix_out, suffix_lse = torch.empty_like(prefix_out), torch.empty_like(prefix_lse)
         if suffix.decode_tokens.numel():  # one query row each: all in one batched call
             keys, values = order.read(kv_cache, suffix.decode_blocks, suffix.decode_slots)
-            part, lse = batched_decode_attention(packed_q[suffix.decode_tokens], keys[suffix.decode_rows],
-                                                 values[suffix.decode_rows], suffix.decode_lengths, self.scale)
-            suffix_out[suffix.decode_tokens], suffix_lse[suffix.decode_tokens] = part, lse
+            part, lse = masked_attention(packed_q[suffix.decode_tokens][:, None], keys[suffix.decode_rows],
+                                         values[suffix.decode_rows], suffix.decode_lengths[:, None] - 1, self.scale)
+            suffix_out[suffix.decode_tokens], suffix_lse[suffix.decode_tokens] = part[:, 0], lse[:, 0]
         for request_tokens, blocks, slots in suffix.chunks:  # prefill chunks: one call per request
             keys, values = order.read(kv_cache, blocks, slots)
             seq_len, count = slots.numel(), request_tokens.numel()
-            part, lse = causal_attention(packed_q[request_tokens], keys, values,
-                                         torch.arange(seq_len - count, seq_len), self.scale)
-            suffix_out[request_tokens], suffix_lse[request_tokens] = part, lse
+            part, lse = masked_attention(packed_q[request_tokens][None], keys[None], values[None],
+                                         torch.arange(seq_len - count, seq_len)[None], self.scale)
+            suffix_out[request_tokens], suffix_lse[request_tokens] = part[0], lse[0]
         merged = merge_by_lse(prefix_out, prefix_lse, suffix_out, suffix_lse)
         out[tokens] = merged.to(out.dtype)
 

@@ -22,7 +22,7 @@ through by ``Z + e^s``, is
 Choosing ``s = max lse_p`` over the batch keeps ``w <= 1``, so no term is divided by a small
 number and the error stays at the kernel's output precision (tests/serving/test_varlen_math.py).
 A kernel that returns its log-sum-exp (the CUDA Triton one) merges directly: :func:`merge_by_lse`.
-So does :func:`causal_attention`, which attends the suffix in torch where the pages have no spare
+So does :func:`masked_attention`, which attends the suffix in torch where the pages have no spare
 coordinate for the ones (stock-width CPU pages: :mod:`.cpu_backend`).
 """
 
@@ -32,7 +32,7 @@ import torch
 
 from vllm_compaction.vllm.bias import VALUE_ONES_COORD
 
-__all__ = ["batched_decode_attention", "causal_attention", "merge_by_lse", "merge_with_prefix", "prefix_attention", "sink_for"]
+__all__ = ["masked_attention", "merge_by_lse", "merge_with_prefix", "prefix_attention", "sink_for"]
 
 
 def prefix_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor,
@@ -77,44 +77,24 @@ def prefix_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor
     return out, lse
 
 
-def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, last_key: torch.Tensor,
+def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, last_key: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``query [n, Hq, d]`` over ``keys``/``values [S, H, d]`` (GQA: query head ``j``
-    reads KV head ``j // (Hq / H)``), row ``i`` seeing keys ``0..last_key[i]``.
+    """Attention of ``R`` requests at once: ``query [R, n, Hq, d]`` over ``keys``/``values
+    [R, S, H, d]`` (GQA: query head ``j`` reads KV head ``j // (Hq / H)``), row ``(r, i)`` seeing
+    keys ``0..last_key[r, i]`` (causal prefill chunks, or decode steps over padded suffixes).
 
-    Returns fp32 ``out [n, Hq, d]`` and ``lse [n, Hq]``, batched over heads (two GEMMs).
+    Returns fp32 ``out [R, n, Hq, d]`` and ``lse [R, n, Hq]``, batched over requests and heads.
     """
-    n, num_q_heads, d = query.shape
-    num_kv_heads = keys.shape[1]
-    group = num_q_heads // num_kv_heads
-    q = query.float().view(n, num_kv_heads, group, d).permute(1, 2, 0, 3)  # [H, group, n, d]
-    k, v = keys.float().permute(1, 0, 2), values.float().permute(1, 0, 2)  # [H, S, d]
-    scores = torch.matmul(q, k[:, None].transpose(-1, -2)) * scale  # [H, group, n, S]
-    hidden = torch.arange(keys.shape[0], device=keys.device)[None, :] > last_key.to(keys.device)[:, None]
-    scores = scores.masked_fill(hidden, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [H, group, n]
-    out = torch.matmul(torch.exp(scores - lse[..., None]), v[:, None])  # [H, group, n, d]
-    return out.permute(2, 0, 1, 3).reshape(n, num_q_heads, d), lse.permute(2, 0, 1).reshape(n, num_q_heads)
-
-
-def batched_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
-                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query row per request: ``query [R, Hq, d]`` over ``keys``/``values [R, S, H, d]``, row
-    ``r`` seeing its first ``lengths[r]`` keys (the rest is padding).
-
-    Returns fp32 ``out [R, Hq, d]`` and ``lse [R, Hq]``: the decode steps of many requests in two
-    batched GEMMs instead of a call per request.
-    """
-    num_reqs, num_q_heads, d = query.shape
+    num_reqs, n, num_q_heads, d = query.shape
     num_kv_heads = keys.shape[2]
     group = num_q_heads // num_kv_heads
-    q = query.float().view(num_reqs, num_kv_heads, group, d)
-    scores = torch.einsum("rhgd,rshd->rhgs", q, keys.float()) * scale
-    padding = torch.arange(keys.shape[1], device=keys.device)[None, :] >= lengths.to(keys.device)[:, None]
-    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [R, H, group]
-    out = torch.einsum("rhgs,rshd->rhgd", torch.exp(scores - lse[..., None]), values.float())
-    return out.reshape(num_reqs, num_q_heads, d), lse.reshape(num_reqs, num_q_heads)
+    q = query.float().view(num_reqs, n, num_kv_heads, group, d)
+    scores = torch.einsum("rnhgd,rshd->rhgns", q, keys.float()) * scale
+    hidden = torch.arange(keys.shape[1], device=keys.device) > last_key.to(keys.device)[..., None]  # [R, n, S]
+    scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [R, H, group, n]
+    out = torch.einsum("rhgns,rshd->rnhgd", torch.exp(scores - lse[..., None]), values.float())
+    return out.reshape(num_reqs, n, num_q_heads, d), lse.permute(0, 3, 1, 2).reshape(num_reqs, n, num_q_heads)
 
 
 def sink_for(prefix_lse: torch.Tensor) -> torch.Tensor:
