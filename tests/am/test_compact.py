@@ -103,6 +103,32 @@ def test_options_override_preset_fields():
     _assert_heads_equal(c, compact_heads(keys, values, queries, 9, method="am-omp"))
 
 
+def test_value_anchor_interpolates_between_lstsq_and_direct_values():
+    """``value_anchor=lam`` solves ``min ||X C - Y||^2 + lam g ||C - V||^2`` (its gradient is 0);
+    0 is plain least squares, a huge ``lam`` gives the original values."""
+    from vllm_compaction.am.attention import attention_output_and_mass
+
+    keys, values, queries = _inputs(8)
+    lstsq = compact_heads(keys, values, queries, 9, method="am-highest-attn")
+    _assert_heads_equal(compact_heads(keys, values, queries, 9, method="am-highest-attn", value_anchor=0.0), lstsq)
+    direct = compact_heads(keys, values, queries, 9, method="am-highest-attn", values="direct")
+    huge = compact_heads(keys, values, queries, 9, method="am-highest-attn", value_anchor=1e9)
+    torch.testing.assert_close(huge.values, direct.values, rtol=1e-4, atol=1e-4)
+    lam = 0.5
+    anchored = compact_heads(keys, values, queries, 9, method="am-highest-attn", value_anchor=lam)
+    assert torch.equal(anchored.indices, lstsq.indices) and torch.equal(anchored.beta, lstsq.beta)
+    scale = D**-0.5
+    for h in range(H):
+        k, beta, c, idx = anchored.head(h)
+        x = torch.softmax((queries[h] @ k.T * scale + beta).double(), -1)  # [n, t]
+        y = attention_output_and_mass(queries[h : h + 1], keys[h : h + 1], values[h : h + 1], scale=scale)[0][0]
+        g = (x.T @ x).diagonal().mean()
+        grad = x.T @ (x @ c.double() - y.double()) + lam * g * (c.double() - values[h, idx].double())
+        assert grad.abs().max() < 1e-4 * (x.T @ y.double()).abs().max()
+        # between the two: closer to the original values than lstsq, better fit than direct
+        assert (c - values[h, idx]).norm() < (lstsq.head(h)[2] - values[h, idx]).norm()
+
+
 def test_memory_limit_groups_and_chunks_give_the_same_result():
     """Head groups (OMP) and query chunks (fits) change only the fp32 summation order."""
     keys, values, queries = _inputs(4)
@@ -136,6 +162,8 @@ BAD_CALLS = {
     "positions": (dict(positions=torch.arange(T - 1)), "positions"),
     "scale": (dict(scale=-1.0), "scale"),
     "unknown selector": (dict(selector="oracle"), "valid selectors"),
+    "negative value_anchor": (dict(method="am-highest-attn", value_anchor=-1.0), "value_anchor"),
+    "value_anchor without lstsq": (dict(method="h2o+", value_anchor=1.0), "lstsq"),
 }
 
 

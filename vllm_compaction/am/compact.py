@@ -122,12 +122,13 @@ def _compact_group(
     else:
         beta = torch.zeros(h, t_max, device=keys.device)
     clock["beta_s"] += (mark := time.perf_counter()) - start
+    original = values.gather(1, sel.indices[..., None].expand(h, t_max, values.shape[-1]))
     if plan.fit.values == "lstsq":
-        fitted = fit_values(logits, beta, ref.output, valid)
+        fitted = fit_values(logits, beta, ref.output, valid, anchor=original, anchor_weight=plan.fit.value_anchor)
     elif plan.fit.values == "selector":
         fitted = sel.values
     else:
-        fitted = values.gather(1, sel.indices[..., None].expand(h, t_max, values.shape[-1]))
+        fitted = original
     clock["values_s"] += time.perf_counter() - mark
     return Selection(indices=sel.indices, lengths=sel.lengths, beta=beta, values=fitted)
 

@@ -240,8 +240,13 @@ def fit_beta(
     return torch.where(valid, w.clamp_min(torch.finfo(torch.float64).tiny).log(), 0.0).float()
 
 
-def fit_values(logits: SelectedLogits, beta: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def fit_values(logits: SelectedLogits, beta: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, *,
+               anchor: torch.Tensor | None = None, anchor_weight: float = 0.0) -> torch.Tensor:
     """Least-squares values for kept keys with biases ``beta [H, t]`` onto ``targets [H, n, d]``.
+
+    With ``anchor [H, t, d]`` (the kept keys' original values) and ``anchor_weight = lam > 0``
+    the fit is ``min ||X C - Y||^2 + lam * g ||C - anchor||^2``, ``g`` the mean diagonal of
+    ``X^T X`` per head: ``(X^T X + lam g I) C = X^T Y + lam g anchor``.
 
     Returns ``[H, t, d]`` float32 values (0 on padded slots).
     """
@@ -253,4 +258,9 @@ def fit_values(logits: SelectedLogits, beta: torch.Tensor, targets: torch.Tensor
         x = torch.softmax(chunk + bias, dim=-1).nan_to_num_(0.0).to(GRAM_DTYPE)  # [H, c, t]
         gram.baddbmm_(x.transpose(1, 2), x)
         rhs.baddbmm_(x.transpose(1, 2), targets[:, sl].to(GRAM_DTYPE))
+    if anchor is not None and anchor_weight > 0:
+        diag = torch.where(valid, gram.diagonal(dim1=1, dim2=2), 0.0)
+        pull = anchor_weight * diag.sum(-1) / valid.sum(-1).clamp_min(1)  # [H]
+        gram.diagonal(dim1=1, dim2=2).add_(pull[:, None])
+        rhs.add_(pull[:, None, None] * anchor.to(GRAM_DTYPE))
     return solve_normal_equations(gram, rhs, valid).float()

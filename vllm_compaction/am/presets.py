@@ -8,6 +8,7 @@ which drops the preset's selector options) and validates everything with a sente
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -32,12 +33,19 @@ class FitOptions:
         beta_iters: projected-gradient steps of the ``"nnls"`` fit (paper: 2).
         values: ``"lstsq"`` (output-matching least squares), ``"direct"`` (original values of
             the kept keys), or ``"selector"`` (the selector's own, e.g. merged values).
+        value_anchor: ``lam >= 0``, for ``"lstsq"`` only: pull the fitted values toward the kept
+            keys' original ones, ``min ||X C - Y||^2 + lam * g ||C - V||^2`` with ``g`` the mean
+            diagonal of ``X^T X`` (so ``lam`` is scale-free). 0 is plain least squares; large
+            ``lam`` tends to ``"direct"``. Slots the reference queries barely attend stay near
+            their original values (they cannot be fitted from those queries anyway), so exact
+            copying of rarely-probed tokens survives the refit.
     """
 
     beta: str = "zero"
     beta_bounds: tuple[float, float] = (-3.0, 3.0)
     beta_iters: int = 2
     values: str = "direct"
+    value_anchor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.beta not in BETA_MODES:
@@ -50,6 +58,12 @@ class FitOptions:
         object.__setattr__(self, "beta_bounds", (float(bounds[0]), float(bounds[1])))
         if not isinstance(self.beta_iters, int) or isinstance(self.beta_iters, bool) or self.beta_iters < 0:
             raise ValueError(f"beta_iters must be a non-negative integer, got {self.beta_iters!r}")
+        if isinstance(self.value_anchor, bool) or not isinstance(self.value_anchor, (int, float)) \
+                or not math.isfinite(self.value_anchor) or self.value_anchor < 0:
+            raise ValueError(f"value_anchor must be a finite number >= 0, got {self.value_anchor!r}")
+        if self.value_anchor and self.values != "lstsq":
+            raise ValueError(f"value_anchor applies to values='lstsq' only, not {self.values!r}")
+        object.__setattr__(self, "value_anchor", float(self.value_anchor))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ Pure torch (no vLLM import): both backends use it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -166,9 +166,20 @@ class BatchSplit:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     requests: list[PackedRequest]
+    _groups: list[tuple[torch.Tensor, PackedRequest]] | None = field(default=None, repr=False)
 
     def plain_query_start_loc(self, query_start_loc: torch.Tensor) -> torch.Tensor:
         return _sub_starts(query_start_loc, self.plain_rows)
+
+    def prefix_groups(self) -> list[tuple[torch.Tensor, PackedRequest]]:
+        """The packed requests grouped by their prefix blocks: the query rows of each group and
+        one request standing for it (all of a group read the same rows)."""
+        if self._groups is None:
+            groups: dict[tuple[int, ...], list[PackedRequest]] = {}
+            for request in self.requests:
+                groups.setdefault(tuple(request.blocks.tolist()), []).append(request)
+            self._groups = [(torch.cat([r.tokens for r in members]), members[0]) for members in groups.values()]
+        return self._groups
 
 
 def _sub_starts(query_start_loc: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -217,12 +228,16 @@ def split_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
 def attend_prefixes(query: torch.Tensor, split: BatchSplit, pages: PagedPrefixPages, layer: int,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the packed requests' queries ``[m, Hq, d]`` (``split.packed_tokens`` order)
-    over their prefixes in ``layer``: fp32 ``out [m, Hq, d]`` and ``lse [m, Hq]``."""
-    outs, lses = [], []
-    for request in split.requests:
+    over their prefixes in ``layer``: fp32 ``out [m, Hq, d]`` and ``lse [m, Hq]``.
+
+    Requests on the same prefix blocks (sessions on one cached prefix) are one call: the layer's
+    rows are read once and their queries share the GEMMs.
+    """
+    m, num_q_heads, d = query.shape
+    out = torch.empty(m, num_q_heads, d, dtype=torch.float32, device=query.device)
+    lse = torch.empty(m, num_q_heads, dtype=torch.float32, device=query.device)
+    for tokens, request in split.prefix_groups():
         keys, beta, values = pages.layer_rows(request.packing, layer, request.blocks)
-        out, lse = prefix_attention(query[request.tokens], keys, beta, values,
-                                    request.packing.cu_seqlens(layer).to(keys.device), scale)
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
+        out[tokens], lse[tokens] = prefix_attention(query[tokens], keys, beta, values,
+                                                    request.packing.cu_seqlens(layer).to(keys.device), scale)
+    return out, lse
