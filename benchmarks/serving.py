@@ -181,8 +181,8 @@ def measure(args) -> dict[str, Any]:
         for variant in result["variants"].values():
             variant["ttft_speedup_cold"] = result["full"]["ttft_s"] / variant["ttft_s"]["compacted_cold"]
             variant["ttft_speedup_warm"] = result["full"]["ttft_s"] / variant["ttft_s"]["compacted_warm"]
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1))  # checkpoint before phase 3
+        checkpoint = Path(args.out or RESULTS / "serving.json")
+        checkpoint.write_text(json.dumps(result, indent=1))  # before phase 3
     finally:
         _stop(llm)
     result["capacity"] = measure_capacity(args, prefix_ids, question_ids, store, caches)
@@ -416,7 +416,9 @@ def main() -> None:
                         help="measure only sessions at a fixed KV memory (writes serving_capacity.json)")
     parser.add_argument("--only-overhead", action="store_true",
                         help="measure only the plugin on/off decode overhead (writes plugin_overhead.json)")
-    parser.add_argument("--out", default=str(RESULTS / "serving.json"))
+    parser.add_argument("--out", default=None,
+                        help="result file (default: serving.json, plugin_overhead.json or serving_capacity.json "
+                             "under benchmarks/results/, by mode)")
     args = parser.parse_args()
     if args.quick:
         args.prefix_tokens, args.sessions, args.decode_tokens, args.trials, args.plain_tokens = 600, 2, 8, 1, 200
@@ -430,7 +432,7 @@ def main() -> None:
         result = {"model": "smollm2-135m", "dtype": args.dtype, "sessions": args.sessions,
                   "plain_tokens": args.plain_tokens, "decode_tokens": args.decode_tokens, "trials": args.trials,
                   "created": time.time(), **measure_overhead(args, load_adapter("smollm2-135m"))}
-        out = save_result(result, Path(args.out).with_name("plugin_overhead.json"))
+        out = save_result(result, Path(args.out or RESULTS / "plugin_overhead.json"))
         logger.warning("wrote %s", out)
         return
     if args.only_capacity:
@@ -439,11 +441,11 @@ def main() -> None:
         result = {"model": "smollm2-135m", "dtype": args.dtype, "prefix_tokens": len(prefix_ids),
                   "ratio": args.ratio, "variants": variants, "created": time.time(),
                   **measure_capacity(args, prefix_ids, question_ids, store, caches)}
-        out = save_result(result, Path(args.out).with_name("serving_capacity.json"), plot_capacity)
+        out = save_result(result, Path(args.out or RESULTS / "serving_capacity.json"), plot_capacity)
         logger.warning("wrote %s", out)
         return
     result = measure(args)
-    out = save_result(result, args.out, plot)
+    out = save_result(result, Path(args.out or RESULTS / "serving.json"), plot)
     logger.warning("wrote %s", out)
 
 
