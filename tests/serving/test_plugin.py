@@ -59,3 +59,20 @@ def test_text_continuation_needs_a_tokenizer(tiny_llama, tmp_path):
     prompt = compacted_prompt(cache, [7, 8], store=tmp_path)
     assert prompt["prompt_token_ids"] == [0] * 20 + [7, 8]
     assert CompactedRef.parse(prompt["cache_salt"]).num_slots == 20
+
+
+def test_unknown_page_width_is_refused_with_a_sentence(tmp_path):
+    """Both ways in (our config helper, a hand-written --kv-transfer-config) give one sentence."""
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    from vllm_compaction.vllm.backend_common import page_width
+    from vllm_compaction.vllm.engine import kv_transfer_config
+
+    with pytest.raises(ValueError, match="'pages' KV connector option must be one of stock, widened"):
+        kv_transfer_config(tmp_path, pages="narrow")
+    config = kv_transfer_config(tmp_path)
+    config["kv_connector_extra_config"]["pages"] = "narrow"
+    with pytest.raises(ValueError, match="'pages' KV connector option must be one of stock, widened"):
+        page_width(VllmConfig(kv_transfer_config=KVTransferConfig(**config)))
+    config["kv_connector_extra_config"]["pages"] = "widened"
+    assert page_width(VllmConfig(kv_transfer_config=KVTransferConfig(**config))) == "widened"

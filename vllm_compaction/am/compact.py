@@ -122,7 +122,9 @@ def _compact_group(
     else:
         beta = torch.zeros(h, t_max, device=keys.device)
     clock["beta_s"] += (mark := time.perf_counter()) - start
-    original = values.gather(1, sel.indices[..., None].expand(h, t_max, values.shape[-1]))
+    original = None  # the kept keys' own values: the direct values, or the anchor of the fit
+    if plan.fit.values == "direct" or plan.fit.value_anchor:
+        original = values.gather(1, sel.indices[..., None].expand(h, t_max, values.shape[-1]))
     if plan.fit.values == "lstsq":
         fitted = fit_values(logits, beta, ref.output, valid, anchor=original, anchor_weight=plan.fit.value_anchor)
     elif plan.fit.values == "selector":

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
     from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages
 
-__all__ = ["PAGE_WIDTHS", "AugmentedHeadSizes", "compaction_enabled", "kv_snapshots_enabled", "packed_batch",
-           "page_width", "record_kv_write"]
+__all__ = ["PAGE_WIDTHS", "AugmentedHeadSizes", "check_page_width", "compaction_enabled", "kv_snapshots_enabled",
+           "packed_batch", "page_width", "record_kv_write"]
 
 PAGE_WIDTHS = ("stock", "widened")
 """KV page widths with compaction on: ``stock`` keeps the model's head size (plain requests run
@@ -73,8 +73,13 @@ def page_width(vllm_config: Any) -> str:
         from vllm.platforms import current_platform
 
         width = "widened" if current_platform.is_cuda_alike() else "stock"
+    return check_page_width(width)
+
+
+def check_page_width(width: str) -> str:
+    """``width`` if it is one of :data:`PAGE_WIDTHS`, else ``ValueError`` (one sentence)."""
     if width not in PAGE_WIDTHS:
-        raise ValueError(f"kv_connector_extra_config 'pages' must be one of {', '.join(PAGE_WIDTHS)}, not {width!r}")
+        raise ValueError(f"the 'pages' KV connector option must be one of {', '.join(PAGE_WIDTHS)}, not {width!r}")
     return width
 
 

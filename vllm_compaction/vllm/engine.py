@@ -42,16 +42,14 @@ def kv_transfer_config(store: str | Path | None = None, *, kv_snapshots: bool = 
     prefixes must be varlen) or ``"widened"`` (bias coordinates: padded prefixes too); default
     stock on CPU, widened on CUDA (:func:`.backend_common.page_width`).
     """
-    from vllm_compaction.vllm.backend_common import PAGE_WIDTHS
+    from vllm_compaction.vllm.backend_common import check_page_width
     from vllm_compaction.vllm.prompt import default_store_dir
 
     extra: dict[str, Any] = {"store": str(store or default_store_dir())}
     if kv_snapshots:
         extra["kv_snapshots"] = True
     if pages is not None:
-        if pages not in PAGE_WIDTHS:
-            raise ValueError(f"pages must be one of {', '.join(PAGE_WIDTHS)}, not {pages!r}")
-        extra["pages"] = pages
+        extra["pages"] = check_page_width(pages)
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": "vllm_compaction.vllm.connector",
