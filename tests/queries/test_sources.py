@@ -7,6 +7,7 @@ import torch
 
 from vllm_compaction.queries import QueryCollector, QueryPlan, parse_sources
 from vllm_compaction.queries.base import PrefixSpec
+from vllm_compaction.queries.quote_prefill import QuotePrefill
 from vllm_compaction.queries.repeat_prefill import REPEAT_INSTRUCTION
 from vllm_compaction.queries.self_study import SelfStudy
 
@@ -58,8 +59,8 @@ def test_on_policy_layers_see_earlier_compaction(tiny_llama):
 
 
 def test_parse_sources_mixture_and_errors():
-    names = [s.name for s in parse_sources("self-study+repeat-prefill")]
-    assert names == ["self-study", "repeat-prefill"]
+    names = [s.name for s in parse_sources("self-study+repeat-prefill+quote-prefill")]
+    assert names == ["self-study", "repeat-prefill", "quote-prefill"]
     with pytest.raises(ValueError, match="unknown query source"):
         parse_sources("repeat-prefill+telepathy")
 
@@ -74,3 +75,28 @@ def test_real_repeat_prefill_and_self_study_plans(smollm2):
     assert REPEAT_INSTRUCTION in decoded and decoded.rstrip().endswith(text)
     study = SelfStudy(max_new_tokens=12).plan(smollm2, spec)
     assert len(study.continuations) >= 4 and all(len(c) > 12 for c in study.continuations)
+
+
+def test_quote_prefill_refuses_empty_windows():
+    for bad in ({"window": 0}, {"lead": 0}):
+        with pytest.raises(ValueError, match="window >= 1 and lead >= 1"):
+            QuotePrefill(**bad)
+
+
+@pytest.mark.slow
+def test_real_quote_prefill_answers_every_token_after_the_first_lead_once(smollm2):
+    text = ("Ada Lovelace wrote the first published algorithm.\nIt was for Babbage's Analytical Engine, "
+            "in 1843, and it computed Bernoulli numbers. The engine was never built.")
+    ids, mask = smollm2.chat_content([{"role": "user", "content": text}])
+    spec = PrefixSpec(torch.tensor(ids), mask, smollm2.prefill(ids))
+    source = QuotePrefill(window=7, lead=3)
+    plan = source.plan(smollm2, spec)
+    content = spec.content_ids
+    assert len(plan.continuations) == -(-(len(content) - 3) // 7) and plan.record_from == [0] * len(plan.continuations)
+    answered = []
+    for i, cont in enumerate(plan.continuations):
+        lead = " ".join(smollm2.tokenizer.decode(content[7 * i:7 * i + 3]).split())
+        turn = smollm2.turn_ids([{"role": "user", "content": source.instruction.format(lead=lead)}])
+        assert cont[:len(turn)] == turn  # a one-line quote of the window's lead, then the answer
+        answered += cont[len(turn):]
+    assert answered == content[3:]

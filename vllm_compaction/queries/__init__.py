@@ -5,6 +5,7 @@ from __future__ import annotations
 from vllm_compaction.queries.base import PrefixSpec, QueryPlan, QuerySource
 from vllm_compaction.queries.collect import DEFAULT_QUERY_CAP, QueryCollector
 from vllm_compaction.queries.context_prefill import ContextPrefill
+from vllm_compaction.queries.quote_prefill import QuotePrefill
 from vllm_compaction.queries.random_vectors import RandomVectors
 from vllm_compaction.queries.repeat_prefill import RepeatPrefill
 from vllm_compaction.queries.self_study import MockQuestion, SelfStudy
@@ -20,7 +21,7 @@ __all__ = [
 ]
 
 QUERY_SOURCES: dict[str, type] = {
-    cls.name: cls for cls in (ContextPrefill, RepeatPrefill, SelfStudy, MockQuestion, RandomVectors)
+    cls.name: cls for cls in (ContextPrefill, RepeatPrefill, QuotePrefill, SelfStudy, MockQuestion, RandomVectors)
 }
 
 

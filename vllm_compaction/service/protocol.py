@@ -91,7 +91,7 @@ class CompactRequest(BaseModel):
     ratio: float | None = Field(None, gt=0.0, le=1.0, description="slots kept per head / content tokens")
     target_tokens: int | None = Field(None, gt=0, description="slots kept per head, absolute")
     method: str = "am-omp-fast"
-    queries: Literal["repeat-prefill", "context-prefill", "self-study", "mix"] | None = None
+    queries: Literal["repeat-prefill", "quote-prefill", "context-prefill", "self-study", "mix"] | None = None
     keep_last_tokens: int = Field(0, ge=0, description="the last content tokens stay exact")
     max_head_ratio: float | None = Field(
         None, gt=0.0, le=1.0,
