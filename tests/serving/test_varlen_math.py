@@ -16,6 +16,7 @@ from vllm_compaction.vllm.paged_prefix import PagedPrefixPages
 from vllm_compaction.vllm.varlen_attention import (
     masked_attention,
     merge_by_lse,
+    merge_two_calls,
     merge_with_prefix,
     prefix_attention,
     sink_for,
@@ -142,6 +143,23 @@ def full_reference(query, heads: CompactedHeads, suffix_k, suffix_v, scale):
     return out
 
 
+def stock_kernel(query, key_cache, value_cache, block_table, seq_lens, query_start, scale, isa, num_kv, sink):
+    """vLLM's CPU paged attention (causal) over ``block_table``, with an optional sink."""
+    from vllm import _custom_ops as ops
+
+    schedule = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=seq_lens.numel(), num_heads=query.shape[1], num_kv_heads=num_kv, head_dim=query.shape[2],
+        seq_lens=seq_lens, dtype=query.dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1,
+        isa=isa, enable_kv_split=False, dynamic_causal=None, kv_cache_dtype="auto")
+    out = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=query_start,
+        seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=block_table,
+        softcap=0.0, scheduler_metadata=schedule, s_aux=sink, dynamic_causal=None, k_scale=1.0, v_scale=1.0,
+        kv_cache_dtype="auto")
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefix_plus_sink_kernel_equals_full_attention(dtype):
     """The exact merge of :mod:`varlen_attention` with vLLM's own CPU kernel (sink + ones coordinate)."""
@@ -174,16 +192,8 @@ def test_prefix_plus_sink_kernel_equals_full_attention(dtype):
     sink = sink_for(prefix_lse)
     seq_lens = torch.tensor([suffix_len], dtype=torch.int32)
     query_start = torch.tensor([0, n], dtype=torch.int32)
-    schedule = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=num_kv * group, num_kv_heads=num_kv, head_dim=width, seq_lens=seq_lens, dtype=dtype,
-        query_start_loc=query_start, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
-        dynamic_causal=None, kv_cache_dtype="auto")
-    out = torch.empty(n, num_kv * group, width, dtype=dtype)
-    ops.cpu_attention_with_kv_cache(
-        query=augment_query(query.to(dtype), width, scale), key_cache=key_cache, value_cache=value_cache,
-        output=out, query_start_loc=query_start, seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
-        sliding_window=-1, block_table=block_table, softcap=0.0, scheduler_metadata=schedule, s_aux=sink,
-        dynamic_causal=None, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    out = stock_kernel(augment_query(query.to(dtype), width, scale), key_cache, value_cache, block_table, seq_lens,
+                       query_start, scale, isa, num_kv, sink)
     merged = merge_with_prefix(out, d, sink, prefix_out, prefix_lse)
 
     reference = full_reference(query.to(dtype).float(), heads, suffix_k.to(dtype).float(),
@@ -279,3 +289,64 @@ def test_prefix_plus_suffix_read_from_stock_pages_equals_full_attention(dtype):
     merged = merge_by_lse(prefix_out, prefix_lse, suffix_out, suffix_lse)
     reference = full_reference(query.float(), heads, suffix_k.float(), suffix_v.float(), scale)
     assert (merged.double() - reference).abs().max().item() < 1e-5  # fp32 math on the stored rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefix_plus_two_stock_width_kernel_calls_equal_full_attention(dtype):
+    """Stock-width pages: the kernel without and with a sink over two requests' suffixes (a
+    prefill chunk and a decode step) gives the share of the suffix, hence the exact merge."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    torch.manual_seed(6)
+    num_kv, group, d, block_size = 3, 3, 64, 32
+    lengths = torch.tensor([0, 37, 300])
+    heads = CompactedHeads.from_padded(torch.randn(3, 300, d) * 2, torch.rand(3, 300) * 6 - 3,
+                                       torch.randn(3, 300, d), torch.arange(300).expand(3, 300), lengths)
+    scale = d ** -0.5
+    isa = _get_attn_isa(dtype, block_size, d)
+    cache = torch.zeros(6, num_kv, block_size, 2 * d, dtype=dtype)
+    key_cache, value_cache = cache.view(6, num_kv, 2 * block_size, d).chunk(2, dim=2)
+    tables = torch.tensor([[3, 1, 0], [5, 4, 2]], dtype=torch.int32)
+    requests = [(70, 4), (41, 1)]  # (suffix length, query tokens at its end)
+    suffixes, queries = [], []
+    for row, (suffix_len, n) in enumerate(requests):
+        k, v = torch.randn(suffix_len, num_kv, d).to(dtype), torch.randn(suffix_len, num_kv, d).to(dtype)
+        positions = torch.arange(suffix_len)
+        slots = tables[row, positions // block_size].long() * block_size + positions % block_size
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        suffixes.append((k, v))
+        queries.append((torch.randn(n, num_kv * group, d) * 2).to(dtype))
+    query = torch.cat(queries)
+    seq_lens = torch.tensor([length for length, _ in requests], dtype=torch.int32)
+    query_start = torch.tensor([0, 4, 5], dtype=torch.int32)
+
+    prefix_out, prefix_lse = prefix_attention(query, heads.keys, heads.beta, heads.values, heads.cu_seqlens, scale)
+    sink = sink_for(prefix_lse)
+    call = (key_cache, value_cache, tables, seq_lens, query_start, scale, isa, num_kv)
+    merged, trusted = merge_two_calls(stock_kernel(query, *call, None), stock_kernel(query, *call, sink), sink,
+                                      prefix_out, prefix_lse)
+    assert trusted.all()
+    reference = torch.cat([full_reference(q.float(), heads, k.float(), v.float(), scale)
+                           for q, (k, v) in zip(queries, suffixes)])
+    error = (merged.double() - reference).abs().max().item()
+    assert error < (1e-5 if dtype == torch.float32 else 2e-2), error
+
+
+def test_two_call_merge_flags_a_vanishing_suffix_output():
+    """Where the sink-free suffix output vanishes the share is undetermined: the token is flagged
+    (and attended from the pages instead), unless its prefix head is empty (no share needed)."""
+    torch.manual_seed(7)
+    n, num_q, d = 3, 6, 16
+    plain = torch.randn(n, num_q, d)
+    plain[1, 4] = 0.0  # token 1, head 4: the values after the prefix cancel out
+    plain[2, 0] = 1e-6
+    sunk = plain * 0.5
+    prefix_out, prefix_lse = torch.randn(n, num_q, d), torch.randn(n, num_q)
+    prefix_lse[2, 0] = float("-inf")  # empty prefix head: token 2 stays trusted
+    prefix_out[2, 0] = 0.0
+    merged, trusted = merge_two_calls(plain, sunk, sink_for(prefix_lse), prefix_out, prefix_lse)
+    assert trusted.tolist() == [True, False, True]
+    assert torch.isfinite(merged[trusted]).all()
+    assert torch.allclose(merged[2, 0], plain[2, 0])  # no prefix: the suffix's own output

@@ -4,10 +4,11 @@ Two page widths (:func:`.backend_common.page_width`), chosen when the engine sta
 
 * ``stock`` (the CPU default): pages keep the model's head size, and a step with no request on a
   packed prefix runs vLLM's own forward untouched, so plain traffic pays nothing. Requests whose
-  prefix is packed varlen (:mod:`.paged_prefix`) are split off the batch and attended in torch:
-  the prefix per head with its betas, the tokens after it read back from the pages
-  (:mod:`.cpu_pages`), merged by log-sum-exp (:mod:`.varlen_attention`). Padded prefixes need
-  the bias coordinates and are refused.
+  prefix is packed varlen (:mod:`.paged_prefix`) are split off the batch: the prefix is attended
+  per head with its betas in torch, the tokens after it by the stock kernel run twice (without
+  and with a sink), and the parts merge exactly (:mod:`.varlen_attention`); the rare tokens whose
+  merge is ill-conditioned are attended from the pages read back (:mod:`.cpu_pages`) in torch.
+  Padded prefixes need the bias coordinates and are refused.
 * ``widened``: every decoder attention layer widens its KV pages from ``d`` to
   ``augmented_head_size(d)`` coordinates; queries get ``1/scale`` in the bias coordinates and the
   stock C++ kernels (``cpu_attn_reshape_and_cache``, ``cpu_attention_with_kv_cache``) do the rest,
@@ -20,6 +21,7 @@ Without the connector the class behaves exactly like ``CPUAttentionBackend``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -49,11 +51,14 @@ from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages, atte
 from vllm_compaction.vllm.varlen_attention import (
     masked_attention,
     merge_by_lse,
+    merge_two_calls,
     merge_with_prefix,
     sink_for,
 )
 
 __all__ = ["CompactionCPUAttentionBackend", "CompactionCPUAttentionImpl", "cpu_augmented_head_size"]
+
+logger = logging.getLogger(__name__)
 
 _AUGMENTED = AugmentedHeadSizes("CPU_ATTN")
 
@@ -126,15 +131,34 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         return output
 
     def _forward_packed_stock(self, layer, query, kv_cache, split: "_Split", out) -> None:
-        """Requests on packed prefixes, stock-width pages: prefix and the tokens after it both in
-        torch (the latter read back from the ISA-packed pages), merged by log-sum-exp."""
+        """Requests on packed prefixes, stock-width pages: prefix in torch; the tokens after it in
+        the stock kernel twice, without and with a sink, merged exactly
+        (:func:`.varlen_attention.merge_two_calls`). Tokens whose share is undetermined there are
+        attended from the pages read back in torch instead."""
         tokens = split.split.packed_tokens
         packed_q = query[tokens]
         prefix_out, prefix_lse = attend_prefixes(packed_q, split.split, split.pages,
                                                  extract_layer_index(layer.layer_name), self.scale)
+        sink = sink_for(prefix_lse)
+        plain = self._suffix_kernel(layer, packed_q, kv_cache, split.packed, None)
+        sunk = self._suffix_kernel(layer, packed_q, kv_cache, split.packed, sink)
+        merged, trusted = merge_two_calls(plain, sunk, sink, prefix_out, prefix_lse)
+        if not bool(trusted.all()):
+            logger.debug("%d of %d tokens after a packed prefix attended in torch (vanishing suffix output)",
+                         int((~trusted).sum()), trusted.numel())
+            suffix_out, suffix_lse = self._suffix_from_pages(layer, packed_q, kv_cache, split)
+            exact = merge_by_lse(prefix_out, prefix_lse, suffix_out, suffix_lse)
+            merged = torch.where(trusted[:, None, None], merged, exact)
+        out[tokens] = merged.to(out.dtype)
+
+    def _suffix_from_pages(self, layer, packed_q, kv_cache, split: "_Split") -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over the tokens after the prefix, read back from stock-width pages, in torch:
+        fp32 ``out [n, Hq, d]`` and ``lse [n, Hq]``."""
         suffix = split.suffix_plan(kv_cache.shape[2])
         order = probe_page_order(kv_cache.dtype, suffix.block_size, self.head_size, layer.isa)
-        suffix_out, suffix_lse = torch.empty_like(prefix_out), torch.empty_like(prefix_lse)
+        n, num_q_heads, d = packed_q.shape
+        suffix_out, suffix_lse = packed_q.new_empty(n, num_q_heads, d, dtype=torch.float32), \
+            packed_q.new_empty(n, num_q_heads, dtype=torch.float32)
         if suffix.decode_tokens.numel():  # one query row each: all in one batched call
             keys, values = order.read(kv_cache, suffix.decode_blocks, suffix.decode_slots)
             part, lse = masked_attention(packed_q[suffix.decode_tokens][:, None], keys[suffix.decode_rows],
@@ -146,8 +170,7 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
             part, lse = masked_attention(packed_q[request_tokens][None], keys[None], values[None],
                                          torch.arange(seq_len - count, seq_len)[None], self.scale)
             suffix_out[request_tokens], suffix_lse[request_tokens] = part[0], lse[0]
-        merged = merge_by_lse(prefix_out, prefix_lse, suffix_out, suffix_lse)
-        out[tokens] = merged.to(out.dtype)
+        return suffix_out, suffix_lse
 
     def _forward_packed_widened(self, layer, q, plain_query, kv_cache, split: "_Split", out) -> None:
         """Requests on packed prefixes, widened pages: prefix in torch, the rest in the stock kernel
@@ -156,20 +179,25 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         prefix_out, prefix_lse = attend_prefixes(plain_query[tokens], split.split, split.pages,
                                                  extract_layer_index(layer.layer_name), self.scale)
         sink = sink_for(prefix_lse)
-        packed_q = q[tokens]
-        suffix = torch.empty_like(packed_q)
+        suffix = self._suffix_kernel(layer, q[tokens], kv_cache, split.packed, sink)
+        merged = merge_with_prefix(suffix, self.head_size, sink, prefix_out, prefix_lse)
+        out[tokens, :, : self.head_size] = merged.to(out.dtype)
+
+    def _suffix_kernel(self, layer, query, kv_cache, metadata: CPUAttentionMetadata,
+                       sink: torch.Tensor | None) -> torch.Tensor:
+        """The stock kernel over the packed requests' tokens after the prefix (their block tables
+        start after it), with an optional per-query-head sink logit."""
+        suffix = torch.empty_like(query)
         num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-        metadata = split.packed
         ops.cpu_attention_with_kv_cache(
-            query=packed_q, key_cache=key_cache, value_cache=value_cache, output=suffix,
+            query=query, key_cache=key_cache, value_cache=value_cache, output=suffix,
             query_start_loc=metadata.query_start_loc, seq_lens=metadata.seq_lens, scale=self.scale,
             causal=True, alibi_slopes=None, sliding_window=self.sliding_window,
             block_table=metadata.block_table, softcap=self.logits_soft_cap,
             scheduler_metadata=metadata.scheduler_metadata, s_aux=sink, dynamic_causal=None,
             k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
-        merged = merge_with_prefix(suffix, self.head_size, sink, prefix_out, prefix_lse)
-        out[tokens, :, : self.head_size] = merged.to(out.dtype)
+        return suffix
 
     @staticmethod
     def prefix_page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +235,7 @@ class _Split:
 
     split: BatchSplit
     plain: CPUAttentionMetadata | None
-    packed: CPUAttentionMetadata | None  # the sink kernel's (widened pages only)
+    packed: CPUAttentionMetadata  # the suffix kernel's
     pages: PagedPrefixPages
     _suffix: "_SuffixPlan | None" = None
 
@@ -278,8 +306,8 @@ def _split_for(metadata: CPUAttentionMetadata, impl: CompactionCPUAttentionImpl,
             rows = split.plain_rows
             plain = _sub_metadata(metadata, impl, layer, dtype, split.plain_query_start_loc(metadata.query_start_loc),
                                   metadata.seq_lens[rows], metadata.block_table[rows])
-        packed = None if impl.augmented is None else _sub_metadata(
-            metadata, impl, layer, dtype, split.query_start_loc, split.seq_lens, split.block_table)
+        packed = _sub_metadata(metadata, impl, layer, dtype, split.query_start_loc, split.seq_lens,
+                               split.block_table)
         result = _Split(split, plain, packed, pages)
     setattr(metadata, _SPLIT_ATTR, result)
     return result

@@ -21,9 +21,14 @@ through by ``Z + e^s``, is
 
 Choosing ``s = max lse_p`` over the batch keeps ``w <= 1``, so no term is divided by a small
 number and the error stays at the kernel's output precision (tests/serving/test_varlen_math.py).
+
+Stock-width pages have no spare coordinate for the ones, so there the kernel runs twice over the
+same rows, without and with the sink: ``o_0 = S / Z`` and ``o = S / (Z + e^s) = o[d] o_0``. The
+share ``o[d]`` is the one scalar relating two parallel vectors, ``<o, o_0> / <o_0, o_0>``
+(:func:`merge_two_calls`). It is well determined unless ``o_0`` nearly vanishes (the suffix's
+values cancel out); such rows are reported, and the caller attends them in torch instead
+(:func:`masked_attention`, from the pages read back).
 A kernel that returns its log-sum-exp (the CUDA Triton one) merges directly: :func:`merge_by_lse`.
-So does :func:`masked_attention`, which attends the suffix in torch where the pages have no spare
-coordinate for the ones (stock-width CPU pages: :mod:`.cpu_backend`).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import torch
 
 from vllm_compaction.vllm.bias import VALUE_ONES_COORD
 
-__all__ = ["masked_attention", "merge_by_lse", "merge_with_prefix", "prefix_attention", "sink_for"]
+__all__ = ["masked_attention", "merge_by_lse", "merge_two_calls", "merge_with_prefix", "prefix_attention", "sink_for"]
 
 
 def prefix_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor,
@@ -110,11 +115,39 @@ def merge_with_prefix(suffix_out: torch.Tensor, head_size: int, sink: torch.Tens
     ``suffix_out [n, Hq, D]`` is the stock kernel's output with sink ``sink [Hq]`` over value rows
     whose coordinate ``head_size + VALUE_ONES_COORD`` is 1; returns fp32 ``[n, Hq, head_size]``.
     """
-    out = suffix_out[..., :head_size].float()
-    suffix_share = suffix_out[..., head_size + VALUE_ONES_COORD].float()
+    return _merge_shares(suffix_out[..., :head_size].float(), suffix_out[..., head_size + VALUE_ONES_COORD].float(),
+                         sink, prefix_out, prefix_lse)
+
+
+#: ``merge_two_calls`` trusts a share when the sink-free output is at least this fraction of the
+#: prefix output's norm (both are averages of one head's values): the kernel's rounding is then
+#: ~1e-7 (fp32) of the share, where a vanishing ``o_0`` would leave it undetermined.
+SHARE_MIN_NORM_RATIO = 1e-2
+
+
+def merge_two_calls(plain_out: torch.Tensor, sunk_out: torch.Tensor, sink: torch.Tensor,
+                    prefix_out: torch.Tensor, prefix_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over prefix and suffix from two stock-kernel outputs over the suffix (module doc).
+
+    ``plain_out`` / ``sunk_out [n, Hq, d]``: without and with the sink ``sink [Hq]``. Returns fp32
+    ``merged [n, Hq, d]`` and ``trusted [n]``: False for a token whose share is undetermined
+    in some head (its ``merged`` row must be recomputed another way).
+    """
+    plain, sunk = plain_out.float(), sunk_out.float()
+    norm = (plain * plain).sum(-1)
+    share = ((sunk * plain).sum(-1) / norm.clamp_min(torch.finfo(torch.float32).tiny)).clamp(0.0, 1.0)
+    prefix_norm = (prefix_out.float() * prefix_out.float()).sum(-1)
+    has_prefix = torch.isfinite(prefix_lse)  # an empty prefix head needs no share: w = 0
+    trusted = (~has_prefix | ((norm > 0) & (norm >= SHARE_MIN_NORM_RATIO ** 2 * prefix_norm))).all(-1)
+    return _merge_shares(sunk, share, sink, prefix_out, prefix_lse), trusted
+
+
+def _merge_shares(suffix_out: torch.Tensor, suffix_share: torch.Tensor, sink: torch.Tensor,
+                  prefix_out: torch.Tensor, prefix_lse: torch.Tensor) -> torch.Tensor:
+    """``(o + w (1 - o[d]) o_p) / (o[d] + w (1 - o[d]))`` with ``suffix_share = o[d]``."""
     sink_share = (1.0 - suffix_share).clamp_min(0.0)
     prefix_weight = torch.exp(prefix_lse - sink[None, :]) * sink_share  # exp(-inf) = 0: empty prefix
-    return (out + prefix_weight[..., None] * prefix_out) / (suffix_share + prefix_weight)[..., None]
+    return (suffix_out + prefix_weight[..., None] * prefix_out) / (suffix_share + prefix_weight)[..., None]
 
 
 def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
