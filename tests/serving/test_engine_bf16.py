@@ -5,8 +5,8 @@ partial last block would be recomputed on one side and change the rounding):
 
 * stock-width pages (the CPU default): a plain prompt runs vLLM's own kernel on the same pages as
   stock vLLM, so its 64 greedy tokens and every top-3 logprob equal stock vLLM's, bit for bit.
-  The identity cache (t = T, beta = 0, built from the engine's own K/V snapshot) served varlen is
-  attended in fp32 torch, a different rounding: first-step logprobs within two bf16 steps.
+  The identity cache (t = T, beta = 0, built from the engine's own K/V snapshot) served varlen has
+  its prefix attended in fp32 torch, a different rounding: first-step logprobs within two bf16 steps.
 * widened pages: the identity cache in the padded layout gives bit for bit what the same engine
   gives for the plain prompt with its prefix from vLLM's prefix cache (same K/V, same pages, same
   kernel). Against stock vLLM it cannot be bit-exact, because the wider pages (d = 80) make the
