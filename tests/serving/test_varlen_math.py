@@ -143,6 +143,12 @@ def full_reference(query, heads: CompactedHeads, suffix_k, suffix_v, scale):
     return out
 
 
+def uneven_heads(d: int) -> CompactedHeads:
+    """Three random compacted heads of lengths 0, 37 and 300 (an empty head and a long one)."""
+    return CompactedHeads.from_padded(torch.randn(3, 300, d) * 2, torch.rand(3, 300) * 6 - 3, torch.randn(3, 300, d),
+                                      torch.arange(300).expand(3, 300), torch.tensor([0, 37, 300]))
+
+
 def stock_kernel(query, key_cache, value_cache, block_table, seq_lens, query_start, scale, isa, num_kv, sink):
     """vLLM's CPU paged attention (causal) over ``block_table``, with an optional sink."""
     from vllm import _custom_ops as ops
@@ -168,9 +174,7 @@ def test_prefix_plus_sink_kernel_equals_full_attention(dtype):
 
     torch.manual_seed(1)
     num_kv, group, d, width, block_size = 3, 3, 64, 80, 32
-    lengths = torch.tensor([0, 37, 300])
-    heads = CompactedHeads.from_padded(torch.randn(3, 300, d) * 2, torch.rand(3, 300) * 6 - 3,
-                                       torch.randn(3, 300, d), torch.arange(300).expand(3, 300), lengths)
+    heads = uneven_heads(d)
     heads.keys[:5] *= 0  # some flat scores too
     suffix_len, n = 70, 4  # four query tokens at the end of a 70-token suffix (a prefill chunk)
     suffix_k, suffix_v = torch.randn(suffix_len, num_kv, d), torch.randn(suffix_len, num_kv, d)
@@ -264,9 +268,7 @@ def test_prefix_plus_suffix_read_from_stock_pages_equals_full_attention(dtype):
 
     torch.manual_seed(3)
     num_kv, group, d, block_size = 3, 3, 64, 32
-    lengths = torch.tensor([0, 37, 300])
-    heads = CompactedHeads.from_padded(torch.randn(3, 300, d) * 2, torch.rand(3, 300) * 6 - 3,
-                                       torch.randn(3, 300, d), torch.arange(300).expand(3, 300), lengths)
+    heads = uneven_heads(d)
     suffix_len, n = 70, 4
     suffix_k, suffix_v = torch.randn(suffix_len, num_kv, d).to(dtype), torch.randn(suffix_len, num_kv, d).to(dtype)
     query = (torch.randn(n, num_kv * group, d) * 2).to(dtype)
@@ -300,9 +302,7 @@ def test_prefix_plus_two_stock_width_kernel_calls_equal_full_attention(dtype):
 
     torch.manual_seed(6)
     num_kv, group, d, block_size = 3, 3, 64, 32
-    lengths = torch.tensor([0, 37, 300])
-    heads = CompactedHeads.from_padded(torch.randn(3, 300, d) * 2, torch.rand(3, 300) * 6 - 3,
-                                       torch.randn(3, 300, d), torch.arange(300).expand(3, 300), lengths)
+    heads = uneven_heads(d)
     scale = d ** -0.5
     isa = _get_attn_isa(dtype, block_size, d)
     cache = torch.zeros(6, num_kv, block_size, 2 * d, dtype=dtype)

@@ -156,9 +156,8 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         fp32 ``out [n, Hq, d]`` and ``lse [n, Hq]``."""
         suffix = split.suffix_plan(kv_cache.shape[2])
         order = probe_page_order(kv_cache.dtype, suffix.block_size, self.head_size, layer.isa)
-        n, num_q_heads, d = packed_q.shape
-        suffix_out, suffix_lse = packed_q.new_empty(n, num_q_heads, d, dtype=torch.float32), \
-            packed_q.new_empty(n, num_q_heads, dtype=torch.float32)
+        suffix_out = packed_q.new_empty(packed_q.shape, dtype=torch.float32)
+        suffix_lse = packed_q.new_empty(packed_q.shape[:2], dtype=torch.float32)
         if suffix.decode_tokens.numel():  # one query row each: all in one batched call
             keys, values = order.read(kv_cache, suffix.decode_blocks, suffix.decode_slots)
             part, lse = masked_attention(packed_q[suffix.decode_tokens][:, None], keys[suffix.decode_rows],
