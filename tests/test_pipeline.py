@@ -52,6 +52,15 @@ def test_prepared_prefix_is_reused_across_ratios(tiny_llama):
     assert prepared._off_policy is not None  # computed once, kept
 
 
+def test_probe_softmax_without_probes_scores_over_the_prefix(tiny_llama):
+    """Prefix queries have no probe pass: both score normalisations rank keys identically."""
+    prepared = prepare_prefix(tiny_llama, IDS, MASK, queries="context-prefill")
+    by_prefix = compact_prepared(prepared, ratio=0.2, method="kvzip", score_softmax="prefix")
+    by_probe = compact_prepared(prepared, ratio=0.2, method="kvzip", score_softmax="probe")
+    assert torch.equal(by_prefix.head_lengths, by_probe.head_lengths)
+    assert by_probe.options["score_softmax"] == "probe"
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(ratio=0.0), "ratio"),
     (dict(ratio=1.5), "ratio"),
@@ -59,6 +68,7 @@ def test_prepared_prefix_is_reused_across_ratios(tiny_llama):
     (dict(ratio=0.1, method="nope"), "unknown method"),
     (dict(ratio=0.1, queries="nope"), "unknown query source"),
     (dict(ratio=0.1, budgets="nope"), "unknown budgets"),
+    (dict(ratio=0.1, score_softmax="nope"), "score_softmax"),
 ])
 def test_bad_arguments_are_refused(tiny_llama, kwargs, match):
     kwargs.setdefault("queries", "context-prefill")

@@ -38,6 +38,9 @@ class Recipe:
 
 
 _SS_RP = "self-study+repeat-prefill"
+#: How global budgets normalise a probe query's attention when ranking keys (``key_scores``).
+SCORE_SOFTMAXES = ("prefix", "probe")
+DEFAULT_SCORE_SOFTMAX = "prefix"
 RECIPES: dict[str, Recipe] = {
     "am-omp": Recipe("am-omp", _SS_RP, "global", True),
     "am-omp-fast": Recipe("am-omp-fast", _SS_RP, "global", True),
@@ -164,6 +167,7 @@ class PreparedPrefix:
     collector: QueryCollector
     timings: dict[str, float]
     _off_policy: list[torch.Tensor] | None = None
+    _probe_scores: list[torch.Tensor | None] | None = None
 
     @property
     def num_content(self) -> int:
@@ -175,6 +179,32 @@ class PreparedPrefix:
             self._off_policy = self.collector.run(self.spec.kv.exact_prefix())
             self.timings["queries_s"] = time.perf_counter() - start
         return self._off_policy
+
+    def probe_scores(self) -> list[torch.Tensor | None]:
+        """Per layer ``[H, T]`` key scores of the probes under the full softmax of their pass
+        (``QueryCollector.run_scored``); the off-policy queries come from the same pass."""
+        if self._probe_scores is None:
+            start = time.perf_counter()
+            self._off_policy, self._probe_scores = self.collector.run_scored(self.spec.kv.exact_prefix())
+            self.timings["queries_s"] = time.perf_counter() - start
+        return self._probe_scores
+
+    def key_scores(self, layer: int, scale: float, softmax: str) -> torch.Tensor:
+        """``[H, T]`` KVzip importance of every prefix key of ``layer``: its largest attention
+        weight under the reference queries. ``softmax="prefix"`` renormalises each query over
+        the prefix keys; ``"probe"`` takes the weight of the probe's real pass, whose softmax also
+        covers the probe's own tokens (KVzip's score); queries without a probe (prefix queries,
+        random vectors) are scored over the prefix either way."""
+        keys = self.spec.kv.keys[layer]
+        if softmax == "prefix":
+            return score_keys(keys, self.off_policy_queries()[layer], scale=scale, aggregation="max")
+        if softmax != "probe":
+            raise ValueError(f"score_softmax must be one of {', '.join(SCORE_SOFTMAXES)}, got {softmax!r}")
+        probe, static = self.probe_scores()[layer], self.collector.static_queries(layer)
+        if static is not None:
+            prefix_only = score_keys(keys, static, scale=scale, aggregation="max")
+            return prefix_only if probe is None else torch.maximum(probe, prefix_only)
+        return probe
 
 
 def prepare_prefix(adapter: ModelAdapter, token_ids: Sequence[int], compact_mask: torch.Tensor, *,
@@ -232,6 +262,9 @@ def compact_prepared(
     adapter, kv, mask = prepared.adapter, prepared.spec.kv, prepared.spec.compact_mask
     recipe = _recipe(method, prepared.queries, budgets, on_policy)
     budget_options = {k: options.pop(k) for k in ("max_head_ratio", "min_head_slots") if k in options}
+    score_softmax = options.pop("score_softmax", DEFAULT_SCORE_SOFTMAX)
+    if score_softmax not in SCORE_SOFTMAXES:
+        raise ValueError(f"score_softmax must be one of {', '.join(SCORE_SOFTMAXES)}, got {score_softmax!r}")
     n = prepared.num_content
     ratio = _resolve_ratio(ratio, target_tokens, n)
     timings: dict[str, float] = {}  # this call's stages; the prepared prefix's are merged at the end
@@ -241,10 +274,8 @@ def compact_prepared(
 
     @functools.cache
     def prefix_scores() -> tuple[torch.Tensor | None, ...]:
-        # KVzip ranks keys by max attention over the whole prefix (template keys included).
-        queries = prepared.off_policy_queries()
-        return tuple(score_keys(kv.keys[i], queries[i], scale=scales[i], aggregation="max")
-                     if layers[i] else None for i in range(adapter.num_layers))
+        return tuple(prepared.key_scores(i, scales[i], score_softmax) if layers[i] else None
+                     for i in range(adapter.num_layers))
 
     # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets, so
     # a long tail cannot starve an early span (e.g. facts stated in the first turn).
@@ -303,7 +334,7 @@ def compact_prepared(
         model=adapter.fingerprint(),
         method=method,
         ratio=ratio,
-        options={**options, **budget_options, "chunk_tokens": chunk_tokens, "query_cap": prepared.collector.cap,
+        options={**options, **budget_options, "score_softmax": score_softmax, "chunk_tokens": chunk_tokens, "query_cap": prepared.collector.cap,
                  "seed": prepared.collector.seed, "on_policy": recipe.on_policy},
         query_source=recipe.queries,
         budgets=recipe.budgets,

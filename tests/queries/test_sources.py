@@ -32,6 +32,34 @@ def test_collector_records_only_marked_rows_and_caps(tiny_llama):
         QueryCollector(tiny_llama, spec, plan, cap=0)
 
 
+def test_probe_scores_are_weights_of_the_full_softmax_of_each_probe(tiny_llama):
+    """``run_scored``: every prefix key's largest weight, over the recorded rows of the packed
+    probes, in the softmax each probe row has when it runs alone after the whole prefix."""
+    spec = _spec(tiny_llama)
+    continuations, record_from = [[1, 2, 3, 4], [5, 6, 7]], [2, 0]
+    plan = QueryPlan(continuations=continuations, record_from=record_from, prefix_queries=True)
+    queries, scores = QueryCollector(tiny_llama, spec, plan).run_scored(spec.kv.exact_prefix())
+    assert len(queries) == len(scores) == tiny_llama.num_layers
+    group = tiny_llama.num_q_heads // tiny_llama.num_kv_heads
+    t = spec.length
+    for layer in range(tiny_llama.num_layers):
+        expected = torch.zeros(tiny_llama.num_kv_heads, t)
+        for cont, start in zip(continuations, record_from):
+            full = tiny_llama.prefill(IDS + cont)
+            keys, q = full.keys[layer].float(), full.queries[layer].float()
+            length = t + len(cont)
+            q = q.reshape(q.shape[0], group, length, -1)
+            for row in range(t + start, length):
+                logits = torch.einsum("hgd,hsd->hgs", q[:, :, row], keys[:, : row + 1])
+                weights = torch.softmax(logits * tiny_llama.layer_scales()[layer], dim=-1)[..., :t]
+                expected = torch.maximum(expected, weights.amax(dim=1))
+        torch.testing.assert_close(scores[layer], expected, rtol=1e-4, atol=1e-6)
+    # the plan's static queries stay out of the probe scores, and are exposed uncapped
+    assert QueryCollector(tiny_llama, spec, plan, cap=5).static_queries(0).shape[1] == group * t
+    no_probe = QueryCollector(tiny_llama, spec, QueryPlan(prefix_queries=True)).run_scored(spec.kv.exact_prefix())
+    assert no_probe[1] == [None] * tiny_llama.num_layers
+
+
 def test_random_vectors_match_query_norms(tiny_llama):
     spec = _spec(tiny_llama)
     q = QueryCollector(tiny_llama, spec, QueryPlan(random_vectors=64)).run(spec.kv.exact_prefix())

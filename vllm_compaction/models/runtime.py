@@ -8,7 +8,10 @@ We register one attention function with transformers' ``AttentionInterface``. Wh
    forward pass: layer l is compacted with queries produced by layers < l already compacted);
 2. attends over ``[prefix slots of this layer (with bias beta, -inf on padding)] +
    [tokens of this run (causal within their segment)]``;
-3. optionally records this run's post-RoPE keys/values (prefill) and queries.
+3. optionally records this run's post-RoPE keys/values (prefill) and queries;
+4. optionally scores the prefix slots by the largest attention weight that marked rows of the
+   run give them, under the softmax of the real pass (prefix slots *and* the run's own visible
+   tokens): KVzip's importance score.
 
 Positions are explicit: prefix slots carry their original positions, run tokens the positions
 passed to the model, so sliding windows are exact and logical lengths need no special case.
@@ -73,6 +76,9 @@ class AttentionRun:
             steps of this generation (decode cache), filled when ``keep_kv`` is set.
         on_queries: ``f(layer, queries [H_kv, G*L, d], query_mask [L]) -> PrefixLayer | None``.
         capture_kv / capture_queries: record this pass's keys/values / pooled queries.
+        score_rows: ``[L]`` bool rows whose attention scores the prefix slots (``prefix_scores``:
+            per layer ``[H_kv, P]``, the max over those rows and the GQA group of the weight a
+            slot gets in the full softmax); ``None`` scores nothing.
     """
 
     positions: torch.Tensor
@@ -82,9 +88,11 @@ class AttentionRun:
     capture_kv: bool = False
     capture_queries: bool = False
     on_queries: Callable[[int, torch.Tensor], PrefixLayer | None] | None = None
+    score_rows: torch.Tensor | None = None
     past: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    prefix_scores: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def advance(self, positions: torch.Tensor, segments: torch.Tensor | None = None) -> None:
         """Prepare the next decode step: new token positions (the cache keeps growing)."""
@@ -129,30 +137,65 @@ def _attend(
     batch dimension and the G query heads of a group share them (``enable_gqa``).
     Returns ``[H_kv, G, L, d]``.
     """
-    h_kv = q.shape[0]
     if prefix is not None:
         keys = torch.cat([prefix.keys.to(keys.dtype), keys], dim=1)
         values = torch.cat([prefix.values.to(values.dtype), values], dim=1)
     out = torch.empty_like(q)
-    for start in range(0, q.shape[2], _QUERY_CHUNK):
-        stop = min(start + _QUERY_CHUNK, q.shape[2])
-        q_pos, q_seg = run.positions[start:stop], run.segments[start:stop]
-        allowed = (key_seg[None, :] == q_seg[:, None]) & (key_pos[None, :] <= q_pos[:, None])
-        if sliding_window:
-            allowed &= (q_pos[:, None] - key_pos[None, :]) < sliding_window
-        mask = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
-        mask = mask.expand(h_kv, -1, -1)
-        if prefix is not None:
-            bias = prefix.bias.to(q.dtype)[:, None, :].expand(-1, stop - start, -1)
-            if sliding_window:
-                far = (q_pos[None, :, None] - prefix.positions[:, None, :]) >= sliding_window
-                bias = bias.masked_fill(far, float("-inf"))
-            mask = torch.cat([bias, mask], dim=-1)
-        out[:, :, start:stop] = F.scaled_dot_product_attention(
-            q[:, :, start:stop], keys[:, None], values[:, None], attn_mask=mask[:, None],
+    for rows in _query_blocks(q.shape[2]):
+        mask = _additive_mask(q.shape[0], rows, prefix, key_pos, key_seg, run, sliding_window, q.dtype)
+        out[:, :, rows] = F.scaled_dot_product_attention(
+            q[:, :, rows], keys[:, None], values[:, None], attn_mask=mask[:, None],
             scale=scaling, enable_gqa=True,
         )
     return out
+
+
+def _query_blocks(length: int) -> list[slice]:
+    return [slice(a, min(a + _QUERY_CHUNK, length)) for a in range(0, length, _QUERY_CHUNK)]
+
+
+def _additive_mask(h_kv: int, rows: slice, prefix: PrefixLayer | None, key_pos: torch.Tensor,
+                   key_seg: torch.Tensor, run: AttentionRun, sliding_window: int | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """``[H_kv, rows, P + S]`` float mask: prefix bias (``-inf`` on padding or out of the window),
+    then 0 / ``-inf`` for the run keys by segment, causality and sliding window."""
+    q_pos, q_seg = run.positions[rows], run.segments[rows]
+    allowed = (key_seg[None, :] == q_seg[:, None]) & (key_pos[None, :] <= q_pos[:, None])
+    if sliding_window:
+        allowed &= (q_pos[:, None] - key_pos[None, :]) < sliding_window
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    mask = mask.expand(h_kv, -1, -1)
+    if prefix is not None:
+        bias = prefix.bias.to(dtype)[:, None, :].expand(-1, q_pos.numel(), -1)
+        if sliding_window:
+            far = (q_pos[None, :, None] - prefix.positions[:, None, :]) >= sliding_window
+            bias = bias.masked_fill(far, float("-inf"))
+        mask = torch.cat([bias, mask], dim=-1)
+    return mask
+
+
+def _score_prefix(q: torch.Tensor, prefix: PrefixLayer, keys: torch.Tensor, key_pos: torch.Tensor,
+                  key_seg: torch.Tensor, run: AttentionRun, scaling: float,
+                  sliding_window: int | None) -> torch.Tensor:
+    """``[H_kv, P]``: max over the ``run.score_rows`` rows of ``q [H_kv, G, L, d]`` (and the
+    group) of each prefix slot's weight in the softmax over prefix slots + visible run keys.
+
+    Unlike renormalising over the prefix alone, a head that mostly attends to the run's own
+    recent tokens gives the prefix small weights here, so ranking across heads favours the heads
+    that actually read the prefix (KVzip scores the same way)."""
+    h_kv, p = q.shape[0], prefix.keys.shape[1]
+    all_keys = torch.cat([prefix.keys.to(keys.dtype), keys], dim=1).float()
+    scores = torch.zeros(h_kv, p, dtype=torch.float32)
+    marked = run.score_rows.to(torch.bool)
+    for rows in _query_blocks(q.shape[2]):
+        pick = marked[rows]
+        if not bool(pick.any()):
+            continue
+        mask = _additive_mask(h_kv, rows, prefix, key_pos, key_seg, run, sliding_window, torch.float32)
+        logits = torch.einsum("hgld,hsd->hgls", q[:, :, rows][:, :, pick].float(), all_keys) * scaling
+        weights = torch.softmax(logits + mask[:, None, pick], dim=-1)[..., :p]
+        scores = torch.maximum(scores, weights.amax(dim=(1, 2)))
+    return scores
 
 
 def _runtime_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -189,6 +232,8 @@ def _runtime_attention(module, query, key, value, attention_mask, scaling=None, 
     hq, length, d = q.shape
     grouped = q.reshape(h_kv, hq // h_kv, length, d)
     prefix = run.prefix[layer] if layer < len(run.prefix) else None
+    if run.score_rows is not None and prefix is not None:
+        run.prefix_scores[layer] = _score_prefix(grouped, prefix, keys, key_pos, key_seg, run, scaling, sliding)
     out = _attend(grouped, prefix, keys, values, key_pos, key_seg, run, scaling, sliding)
     # [H_kv, G, L, d] -> [1, L, Hq, d] as transformers expects
     return out.reshape(hq, length, d).transpose(0, 1)[None], None

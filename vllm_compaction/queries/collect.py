@@ -48,6 +48,12 @@ class QueryCollector:
     def num_continuation_tokens(self) -> int:
         return int(self.ids.numel())
 
+    def static_queries(self, layer: int) -> torch.Tensor | None:
+        """``[H_kv, m, d]`` the plan's queries that need no run (prefix queries, random vectors),
+        uncapped, or ``None``."""
+        parts = self._static(layer)
+        return torch.cat(parts, dim=1) if parts else None
+
     def _static(self, layer: int) -> list[torch.Tensor]:
         parts = []
         prefix_q = self.prefix.kv.queries[layer] if self.prefix.kv.queries is not None else None
@@ -83,18 +89,30 @@ class QueryCollector:
 
     def run(self, prefix: list[PrefixLayer | None], on_layer: OnLayer | None = None) -> list[torch.Tensor]:
         """Each layer's reference queries; ``on_layer`` may swap in that layer's compacted prefix."""
+        return self._run(prefix, on_layer, score_prefix=False)[0]
+
+    def run_scored(self, prefix: list[PrefixLayer | None]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """``run`` plus, per layer, ``[H_kv, P]`` prefix-slot scores from the recorded
+        continuation rows: each slot's largest weight in the softmax of the real pass, whose
+        denominator includes the continuation's own tokens (``None`` without continuations or
+        for layers without a prefix). The static queries (prefix, random vectors) are not in it."""
+        return self._run(prefix, None, score_prefix=True)
+
+    def _run(self, prefix: list[PrefixLayer | None], on_layer: OnLayer | None, *,
+             score_prefix: bool) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        layers = range(self.adapter.num_layers)
         out: dict[int, torch.Tensor] = {}
         if self.num_continuation_tokens == 0:
-            for layer in range(self.adapter.num_layers):
+            for layer in layers:
                 out[layer] = self.combine(layer, None)
                 if on_layer is not None:
                     on_layer(layer, out[layer])
-            return [out[i] for i in range(self.adapter.num_layers)]
+            return [out[i] for i in layers], [None for _ in layers]
 
         def on_queries(layer: int, pooled: torch.Tensor) -> PrefixLayer | None:
             out[layer] = self.combine(layer, pooled)
             return on_layer(layer, out[layer]) if on_layer is not None else None
 
-        self.adapter.forward(self.ids, self.positions, prefix=prefix, segments=self.segments,
-                             on_queries=on_queries)
-        return [out[i] for i in range(self.adapter.num_layers)]
+        res = self.adapter.forward(self.ids, self.positions, prefix=prefix, segments=self.segments,
+                                   on_queries=on_queries, score_rows=self.record if score_prefix else None)
+        return [out[i] for i in layers], [res.run.prefix_scores.get(i) for i in layers]
