@@ -22,6 +22,7 @@ import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 from tqdm.auto import tqdm
 
@@ -32,7 +33,9 @@ logger = logging.getLogger("benchmarks.quality")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, on_instance: Callable[[dict], None] | None = None) -> dict:
+    """Every task x instance x method x ratio; ``on_instance`` gets the result so far (marked
+    ``"partial": true``) after each instance, so a long sweep that stops keeps what it measured."""
     from vllm_compaction.eval.reconstruction import reconstruction
     from vllm_compaction.eval.tasks import make_task, task_prompt
     from vllm_compaction.eval.variants import parse_variant
@@ -85,7 +88,13 @@ def run(args: argparse.Namespace) -> dict:
                                      log_ppl_full=recon.log_ppl_full, log_ppl_compacted=recon.log_ppl_compacted,
                                      kl=recon.kl))
                     bar.update(1)
+            if on_instance is not None:
+                on_instance({**_result(args, tasks, ratios, variants, list(rows), list(baselines)), "partial": True})
     bar.close()
+    return _result(args, tasks, ratios, variants, rows, baselines)
+
+
+def _result(args, tasks, ratios, variants, rows: list[dict], baselines: list[dict]) -> dict:
     return dict(model=args.model, tokens=args.tokens, instances=args.instances, seed=args.seed, tasks=tasks,
                 ratios=ratios, methods=[v.label for v in variants], summary=summarize(rows, baselines),
                 baselines=baselines, rows=rows, created=time.time())
@@ -173,7 +182,7 @@ def main(argv: list[str] | None = None, **defaults) -> dict:
     if args.quick:
         args.instances, args.tokens, args.ratios = 2, 600, "0.2"
     logging.basicConfig(level=logging.WARNING)
-    result = run(args)
+    result = run(args, on_instance=lambda partial: save_result(partial, args.out))
     out = save_result(result, args.out, plot)
     logger.warning("wrote %s: %s", out, json.dumps(result["summary"], indent=1))
     return result

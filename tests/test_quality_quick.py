@@ -36,7 +36,11 @@ def test_quick_mode_meets_its_floors():
 
     args = parser().parse_args(["--quick", "--tasks", "niah", "--methods", "am-highest-attn-fast,kvzip"])
     args.instances, args.tokens, args.ratios = 2, 600, "0.2"
-    result = run(args)
+    partial: list[dict] = []
+    result = run(args, on_instance=partial.append)
+    # a long sweep keeps what it measured: the result so far after every instance
+    assert [len(p["baselines"]) for p in partial] == [2, 4] and all(p["partial"] for p in partial)
+    assert partial[-1]["rows"] == result["rows"] and "partial" not in result
     summary = result["summary"]["niah"]
     assert summary["full-context"] == "2/2" and summary["no-context"] == "0/2"
     am, kvzip = summary["am-highest-attn-fast"]["0.2"], summary["kvzip"]["0.2"]
