@@ -123,3 +123,22 @@ def test_omp_round_bound_only_changes_large_heads():
     for h in range(3):  # distinct keys per head
         kept = fast.indices[h, : fast.lengths[h]]
         assert kept.unique().numel() == kept.numel()
+
+
+def test_omp_seed_share_keeps_the_sharpest_keys_then_fits_the_mass():
+    """``seed_share``: the first round takes each head's keys of highest attention from any
+    query; OMP then fills the budget. A refit drops only keys whose weight is below
+    ``e^min_beta``; with ``min_beta = -50`` no seed of this problem is dropped, so all stay."""
+    p = _problem(4, budget=20, features=True)
+    ref = p.reference
+    sharpest = (ref.features / ref.mass[..., None]).amax(1)  # [H, T]
+    seeded = OMPSelector(keys_per_step=2, refit_interval=1, seed_share=0.25, min_beta=-50.0).select(p)
+    assert seeded.lengths.tolist() == [20, 20, 20]
+    for h in range(3):
+        kept = set(seeded.indices[h].tolist())
+        assert len(kept) == 20
+        assert set(torch.topk(sharpest[h], 5).indices.tolist()) <= kept  # ceil(0.25 * 20) seeds
+    plain = OMPSelector(keys_per_step=2, refit_interval=1, seed_share=0.0).select(p)
+    assert torch.equal(plain.indices, OMPSelector(keys_per_step=2, refit_interval=1).select(p).indices)
+    with pytest.raises(ValueError, match="seed_share"):
+        OMPSelector(seed_share=1.5)

@@ -48,6 +48,11 @@ class OMPSelector(SelectorBase):
             some heads almost every key; without a bound their refits (one Cholesky of size
             t_h each) dominate the whole compaction. Heads with ``t_h <= max_rounds * k * tau``
             run the paper's algorithm unchanged.
+        seed_share: share of each head's budget taken, before the greedy rounds, as the keys
+            with the highest attention weight from any reference query (0 = the paper's OMP).
+            The mass residual sums over all queries, so a key that a few queries attend sharply
+            (a fact fetched by one question) loses to keys many queries attend a little; the
+            seed keeps such keys and OMP fits the mass around them.
     """
 
     name: ClassVar[str] = "omp"
@@ -59,8 +64,11 @@ class OMPSelector(SelectorBase):
     min_beta: float = -7.0
     max_beta: float = 7.0
     max_rounds: int | None = None
+    seed_share: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.seed_share, (int, float)) and 0.0 <= self.seed_share <= 1.0):
+            raise ValueError(f"seed_share must be in [0, 1], got {self.seed_share!r}")
         if self.max_rounds is not None and (not isinstance(self.max_rounds, int) or self.max_rounds < 1):
             raise ValueError(f"max_rounds must be a positive integer or None, got {self.max_rounds!r}")
         for field in ("keys_per_step", "refit_interval"):
@@ -80,6 +88,10 @@ class OMPSelector(SelectorBase):
             per_round = torch.maximum(per_round, -(-problem.budgets // self.max_rounds))
         state = _GreedyMassFit(ref.features, ref.mass, problem.budgets, per_round)
         lower, upper = math.exp(self.min_beta), math.exp(self.max_beta)
+        if self.seed_share > 0:
+            seeds = torch.ceil(problem.budgets.double() * self.seed_share).long().clamp(0, None)
+            state.seed(_max_attention(ref.features, ref.mass), torch.minimum(seeds, problem.budgets))
+            state.update_residual(torch.where(state.valid, state.refit(lower).clamp(lower, upper), 0.0))
         for _ in range(2 * ref.features.shape[-1] + 2):  # every round adds or bans a key
             if state.done.all():
                 break
@@ -89,6 +101,15 @@ class OMPSelector(SelectorBase):
         indices, weights, lengths = state.packed()
         beta = torch.where(slot_mask(lengths, state.t_max), weights.clamp(lower, upper).log(), 0.0).float()
         return Selection(indices=indices, lengths=lengths, beta=beta)
+
+
+def _max_attention(phi: torch.Tensor, mass: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+    """``[H, T]`` each key's largest attention weight ``Phi_ij / m_i`` over the queries."""
+    out = torch.zeros(phi.shape[0], phi.shape[2], dtype=phi.dtype, device=phi.device)
+    for start in range(0, phi.shape[1], rows):
+        block = phi[:, start:start + rows] / mass[:, start:start + rows, None].clamp_min(torch.finfo(phi.dtype).tiny)
+        out = torch.maximum(out, block.amax(1))
+    return out
 
 
 class _GreedyMassFit:
@@ -148,6 +169,17 @@ class _GreedyMassFit:
         self.gram[:, :used].scatter_(2, slots[:, None, :].expand(h, used, r), cols)
         self.gram[:, :, :used].scatter_(1, slots[:, :, None].expand(h, r, used), cols.transpose(1, 2))
         self.rhs[heads, slots] = torch.bmm(new, self.mass[..., None])[..., 0].to(torch.float64)
+
+    def seed(self, scores: torch.Tensor, counts: torch.Tensor) -> None:
+        """Keep the ``counts[h]`` keys of highest ``scores [H, T]`` as one first round."""
+        if int(counts.max()) == 0:
+            return
+        corr, per_round = self.corr, self.per_round
+        self.corr, self.per_round = scores, counts
+        try:
+            self.add_keys()
+        finally:
+            self.corr, self.per_round = corr, per_round
 
     def _solve(self) -> torch.Tensor:
         t = self.t_max
