@@ -154,6 +154,11 @@ def _resolve_ratio(ratio: float | None, target_tokens: int | None, n: int) -> fl
     return float(ratio)
 
 
+def _check_score_softmax(softmax: str) -> None:
+    if softmax not in SCORE_SOFTMAXES:
+        raise ValueError(f"score_softmax must be one of {', '.join(SCORE_SOFTMAXES)}, got {softmax!r}")
+
+
 @dataclass
 class PreparedPrefix:
     """A prefix after its prefill and query planning, reusable across ratios and methods.
@@ -198,8 +203,7 @@ class PreparedPrefix:
         keys = self.spec.kv.keys[layer]
         if softmax == "prefix":
             return score_keys(keys, self.off_policy_queries()[layer], scale=scale, aggregation="max")
-        if softmax != "probe":
-            raise ValueError(f"score_softmax must be one of {', '.join(SCORE_SOFTMAXES)}, got {softmax!r}")
+        _check_score_softmax(softmax)
         probe, static = self.probe_scores()[layer], self.collector.static_queries(layer)
         if static is not None:
             prefix_only = score_keys(keys, static, scale=scale, aggregation="max")
@@ -263,8 +267,7 @@ def compact_prepared(
     recipe = _recipe(method, prepared.queries, budgets, on_policy)
     budget_options = {k: options.pop(k) for k in ("max_head_ratio", "min_head_slots") if k in options}
     score_softmax = options.pop("score_softmax", DEFAULT_SCORE_SOFTMAX)
-    if score_softmax not in SCORE_SOFTMAXES:
-        raise ValueError(f"score_softmax must be one of {', '.join(SCORE_SOFTMAXES)}, got {score_softmax!r}")
+    _check_score_softmax(score_softmax)
     n = prepared.num_content
     ratio = _resolve_ratio(ratio, target_tokens, n)
     timings: dict[str, float] = {}  # this call's stages; the prepared prefix's are merged at the end

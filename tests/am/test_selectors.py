@@ -129,7 +129,8 @@ def test_omp_seed_share_keeps_the_sharpest_keys_then_fits_the_mass():
     """``seed_share``: the first round takes each head's keys of highest attention from any
     query; OMP then fills the budget. A refit drops only keys whose weight is below
     ``e^min_beta``; with ``min_beta = -50`` no seed of this problem is dropped, so all stay."""
-    p = _problem(4, budget=20, features=True)
+    assert OMPSelector(seed_share=0.25).score_aggregation == "max" and OMPSelector().score_aggregation is None
+    p = _problem(4, budget=20, features=True, aggregation="max")  # what compact_heads builds for it
     ref = p.reference
     sharpest = (ref.features / ref.mass[..., None]).amax(1)  # [H, T]
     seeded = OMPSelector(keys_per_step=2, refit_interval=1, seed_share=0.25, min_beta=-50.0).select(p)

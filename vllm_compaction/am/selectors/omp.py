@@ -66,6 +66,11 @@ class OMPSelector(SelectorBase):
     max_rounds: int | None = None
     seed_share: float = 0.0
 
+    @property
+    def score_aggregation(self) -> str | None:
+        # the seed round ranks keys by max attention, computed in the reference pass itself
+        return "max" if self.seed_share > 0 else None
+
     def __post_init__(self) -> None:
         if not (isinstance(self.seed_share, (int, float)) and 0.0 <= self.seed_share <= 1.0):
             raise ValueError(f"seed_share must be in [0, 1], got {self.seed_share!r}")
@@ -88,9 +93,9 @@ class OMPSelector(SelectorBase):
             per_round = torch.maximum(per_round, -(-problem.budgets // self.max_rounds))
         state = _GreedyMassFit(ref.features, ref.mass, problem.budgets, per_round)
         lower, upper = math.exp(self.min_beta), math.exp(self.max_beta)
-        if self.seed_share > 0:
+        if self.seed_share > 0:  # one first round on the max-attention scores of the reference pass
             seeds = torch.ceil(problem.budgets.double() * self.seed_share).long().clamp(0, None)
-            state.seed(_max_attention(ref.features, ref.mass), torch.minimum(seeds, problem.budgets))
+            state.add_keys(ref.scores, torch.minimum(seeds, problem.budgets))
             state.update_residual(torch.where(state.valid, state.refit(lower).clamp(lower, upper), 0.0))
         for _ in range(2 * ref.features.shape[-1] + 2):  # every round adds or bans a key
             if state.done.all():
@@ -101,15 +106,6 @@ class OMPSelector(SelectorBase):
         indices, weights, lengths = state.packed()
         beta = torch.where(slot_mask(lengths, state.t_max), weights.clamp(lower, upper).log(), 0.0).float()
         return Selection(indices=indices, lengths=lengths, beta=beta)
-
-
-def _max_attention(phi: torch.Tensor, mass: torch.Tensor, rows: int = 4096) -> torch.Tensor:
-    """``[H, T]`` each key's largest attention weight ``Phi_ij / m_i`` over the queries."""
-    out = torch.zeros(phi.shape[0], phi.shape[2], dtype=phi.dtype, device=phi.device)
-    for start in range(0, phi.shape[1], rows):
-        block = phi[:, start:start + rows] / mass[:, start:start + rows, None].clamp_min(torch.finfo(phi.dtype).tiny)
-        out = torch.maximum(out, block.amax(1))
-    return out
 
 
 class _GreedyMassFit:
@@ -145,13 +141,18 @@ class _GreedyMassFit:
         """``[H, t_max]`` occupied slots."""
         return self.occupied[:, : self.t_max]
 
-    def add_keys(self) -> None:
-        """Put the best-correlated candidates (up to ``per_round``) in free slots of every
-        unfinished head and extend the Gram matrix by their columns."""
+    def add_keys(self, scores: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
+        """Put the best candidates (up to ``per_round``) in free slots of every unfinished head
+        and extend the Gram matrix by their columns. Best means the highest correlation with the
+        residual, or the highest ``scores [H, T]`` with ``counts [H]`` keys (a seed round)."""
         h, n, _ = self.phi.shape
-        r = int(self.per_round.max())
-        take = torch.where(self.done, 0, torch.minimum(self.budgets - self.count, self.per_round).clamp_min(0))
-        top = torch.topk(self.corr.masked_fill(self.excluded, float("-inf")), r, dim=-1)
+        scores = self.corr if scores is None else scores
+        counts = self.per_round if counts is None else counts
+        r = int(counts.max())
+        if r == 0:
+            return
+        take = torch.where(self.done, 0, torch.minimum(self.budgets - self.count, counts).clamp_min(0))
+        top = torch.topk(scores.masked_fill(self.excluded, float("-inf")), r, dim=-1)
         ok = (torch.arange(r, device=take.device) < take[:, None]) & (top.values > float("-inf"))
         free = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)[:, :r]  # first free slots
         slots = torch.where(ok, free, self.t_max)  # discarded picks go to the scratch slot
@@ -169,17 +170,6 @@ class _GreedyMassFit:
         self.gram[:, :used].scatter_(2, slots[:, None, :].expand(h, used, r), cols)
         self.gram[:, :, :used].scatter_(1, slots[:, :, None].expand(h, r, used), cols.transpose(1, 2))
         self.rhs[heads, slots] = torch.bmm(new, self.mass[..., None])[..., 0].to(torch.float64)
-
-    def seed(self, scores: torch.Tensor, counts: torch.Tensor) -> None:
-        """Keep the ``counts[h]`` keys of highest ``scores [H, T]`` as one first round."""
-        if int(counts.max()) == 0:
-            return
-        corr, per_round = self.corr, self.per_round
-        self.corr, self.per_round = scores, counts
-        try:
-            self.add_keys()
-        finally:
-            self.corr, self.per_round = corr, per_round
 
     def _solve(self) -> torch.Tensor:
         t = self.t_max
