@@ -38,7 +38,7 @@ def test_registry_names_match_classes():
 
 def test_omp_mass_residual_never_increases():
     p = _problem(0, budget=24, features=True)
-    state = _GreedyMassFit(p.reference.features, p.reference.mass, p.budgets, per_round=1)
+    state = _GreedyMassFit(p, per_round=1)
     norms = []
     while not state.done.all():
         state.add_keys()
@@ -49,6 +49,23 @@ def test_omp_mass_residual_never_increases():
     norms = torch.stack(norms)  # [rounds, H]
     assert len(norms) == 24
     assert (norms[1:] <= norms[:-1] * (1 + 1e-4) + 1e-6).all()
+
+
+def test_omp_ranks_with_half_features_but_fits_exact_columns():
+    """The correlation pass reads fp16 features (scaled residual: no overflow even for a huge
+    residual), within fp16 rounding of the fp32 product; the kept columns the fits use are
+    the exact fp32 features, recomputed from the keys."""
+    p = _problem(5, budget=24, features=True)
+    phi = torch.exp(p.scale * p.queries @ p.keys.transpose(1, 2) - p.reference.shift[..., None])  # [H, n, T]
+    state = _GreedyMassFit(p, per_round=4)
+    gen = torch.Generator().manual_seed(0)
+    for resid in (p.reference.mass, 1e6 * torch.randn(3, 300, generator=gen), torch.randn(3, 300, generator=gen)):
+        exact = (phi * resid[..., None]).sum(1)
+        err = (state._correlation(resid) - exact).abs()
+        assert (err <= 2e-3 * resid.abs().sum(-1, keepdim=True)).all()
+    state.add_keys()
+    kept = state.idx[:, :4]
+    torch.testing.assert_close(state.phi_s[:, :4], phi.gather(2, kept[:, None, :].expand(3, 300, 4)).transpose(1, 2))
 
 
 def test_omp_refit_interval_equals_bigger_steps():
@@ -132,7 +149,7 @@ def test_omp_seed_share_keeps_the_sharpest_keys_then_fits_the_mass():
     assert OMPSelector(seed_share=0.25).score_aggregation == "max" and OMPSelector().score_aggregation is None
     p = _problem(4, budget=20, features=True, aggregation="max")  # what compact_heads builds for it
     ref = p.reference
-    sharpest = (ref.features / ref.mass[..., None]).amax(1)  # [H, T]
+    sharpest = torch.softmax(p.scale * p.queries @ p.keys.transpose(1, 2), -1).amax(1)  # [H, T]
     seeded = OMPSelector(keys_per_step=2, refit_interval=1, seed_share=0.25, min_beta=-50.0).select(p)
     assert seeded.lengths.tolist() == [20, 20, 20]
     for h in range(3):

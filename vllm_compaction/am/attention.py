@@ -39,6 +39,10 @@ __all__ = [
 AGGREGATIONS = ("rms", "mean", "max")
 #: Bytes of logits per head held at once by the query-chunked passes (fits in L2/L3).
 CHUNK_BYTES_PER_HEAD = 2 << 20
+#: Storage of the kept feature matrix. Only OMP's correlation passes read it (each one a
+#: memory-bound GEMV over all of it), so half precision halves their cost; every fit uses
+#: fp32 features recomputed from the keys.
+FEATURE_DTYPE = torch.float16
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:
@@ -77,8 +81,8 @@ class ReferenceAttention:
         output: ``[H, n, d]`` fp32 attention outputs ``Y`` (``None`` when not requested).
         scores: ``[H, T]`` fp32 aggregated attention weights per key (``None`` when not
             requested).
-        features: ``[H, n, T]`` fp32 shifted features ``Phi = exp(l - s)`` (``None`` when not
-            requested; OMP needs them).
+        features: ``[H, T, n]`` key-major shifted features ``Phi^T``, ``Phi = exp(l - s)``, in
+            ``FEATURE_DTYPE`` (``None`` when not requested; OMP ranks keys with them).
     """
 
     shift: torch.Tensor
@@ -116,7 +120,8 @@ def reference_attention(
     scale : softmax scale.
     aggregation : ``"rms" | "mean" | "max"`` aggregation of the attention weights
         ``softmax(l)`` over queries into per-key scores, or ``None`` to skip scoring.
-    keep_features : keep the whole ``[H, n, T]`` shifted-feature matrix.
+    keep_features : keep the whole shifted-feature matrix, key-major ``[H, T, n]`` in
+        ``FEATURE_DTYPE``.
     """
     if aggregation is not None and aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
@@ -127,27 +132,28 @@ def reference_attention(
     dv = v1.shape[-1] - 1
     shift, mass = keys.new_empty(h, n), keys.new_empty(h, n)
     output = keys.new_empty(h, n, dv) if values is not None else None
-    features = keys.new_empty(h, n, t) if keep_features else None
+    features = keys.new_empty(h, t, n, dtype=FEATURE_DTYPE) if keep_features else None
     acc = keys.new_zeros(h, 1, t)
     chunks = query_chunks(n, 4 * t, CHUNK_BYTES_PER_HEAD)
     rows = chunks[0].stop - chunks[0].start if chunks else 0
-    scratch = keys.new_empty(h, rows, t) if features is None else None
+    scratch = keys.new_empty(h, rows, t)
     for sl in chunks:
         c = sl.stop - sl.start
-        buf = features[:, sl] if features is not None else scratch[:, :c]
-        p, s = _shifted_exp_(torch.bmm(qs[:, sl], kt, out=buf))
+        p, s = _shifted_exp_(torch.bmm(qs[:, sl], kt, out=scratch[:, :c]))
         pv = torch.bmm(p, v1)  # [H, c, d + 1]: P V and the shifted mass P 1
         m = pv[..., dv:]
         shift[:, sl], mass[:, sl] = s[..., 0], m[..., 0]
+        if features is not None:  # key-major, so that OMP's correlation is a fast half GEMV
+            features[:, :, sl] = p.transpose(1, 2)
         inv_m = m.reciprocal()  # [H, c, 1]
         if output is not None:
             torch.mul(pv[..., :dv], inv_m, out=output[:, sl])
         if aggregation == "mean":
             acc.baddbmm_(inv_m.transpose(1, 2), p)
         elif aggregation == "rms":
-            acc.baddbmm_(inv_m.square().transpose(1, 2), p.square() if keep_features else p.square_())
+            acc.baddbmm_(inv_m.square().transpose(1, 2), p.square_())
         elif aggregation == "max":
-            torch.maximum(acc, (p * inv_m if keep_features else p.mul_(inv_m)).amax(1, keepdim=True), out=acc)
+            torch.maximum(acc, p.mul_(inv_m).amax(1, keepdim=True), out=acc)
     scores = acc[:, 0]
     if aggregation == "rms":
         scores = scores.div_(max(n, 1)).sqrt_()

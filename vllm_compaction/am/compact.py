@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vllm_compaction.am.attention import reference_attention, resolve_scale
+from vllm_compaction.am.attention import FEATURE_DTYPE, reference_attention, resolve_scale
 from vllm_compaction.am.fit import SelectedLogits, fit_beta, fit_values
 from vllm_compaction.am.heads import CompactedHeads
 from vllm_compaction.am.presets import ResolvedMethod, resolve_method
@@ -107,7 +107,7 @@ def _compact_group(
     clock["reference_s"] += (mark := time.perf_counter()) - start
     sel = plan.selector.select(SelectionProblem(keys, values, queries, scale, budgets, ref))
     if ref is not None:
-        ref.features = None  # release the [H, n, T] features early
+        ref.features = None  # release the [H, T, n] features early
     clock["select_s"] += (start := time.perf_counter()) - mark
     h, t_max = sel.indices.shape
     valid = slot_mask(sel.lengths, t_max)
@@ -206,7 +206,8 @@ def compact_heads(
     vals = values[:, :t_max].float().clone()
     n, per_head = queries.shape[1], 0
     if plan.selector.needs_features:
-        per_head = 4 * n * (total + t_max + 1)  # features [n, T] and kept columns [t + 1, n]
+        # features [T, n] and kept fp32 columns [t + 1, n]
+        per_head = n * (total * FEATURE_DTYPE.itemsize + 4 * (t_max + 1))
     for group in _head_groups(work.to(dev), per_head, memory_limit):
         fitted = _compact_group(
             keys[group].float(), values[group].float(), queries[group].float(),

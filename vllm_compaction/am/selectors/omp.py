@@ -10,7 +10,9 @@ Speed: the Gram matrix ``Phi_S^T Phi_S`` and ``Phi_S^T m`` grow by the new colum
 (fp32 products kept in float64), each refit is one small batched Cholesky solve instead of a
 least-squares solve from scratch, and the only pass over the whole ``Phi`` per round is the
 correlation ``Phi^T r`` (a memory-bound GEMV: OMP costs about ``t / (k tau)`` reads of
-``Phi``).
+``Phi``). That pass reads the reference's key-major half-precision copy of ``Phi`` (half the
+bytes; it only ranks candidates), while the kept columns that every fit uses are recomputed
+in fp32 from their keys.
 
 Stabilisers (paper, "Stabilizing beta"): a refit drops kept keys whose unconstrained weight
 is below ``e^min_beta`` (they are banned and selection continues until every kept key has
@@ -32,6 +34,9 @@ from vllm_compaction.am.selectors.base import Selection, SelectionProblem, Selec
 __all__ = ["OMPSelector"]
 
 logger = logging.getLogger(__name__)
+
+#: ``sum |r|`` of the residual in the half-precision correlation pass (fp16 max is 65504).
+CORRELATION_RANGE = 3.0e4
 
 
 @dataclass(frozen=True)
@@ -91,13 +96,13 @@ class OMPSelector(SelectorBase):
         per_round = torch.full_like(problem.budgets, self.keys_per_step * self.refit_interval)
         if self.max_rounds is not None:
             per_round = torch.maximum(per_round, -(-problem.budgets // self.max_rounds))
-        state = _GreedyMassFit(ref.features, ref.mass, problem.budgets, per_round)
+        state = _GreedyMassFit(problem, per_round)
         lower, upper = math.exp(self.min_beta), math.exp(self.max_beta)
         if self.seed_share > 0:  # one first round on the max-attention scores of the reference pass
             seeds = torch.ceil(problem.budgets.double() * self.seed_share).long().clamp(0, None)
             state.add_keys(ref.scores, torch.minimum(seeds, problem.budgets))
             state.update_residual(torch.where(state.valid, state.refit(lower).clamp(lower, upper), 0.0))
-        for _ in range(2 * ref.features.shape[-1] + 2):  # every round adds or bans a key
+        for _ in range(2 * ref.features.shape[1] + 2):  # every round adds or bans a key
             if state.done.all():
                 break
             state.add_keys()
@@ -113,23 +118,38 @@ class _GreedyMassFit:
     writes). A dropped key frees its slot (``occupied`` False, weight 0); new keys fill free
     slots first, so nothing is ever repacked."""
 
-    def __init__(self, phi: torch.Tensor, mass: torch.Tensor, budgets: torch.Tensor, per_round: torch.Tensor | int):
-        h, n, total = phi.shape
-        self.phi, self.mass, self.budgets = phi, mass, budgets  # [H, n, T], [H, n], [H]
+    def __init__(self, problem: SelectionProblem, per_round: torch.Tensor | int):
+        ref = problem.reference
+        assert ref is not None and ref.features is not None
+        phi_t, budgets = ref.features, problem.budgets
+        h, total, n = phi_t.shape
+        self.phi_t, self.mass, self.shift, self.budgets = phi_t, ref.mass, ref.shift, budgets  # [H, T, n], [H, n] x2
+        self.keys, self.queries_scaled = problem.keys, problem.queries * problem.scale
         self.t_max = int(budgets.max())
         per_round = torch.as_tensor(per_round, device=budgets.device).expand(h)
         self.per_round = per_round.clamp(1, max(1, min(total, self.t_max)))  # [H] keys per round
-        dev, slots = phi.device, self.t_max + 1
+        dev, slots = phi_t.device, self.t_max + 1
         self.idx = torch.zeros(h, slots, dtype=torch.long, device=dev)
         self.occupied = torch.zeros(h, slots, dtype=torch.bool, device=dev)
         self.excluded = torch.zeros(h, total, dtype=torch.bool, device=dev)
-        self.phi_s = torch.zeros(h, slots, n, dtype=phi.dtype, device=dev)  # kept columns, as rows
+        self.phi_s = torch.zeros(h, slots, n, dtype=torch.float32, device=dev)  # kept columns, as rows
         self.gram = torch.zeros(h, slots, slots, dtype=torch.float64, device=dev)
         self.rhs = torch.zeros(h, slots, dtype=torch.float64, device=dev)
         self.final_w = torch.zeros(h, self.t_max, dtype=torch.float64, device=dev)
         self.done = budgets <= 0
         self.high = 0  # slots [high, t_max) have never been used
-        self.corr = torch.bmm(mass[:, None, :], phi)[:, 0]  # [H, T] correlation with r = m
+        self.corr = self._correlation(self.mass)  # [H, T] correlation with r = m
+
+    def _correlation(self, resid: torch.Tensor) -> torch.Tensor:
+        """``[H, T]`` fp32 ``Phi^T r`` for ``resid [H, n]``, from the half-precision features.
+        ``r`` is scaled so that ``sum |r| = CORRELATION_RANGE``: since ``0 <= Phi <= 1`` every
+        product then fits the half range, and most entries stay normal numbers."""
+        norm = resid.abs().sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)  # [H, 1]
+        scaled = (resid * (CORRELATION_RANGE / norm)).to(self.phi_t.dtype)
+        # r^T Phi as a row vector times Phi^T: CPU torch runs this layout as a half-precision GEMV
+        # (fp32 accumulation); Phi^T @ r[..., None] takes a generic GEMM path 5x slower
+        corr = torch.bmm(scaled[:, None, :], self.phi_t.transpose(1, 2))[:, 0]
+        return corr.float() * (norm / CORRELATION_RANGE)
 
     @property
     def count(self) -> torch.Tensor:
@@ -145,7 +165,7 @@ class _GreedyMassFit:
         """Put the best candidates (up to ``per_round``) in free slots of every unfinished head
         and extend the Gram matrix by their columns. Best means the highest correlation with the
         residual, or the highest ``scores [H, T]`` with ``counts [H]`` keys (a seed round)."""
-        h, n, _ = self.phi.shape
+        h, n = self.mass.shape
         scores = self.corr if scores is None else scores
         counts = self.per_round if counts is None else counts
         r = int(counts.max())
@@ -161,8 +181,9 @@ class _GreedyMassFit:
         self.occupied[heads, slots] = ok
         self.occupied[:, self.t_max] = False
         self.excluded[heads, top.indices] |= ok
-        new = self.phi.gather(2, top.indices[:, None, :].expand(h, n, r))  # [H, n, r]
-        new = (new * ok[:, None, :]).transpose(1, 2).contiguous()  # [H, r, n]
+        picked = self.keys.gather(1, top.indices[..., None].expand(h, r, self.keys.shape[-1]))  # [H, r, d]
+        new = torch.bmm(picked, self.queries_scaled.transpose(1, 2)).sub_(self.shift[:, None, :]).exp_()
+        new.mul_(ok[..., None])  # [H, r, n] exact fp32 columns of the kept keys, as rows
         self.phi_s[heads, slots] = new
         self.high = max(self.high, int(torch.where(ok, slots + 1, 0).max()))
         used = self.high
@@ -197,8 +218,8 @@ class _GreedyMassFit:
         if self.done.all():
             return
         t = self.t_max
-        resid = self.mass - torch.bmm(w.to(self.phi.dtype)[:, None, :], self.phi_s[:, :t])[:, 0]  # [H, n]
-        self.corr = torch.bmm(resid[:, None, :], self.phi)[:, 0]
+        resid = self.mass - torch.bmm(w.float()[:, None, :], self.phi_s[:, :t])[:, 0]  # [H, n]
+        self.corr = self._correlation(resid)
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(indices [H, t_max], weights [H, t_max], lengths [H])`` with kept slots first."""
