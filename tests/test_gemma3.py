@@ -54,3 +54,18 @@ def test_gemma3_base_model_runs_repeat_prefill_without_chat_template(gemma3):
     assert ids[0] == gemma3.tokenizer.bos_token_id and not mask[0] and mask.sum() > 250
     cache = compact(gemma3, text, ratio=0.2, method="am-highest-attn-fast", budgets="uniform")
     assert cache.query_source == "repeat-prefill" and cache.layer_compacted.count(True) == 3
+
+
+def test_gemma3_needle_prompt_without_chat_template(gemma3):
+    """The evaluation tasks build base-model prompts too: BOS, the haystack (the compacted
+    part), then the question and the forced answer prefix as plain text."""
+    from vllm_compaction.eval import make_needle, needle_prompt
+    from vllm_compaction.eval.niah import ANSWER_PREFIX, QUESTION
+
+    inst = make_needle(gemma3.tokenizer, 300, seed=3)
+    prompt = needle_prompt(gemma3, inst)
+    assert prompt.prefix_ids[0] == gemma3.tokenizer.bos_token_id and not prompt.compact_mask[0]
+    assert prompt.compact_mask[1:].all()
+    assert gemma3.tokenizer.decode(prompt.prefix_ids[1:]).strip() == inst.context.strip()
+    tail = gemma3.tokenizer.decode(prompt.continuation_ids)
+    assert tail.strip() == QUESTION.format(key=inst.key) + "\n\n" + ANSWER_PREFIX.format(key=inst.key)

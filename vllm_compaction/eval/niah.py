@@ -78,9 +78,9 @@ def context_prompt(adapter, context: str, question: str, answer_prefix: str) -> 
     """One user turn ``context + question``, the assistant header and ``answer_prefix``, split
     at the end of ``context``: the prefix's context tokens are the ones to compact."""
     messages = [{"role": "user", "content": context + "\n\n" + question}]
-    text = adapter.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    text += answer_prefix
-    enc = adapter.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    # the chat template, or for a base model (Gemma-3-270M) plain text after a BOS
+    text = adapter.render(messages, add_generation_prompt=True) + answer_prefix
+    enc = adapter.tokenizer(text, add_special_tokens=not adapter.has_chat_template, return_offsets_mapping=True)
     start = text.index(context)
     end = start + len(context)
     offsets = enc["offset_mapping"]
