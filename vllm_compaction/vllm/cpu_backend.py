@@ -22,6 +22,7 @@ Without the connector the class behaves exactly like ``CPUAttentionBackend``.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -56,7 +57,13 @@ from vllm_compaction.vllm.varlen_attention import (
     sink_for,
 )
 
-__all__ = ["CompactionCPUAttentionBackend", "CompactionCPUAttentionImpl", "cpu_augmented_head_size"]
+__all__ = ["CompactionCPUAttentionBackend", "CompactionCPUAttentionImpl", "cpu_augmented_head_size",
+           "SUFFIX_FROM_PAGES_ENV"]
+
+#: Set to "1" in the engine's environment to attend *every* token after a packed prefix on
+#: stock-width pages from the pages read back in torch, the fallback otherwise taken only by the
+#: rare tokens whose two-call merge is ill-conditioned: for tests and diagnostics of that path.
+SUFFIX_FROM_PAGES_ENV = "VLLM_COMPACTION_SUFFIX_FROM_PAGES"
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +94,7 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         self.compaction = False  # a decoder layer of an engine with the compaction connector
         self.augmented: int | None = None  # the widened page size, None for stock-width pages
         self.records_kv = False  # K/V writes shown to a KV snapshot (.snapshot)
+        self.suffix_from_pages = os.environ.get(SUFFIX_FROM_PAGES_ENV) == "1"
         config = get_current_vllm_config()
         if self.attn_type == AttentionType.DECODER and compaction_enabled(config):
             self.compaction = True
@@ -143,6 +151,8 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         plain = self._suffix_kernel(layer, packed_q, kv_cache, split.packed, None)
         sunk = self._suffix_kernel(layer, packed_q, kv_cache, split.packed, sink)
         merged, trusted = merge_two_calls(plain, sunk, sink, prefix_out, prefix_lse)
+        if self.suffix_from_pages:
+            trusted = torch.zeros_like(trusted)
         if not bool(trusted.all()):
             logger.debug("%d of %d tokens after a packed prefix attended in torch (vanishing suffix output)",
                          int((~trusted).sum()), trusted.numel())
