@@ -137,6 +137,29 @@ def test_memory_limit_groups_and_chunks_give_the_same_result():
         _assert_heads_equal(small, compact_heads(keys, values, queries, [5, 9, 0, 30], method=method), tol=1e-2)
 
 
+def test_heads_of_very_different_budgets_are_not_padded_together():
+    """Global budgets give one head ~T slots and others a few dozen: each fit costs n * t_max^2
+    per head of its group, so groups hold heads of similar budgets only (same results)."""
+    from vllm_compaction.am.compact import PAD_FACTOR, SMALL_BUDGET, _head_groups
+
+    budgets = torch.tensor([590, 12, 300, 40, 0, 360, 599, 1000])
+    groups = _head_groups(torch.tensor([0, 1, 2, 3, 5, 6, 7]), budgets, bytes_per_head=0, memory_limit=1 << 30)
+    assert sorted(torch.cat(groups).tolist()) == [0, 1, 2, 3, 5, 6, 7]
+    for group in groups:
+        widths = budgets[group]
+        assert widths.max() <= max(SMALL_BUDGET, PAD_FACTOR * widths.min())
+    assert [g.tolist() for g in groups] == [[1, 3], [2, 5], [0, 6], [7]]
+    capped = _head_groups(torch.arange(4), torch.full((4,), 10), bytes_per_head=100, memory_limit=250)
+    assert [g.tolist() for g in capped] == [[0, 1], [2, 3]]
+
+    keys, values, queries = _inputs(9, h=3, t=640, n=96)
+    spread = [630, 20, 300]
+    together = compact_heads(keys, values, queries, spread, method="am-highest-attn")
+    alone = [compact_heads(keys[h : h + 1], values[h : h + 1], queries[h : h + 1], [t], method="am-highest-attn")
+             for h, t in enumerate(spread)]
+    _assert_heads_equal(together, _stack(alone))
+
+
 def test_timings_are_reported():
     keys, values, queries = _inputs(5)
     timings: dict[str, float] = {}

@@ -3,8 +3,8 @@
 One chunked pass of the original attention (outputs, mass, key scores or OMP features) feeds
 the selector and both fits. Heads with ``t_h = T`` are kept exactly (all keys, ``beta = 0``,
 original values: the global optimum of both objectives) and heads with ``t_h = 0`` are empty;
-only the others are compacted, all at once, or in groups of heads when OMP's ``[n, T]``
-feature matrices would exceed ``memory_limit``.
+only the others are compacted, in groups of heads of similar budget (each group is padded to
+its widest head) small enough that OMP's ``[n, T]`` feature matrices stay under ``memory_limit``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ __all__ = ["DEFAULT_MEMORY_LIMIT", "STAGES", "compact_heads"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_MEMORY_LIMIT = 1 << 30
+#: Heads padded to one width: a group's widest budget is at most this factor of its narrowest...
+PAD_FACTOR = 1.25
+#: ... unless it is at most this many slots, where the fits cost little next to the reference pass.
+SMALL_BUDGET = 256
 #: Keys of the ``timings`` dict filled by ``compact_heads`` (wall-clock seconds).
 STAGES = ("reference_s", "select_s", "beta_s", "values_s", "total_s")
 
@@ -69,16 +73,34 @@ def _check_positions(positions: torch.Tensor | None, total: int, device: torch.d
     return pos.to(torch.int64)
 
 
-def _head_groups(heads: torch.Tensor, bytes_per_head: int, memory_limit: int) -> list[torch.Tensor]:
-    """Split head ids so that each group's large intermediates fit in ``memory_limit``."""
+def _head_groups(
+    heads: torch.Tensor, budgets: torch.Tensor, bytes_per_head: int, memory_limit: int
+) -> list[torch.Tensor]:
+    """Split head ids into groups compacted together, padded to the group's widest budget.
+
+    Heads are taken by increasing budget and a group is closed when the next head's budget
+    exceeds ``PAD_FACTOR`` times the group's narrowest (above ``SMALL_BUDGET``) or when the
+    group's large intermediates would exceed ``memory_limit``. Each fit costs ``n * t_max^2``
+    per head of its group, so one head keeping nearly every key (global budgets give some heads
+    2,000 slots and others 25) must not pad its neighbours to its width.
+    """
     if heads.numel() == 0:
         return []
     size = max(1, memory_limit // max(1, bytes_per_head)) if bytes_per_head else heads.numel()
     if bytes_per_head > memory_limit:
         logger.warning("one head needs %d bytes of features, above memory_limit=%d", bytes_per_head, memory_limit)
-    if heads.numel() > size:
-        logger.info("compacting %d heads in groups of %d to stay under %d bytes", heads.numel(), size, memory_limit)
-    return list(torch.split(heads, max(1, size)))
+    head_budgets = budgets.to(heads.device)[heads]
+    groups: list[list[int]] = []
+    narrowest = 0
+    for head, budget in zip(heads[head_budgets.argsort(stable=True)].tolist(), head_budgets.sort().values.tolist()):
+        if not groups or len(groups[-1]) >= size or budget > max(SMALL_BUDGET, PAD_FACTOR * narrowest):
+            groups.append([])
+            narrowest = budget
+        groups[-1].append(head)
+    if len(groups) > 1:
+        logger.debug("compacting %d heads in %d groups (budget widths, memory_limit=%d)", heads.numel(), len(groups),
+                     memory_limit)
+    return [torch.tensor(g, dtype=heads.dtype, device=heads.device) for g in groups]
 
 
 def _compact_group(
@@ -208,7 +230,7 @@ def compact_heads(
     if plan.selector.needs_features:
         # features [T, n] and kept fp32 columns [t + 1, n]
         per_head = n * (total * FEATURE_DTYPE.itemsize + 4 * (t_max + 1))
-    for group in _head_groups(work.to(dev), per_head, memory_limit):
+    for group in _head_groups(work.to(dev), budgets, per_head, memory_limit):
         fitted = _compact_group(
             keys[group].float(), values[group].float(), queries[group].float(),
             lengths[group], plan, scale, memory_limit, clock,

@@ -39,6 +39,10 @@ JITTER = 1e-9
 #: Dtype of the Gram products. fp32 products, factored in fp64, gave the same held-out errors as
 #: fp64 products (and as QR least squares) at half the cost.
 GRAM_DTYPE = torch.float32
+#: Fewest query rows per chunk of the Gram products. Each chunk adds ``X_c^T X_c`` into a
+#: ``[t, t]`` accumulator that leaves the cache once t is large (16 MB at t = 2,000), so short
+#: chunks make the GEMM memory-bound: 256-row chunks ran at half the speed of 2,048-row ones.
+MIN_GRAM_ROWS = 2048
 
 
 def _masked_gram(gram: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -182,8 +186,9 @@ def lstsq_values(weights: torch.Tensor, targets: torch.Tensor, valid: torch.Tens
 class SelectedLogits:
     """Scaled logits ``l = scale * Q C_k^T`` of the kept keys, by chunks of query rows.
 
-    Padded slots hold ``-inf``. Chunks are cache-sized (``CHUNK_BYTES_PER_HEAD``) so that the
-    consumers' temporaries stay small; the whole ``[H, n, t]`` tensor is computed once and
+    Padded slots hold ``-inf``. Chunks are cache-sized (``CHUNK_BYTES_PER_HEAD``), but at least
+    ``MIN_GRAM_ROWS`` rows, so that the consumers' temporaries stay small and their Gram
+    products stay efficient; the whole ``[H, n, t]`` tensor is computed once and
     cached when it fits in ``budget_bytes``, otherwise every pass recomputes its chunks.
     Consumers must not modify the yielded chunks in place.
     """
@@ -194,7 +199,7 @@ class SelectedLogits:
         self._mask = torch.where(valid, 0.0, float("-inf")).to(queries_scaled.dtype)[:, None, :]  # [H, 1, t]
         h, n, _ = queries_scaled.shape
         t = max(1, kept_keys.shape[1])
-        self.chunks = query_chunks(n, 4 * t, CHUNK_BYTES_PER_HEAD)
+        self.chunks = query_chunks(n, 4 * t, max(CHUNK_BYTES_PER_HEAD, 4 * t * MIN_GRAM_ROWS))
         self._cached = self._compute(slice(0, n)) if 3 * 4 * h * n * t <= budget_bytes else None
 
     def _compute(self, sl: slice) -> torch.Tensor:

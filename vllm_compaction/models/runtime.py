@@ -31,7 +31,7 @@ import torch.nn.functional as F
 __all__ = ["ATTN_IMPLEMENTATION", "PrefixLayer", "AttentionRun", "active_run", "install"]
 
 ATTN_IMPLEMENTATION = "vllm_compaction"
-_QUERY_CHUNK = 1024  # query rows per block: bounds the [H, G, chunk, P+L] logits buffer
+_QUERY_CHUNK = 512  # query rows per block: bounds the [H, G, chunk, P+L] logits buffer
 
 _current: contextvars.ContextVar["AttentionRun | None"] = contextvars.ContextVar(
     "vllm_compaction_attention_run", default=None
@@ -143,8 +143,12 @@ def _attend(
     out = torch.empty_like(q)
     for rows in _query_blocks(q.shape[2]):
         mask = _additive_mask(q.shape[0], rows, prefix, key_pos, key_seg, run, sliding_window, q.dtype)
+        # keys after the last one any row of the block may see (causality) are left out, which
+        # halves the work of a causal run; the softmax over the rest is unchanged
+        visible = torch.isfinite(mask).flatten(0, 1).any(0).nonzero()
+        width = int(visible[-1]) + 1 if visible.numel() else mask.shape[-1]
         out[:, :, rows] = F.scaled_dot_product_attention(
-            q[:, :, rows], keys[:, None], values[:, None], attn_mask=mask[:, None],
+            q[:, :, rows], keys[:, None, :width], values[:, None, :width], attn_mask=mask[:, None, :, :width],
             scale=scaling, enable_gqa=True,
         )
     return out
