@@ -5,8 +5,11 @@ partial last block would be recomputed on one side and change the rounding):
 
 * stock-width pages (the CPU default): a plain prompt runs vLLM's own kernel on the same pages as
   stock vLLM, so its 64 greedy tokens and every top-3 logprob equal stock vLLM's, bit for bit.
-  The identity cache (t = T, beta = 0, built from the engine's own K/V snapshot) served varlen has
-  its prefix attended in fp32 torch, a different rounding: first-step logprobs within two bf16 steps.
+  The identity cache (t = T, beta = 0, built from the engine's own K/V snapshot) in the padded
+  layout needs no bias, so its slots are written as ordinary tokens and the stock kernel reads
+  them: 64 greedy tokens and every top-3 logprob equal stock vLLM's, bit for bit. Served varlen,
+  its prefix is attended in fp32 torch, a different rounding: first-step logprobs within two bf16
+  steps.
 * widened pages: the identity cache in the padded layout gives bit for bit what the same engine
   gives for the plain prompt with its prefix from vLLM's prefix cache (same K/V, same pages, same
   kernel). Against stock vLLM it cannot be bit-exact, because the wider pages (d = 80) make the
@@ -65,18 +68,21 @@ def test_bf16_plain_traffic_and_identity_caches_are_exact_where_the_kernel_is_sh
         return engine.generate([{"prompt_token_ids": prefix_ids + question, "cache_salt": "plain"}], params,
                                use_tqdm=False)[0].outputs[0]
 
-    def serve(pages: str, layout: str):
-        """The plain prompt, and the identity cache from the engine's own snapshot, on one engine."""
+    def serve(pages: str, *layouts: str):
+        """The plain prompt, and the identity cache from the engine's own snapshot in each layout,
+        on one engine."""
         engine = start_llm("bfloat16", store=tmp_path / pages, kv_snapshots=True, pages=pages)
         try:
             plain = from_prefix_cache(engine)
             cache = identity_cache(engine, snapshot_kv(engine, prefix_ids))
-            prompt = compacted_prompt(cache, question, llm=engine, store=tmp_path / pages, layout=layout)
-            return plain, engine.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            prompts = [compacted_prompt(cache, question, llm=engine, store=tmp_path / pages, layout=layout)
+                       for layout in layouts]
+            # one at a time, as stock vLLM runs it: the batch's shape could change GEMM rounding
+            return plain, *(engine.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts)
         finally:
             stop_llm(engine)
 
-    stock_plain, varlen = serve("stock", "varlen")
+    stock_plain, varlen, stock_padded = serve("stock", "varlen", "padded")
     widened_plain, padded = serve("widened", "padded")
     vanilla = start_llm("bfloat16", compaction=False)
     try:
@@ -87,6 +93,9 @@ def test_bf16_plain_traffic_and_identity_caches_are_exact_where_the_kernel_is_sh
     # stock-width pages: plain traffic is stock vLLM's computation, bit for bit
     assert len(stock.token_ids) == 64 and stock_plain.token_ids == stock.token_ids
     assert _same_steps(stock_plain, stock)
+    # stock-width pages: the bias-free padded identity is read by the stock kernel, bit for bit
+    assert stock_padded.token_ids == stock.token_ids, (stock_padded.text, stock.text)
+    assert _same_steps(stock_padded, stock)
     # widened pages: the padded identity is the same engine's plain prompt, bit for bit
     assert padded.token_ids == widened_plain.token_ids, (padded.text, widened_plain.text)
     assert _same_steps(padded, widened_plain)

@@ -192,10 +192,6 @@ class _SchedulerSide:
             if ref.num_slots % self.block_size:
                 problem = (f"a packed prefix of {ref.num_slots} placeholders does not fill whole blocks of "
                            f"{self.block_size} (the prompt was built for another block size)")
-        elif self.pages != "widened":
-            problem = ("a padded prefix needs the bias coordinates of widened KV pages, and this engine "
-                       "runs stock-width pages; build the prompt with layout='varlen' (or start the "
-                       "engine with pages='widened')")
         if request.num_prompt_tokens <= ref.num_slots:
             problem = (f"the prompt has {request.num_prompt_tokens} tokens, not the {ref.num_slots} "
                        f"placeholders of the compacted prefix plus at least one more")
@@ -402,15 +398,21 @@ class _WorkerSide:
             self.pages().write(prefix, load.block_ids, first_block=load.start // self.block_size)
             return
 
+        impls = [forward_context.no_compile_layers[name].impl for name in self.kv_caches]
+        if not all(hasattr(impl, "write_slots") for impl in impls):
+            raise CacheError("the engine's attention backend cannot hold per-slot bias; on CUDA "
+                             "start it with --attention-backend CUSTOM")
+        # checked before any page is written: a refused request leaves no half-written prefix
+        if not prefix.bias_free and not all(impl.holds_bias for impl in impls):
+            raise CacheError("this padded prefix has per-slot biases or masked padding, which need the bias "
+                             "coordinates of widened KV pages, and this engine runs stock-width pages; build "
+                             "the prompt with layout='varlen' (or start the engine with pages='widened')")
         positions = torch.arange(load.start, load.end)
         blocks = torch.as_tensor(load.block_ids, dtype=torch.long)
         slot_mapping = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
         rows = slice(load.start, load.end)
         for name, kv_cache in self.kv_caches.items():
             layer = forward_context.no_compile_layers[name]
-            if not hasattr(layer.impl, "write_slots"):
-                raise CacheError("the engine's attention backend cannot hold per-slot bias; on CUDA "
-                                 "start it with --attention-backend CUSTOM")
             index = extract_layer_index(name)
             layer.impl.write_slots(layer, kv_cache, slot_mapping.to(kv_cache.device),
                                    prefix.keys[index][rows], prefix.values[index][rows],

@@ -223,16 +223,25 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
             key, value = augment_kv(key, value, self.augmented)
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
+    @property
+    def holds_bias(self) -> bool:
+        """Whether the pages carry per-slot bias (widened); stock-width pages hold beta = 0 only."""
+        return self.augmented is not None
+
     def write_slots(self, layer, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                     keys: torch.Tensor, values: torch.Tensor, beta: torch.Tensor) -> None:
         """Write ``keys/values [N, H, d]`` with per-slot ``beta [N, H]`` at ``slot_mapping [N]``.
 
         Goes through the engine's own packing op, so the ISA-specific page layout is respected.
+        Stock-width pages take bias-free slots only (``beta`` all 0), written as ordinary tokens.
         """
-        if self.augmented is None:
-            raise CacheError("padded prefixes need the bias coordinates of widened KV pages; build the prompt "
-                             "with layout='varlen', or start the engine with pages='widened'")
         dtype = kv_cache.dtype
+        if self.augmented is None:
+            if beta.any():
+                raise CacheError("per-slot biases need the bias coordinates of widened KV pages; build the prompt "
+                                 "with layout='varlen', or start the engine with pages='widened'")
+            super().do_kv_cache_update(layer, keys.to(dtype), values.to(dtype), kv_cache, slot_mapping)
+            return
         key_aug, value_aug = augment_kv(keys.to(dtype), values.to(dtype), self.augmented, beta)
         super().do_kv_cache_update(layer, key_aug, value_aug, kv_cache, slot_mapping)
 

@@ -410,6 +410,8 @@ class CompactionTritonImpl(TritonAttentionImpl):
                            v_scale=layer._v_scale)
         return None
 
+    holds_bias = True  # the pages are always widened by the bias coordinates
+
     def write_slots(
         self,
         layer: Any,

@@ -7,6 +7,9 @@ Two layouts, named in the request's salt (:class:`.prompt.CompactedRef`):
   prefix takes about ``sum(t) / (L * H)`` token slots. Only the compaction attention reads
   these blocks (:mod:`.paged_prefix`, :mod:`.varlen_attention`).
 * ``padded`` (:func:`physical_prefix`): the stock kernels read the prefix like any other tokens.
+  With per-slot biases or masked padding it needs the bias coordinates of widened pages; a
+  *bias-free* cache (:func:`bias_free`: every head the same length, beta = 0, as for an identity
+  cache or truncation) is read as it is from stock-width pages too, by the stock kernels alone.
 
 Padded layout: every layer and head of the prefix gets the same number of physical slots ``P``
 (the longest head of the cache): head ``h`` of layer ``l`` fills its first ``t_{l,h}`` slots and the rest are masked
@@ -27,11 +30,18 @@ from vllm_compaction.cache import CompactedCache, PagedPacking
 from vllm_compaction.models.rope import rotate_keys
 from vllm_compaction.vllm.bias import MASKED_BETA
 
-__all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "PackedPrefix", "PhysicalPrefix", "pack_layers", "packed_prefix",
-           "physical_prefix"]
+__all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "PackedPrefix", "PhysicalPrefix", "bias_free", "pack_layers",
+           "packed_prefix", "physical_prefix"]
 
 DEFAULT_LAYOUT = "varlen"
 """Both compaction backends read packed prefixes; ``padded`` stays available per prompt."""
+
+
+def bias_free(cache: CompactedCache) -> bool:
+    """Whether the padded layout of ``cache`` needs no bias at all: every head of every layer has
+    the same number of slots (no masked padding) and every beta is 0."""
+    lengths = cache.head_lengths
+    return bool((lengths == lengths.max()).all()) and all(not layer.beta.any() for layer in cache.layers)
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,11 @@ class PhysicalPrefix:
     @property
     def num_slots(self) -> int:
         return int(self.keys[0].shape[0]) if self.keys else 0
+
+    @property
+    def bias_free(self) -> bool:
+        """Every slot has beta = 0 (no bias, no masked padding): stock kernels read it as it is."""
+        return all(not b.any() for b in self.beta)
 
     @property
     def padding_fraction(self) -> float:

@@ -20,7 +20,7 @@ from vllm_compaction.cache import CacheError, CompactedCache, LocalDiskStore, re
 from vllm_compaction.cache.format import ModelFingerprint
 from vllm_compaction.models.chat import ChatTokenizer, Continuation
 from vllm_compaction.vllm.backend_common import page_width
-from vllm_compaction.vllm.layout import DEFAULT_LAYOUT, LAYOUTS
+from vllm_compaction.vllm.layout import DEFAULT_LAYOUT, LAYOUTS, bias_free
 
 __all__ = ["CompactedRef", "PLACEHOLDER_TOKEN_ID", "compacted_prompt", "default_store_dir", "open_store"]
 
@@ -109,12 +109,14 @@ def compacted_prompt(
         store: the store the engine's connector reads (default :func:`default_store_dir`).
         layout: ``"varlen"`` (each head stores only its own slots) or ``"padded"`` (every head
             padded to the longest). Default: ``varlen`` when the block size is known (from
-            ``llm`` or ``block_size``), else ``padded``.
+            ``llm`` or ``block_size``), else ``padded``. On stock-width pages ``padded`` takes
+            only bias-free caches (every head the same length, beta = 0), which the stock
+            kernels then read like ordinary tokens.
         block_size: the engine's KV block size, needed by ``varlen`` when ``llm`` is not given.
 
     Raises:
         CacheError: missing, corrupt or wrong-model cache (one sentence saying which).
-        ValueError: an empty or malformed continuation.
+        ValueError: an empty or malformed continuation, or a layout this engine cannot hold.
     """
     from vllm_compaction.vllm.engine import engine_fingerprint
 
@@ -128,12 +130,14 @@ def compacted_prompt(
     layout = layout or (DEFAULT_LAYOUT if block_size else "padded")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
-    if layout == "padded" and llm is not None and page_width(llm.llm_engine.vllm_config) != "widened":
-        raise ValueError("this engine runs stock-width KV pages, which hold varlen prefixes only; use "
-                         "layout='varlen', or start the engine with engine_kwargs(..., pages='widened')")
     if layout == "varlen" and not block_size:
         raise ValueError("a varlen prefix needs the engine's block size (pass llm= or block_size=)")
     entry_id, loaded = _entry_for(cache, store, expect)
+    if (layout == "padded" and llm is not None and page_width(llm.llm_engine.vllm_config) != "widened"
+            and not bias_free(loaded)):
+        raise ValueError("this engine runs stock-width KV pages, which hold a padded prefix only when it needs "
+                         "no bias (every head the same length, beta = 0); use layout='varlen', or start the "
+                         "engine with engine_kwargs(..., pages='widened')")
     ids = _continuation_ids(continuation, tokenizer)
     if not ids:
         raise ValueError("the continuation is empty: at least one token must follow the compacted prefix")
