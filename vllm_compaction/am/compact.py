@@ -92,7 +92,8 @@ def _head_groups(
     head_budgets = budgets.to(heads.device)[heads]
     groups: list[list[int]] = []
     narrowest = 0
-    for head, budget in zip(heads[head_budgets.argsort(stable=True)].tolist(), head_budgets.sort().values.tolist()):
+    order = head_budgets.argsort(stable=True)
+    for head, budget in zip(heads[order].tolist(), head_budgets[order].tolist()):
         if not groups or len(groups[-1]) >= size or budget > max(SMALL_BUDGET, PAD_FACTOR * narrowest):
             groups.append([])
             narrowest = budget

@@ -40,8 +40,9 @@ JITTER = 1e-9
 #: fp64 products (and as QR least squares) at half the cost.
 GRAM_DTYPE = torch.float32
 #: Fewest query rows per chunk of the Gram products. Each chunk adds ``X_c^T X_c`` into a
-#: ``[t, t]`` accumulator that leaves the cache once t is large (16 MB at t = 2,000), so short
-#: chunks make the GEMM memory-bound: 256-row chunks ran at half the speed of 2,048-row ones.
+#: ``[t, t]`` accumulator that leaves the cache once t is large (16 MB at t = 2,000), and each
+#: chunk reads and writes it once: for one head with t = 1,993 and n = 10,000, the two Grams
+#: took 1.72 s in 256-row chunks and 1.53 s in 2,048-row ones.
 MIN_GRAM_ROWS = 2048
 
 

@@ -143,8 +143,9 @@ def _attend(
     out = torch.empty_like(q)
     for rows in _query_blocks(q.shape[2]):
         mask = _additive_mask(q.shape[0], rows, prefix, key_pos, key_seg, run, sliding_window, q.dtype)
-        # keys after the last one any row of the block may see (causality) are left out, which
-        # halves the work of a causal run; the softmax over the rest is unchanged
+        # keys after the last one any row of the block may see (causality) are left out: with
+        # 512-row blocks a causal run of 2,000 tokens attends 63% of the key columns it did;
+        # the softmax over the rest is unchanged
         visible = torch.isfinite(mask).flatten(0, 1).any(0).nonzero()
         width = int(visible[-1]) + 1 if visible.numel() else mask.shape[-1]
         out[:, :, rows] = F.scaled_dot_product_attention(
