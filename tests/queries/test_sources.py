@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_compaction.eval.niah import make_needle, needle_prompt
 from vllm_compaction.queries import QueryCollector, QueryPlan, parse_sources
 from vllm_compaction.queries.base import PrefixSpec
 from vllm_compaction.queries.quote_prefill import QuotePrefill
 from vllm_compaction.queries.repeat_prefill import REPEAT_INSTRUCTION
 from vllm_compaction.queries.self_study import SelfStudy
+from vllm_compaction.queries.surprise_quote import SurpriseQuote, surprising_spans
 
 IDS = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(4)).tolist()
 
@@ -128,3 +130,48 @@ def test_real_quote_prefill_answers_every_token_after_the_first_lead_once(smollm
         assert cont[:len(turn)] == turn  # a one-line quote of the window's lead, then the answer
         answered += cont[len(turn):]
     assert answered == content[3:]
+
+
+def test_surprising_spans_pick_the_highest_sums_without_overlap():
+    surprisal = torch.zeros(40)
+    surprisal[10:14] = 5.0  # the most surprising span
+    surprisal[30] = 3.0
+    surprisal[12] = 6.0
+    assert surprising_spans(surprisal, 4, 1) == [10]
+    starts = surprising_spans(surprisal, 4, 3)
+    assert len(starts) == 3 and 10 in starts and any(s <= 30 < s + 4 for s in starts)
+    assert all(b - a >= 4 for a, b in zip(starts, starts[1:]))  # ascending, no overlap
+    assert surprising_spans(surprisal, 100, 5) == [0]  # one span covers a short content
+
+
+def test_surprise_quote_refuses_bad_sizes():
+    for bad in ({"span": 0}, {"window": 0}, {"margin": -1}, {"spans": 0}, {"tokens_per_span": 0}):
+        with pytest.raises(ValueError, match="surprise-quote needs"):
+            SurpriseQuote(**bad)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_gemma3"])
+def test_token_surprisal_matches_the_logits_of_a_forward_pass(model, request):
+    adapter = request.getfixturevalue(model)
+    ids = IDS[:30]
+    nll = adapter.token_surprisal(ids, chunk=7)
+    logits = adapter.forward(ids, torch.arange(len(ids)), logits_to_keep=len(ids)).logits
+    expected = -torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert nll[0] == 0
+    torch.testing.assert_close(nll[1:], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_real_surprise_quote_probes_the_needle(smollm2):
+    """The 7 random digits of a needle are among the most surprising spans of an essay: one of
+    the probes quotes the needle's value in answer mode."""
+    inst = make_needle(smollm2.tokenizer, 2000, seed=19)
+    prompt = needle_prompt(smollm2, inst)
+    spec = PrefixSpec(torch.tensor(prompt.prefix_ids), prompt.compact_mask, None)
+    source = SurpriseQuote()
+    plan = source.plan(smollm2, spec)
+    content = spec.content_ids
+    assert len(plan.continuations) == round(len(content) / source.tokens_per_span)
+    turns = [smollm2.tokenizer.decode(c) for c in plan.continuations]
+    assert all(t.count(source.instruction.split('"')[0]) == 1 for t in turns)
+    assert any(inst.value in t.split("assistant")[-1] for t in turns)  # answered, not only quoted

@@ -19,6 +19,8 @@ from vllm_compaction.service.protocol import CompactRequest, normalize_messages
     ({"model": "m", "prompt": "x", "ratio": 1.5}, "less than or equal to 1"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "method": "nope"}, "unknown method"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "nope"}, "queries"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill+nope"}, "joined by '+'"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill+repeat-prefill"}, "each once"),
     ({"model": "m", "prompt": "x", "messages": [], "ratio": 0.5}, "not both"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "keep_last_tokens": -1}, "greater than or equal to 0"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "surprise": 1}, "Extra inputs"),
@@ -35,6 +37,9 @@ def test_compact_request_defaults_and_query_names():
                                          "target_tokens": 64, "queries": "mix"})
     assert req.method == "am-omp-fast" and req.query_source() == "self-study+repeat-prefill"
     assert req.max_head_ratio is None and req.keep_last_tokens == 0
+    mixed = req.model_copy(update={"queries": "repeat-prefill+surprise-quote"})
+    assert mixed.query_source() == "repeat-prefill+surprise-quote"
+    assert req.model_copy(update={"queries": "mix+repeat-prefill"}).query_source() == "self-study+repeat-prefill"
 
 
 def test_normalize_messages():
@@ -55,6 +60,13 @@ def test_config_from_env_names_the_bad_variable():
         ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_RATIO": "2"})
     with pytest.raises(ValueError, match="WORKER_TOKEN"):
         ServiceConfig.from_env({"VLLM_COMPACTION_WORKER_TOKEN": "short"})
+    # automatic compactions are checked at start-up, not when the first one fails
+    with pytest.raises(ValueError, match="--auto-compact-method.*unknown method 'nope'"):
+        ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_METHOD": "nope"})
+    with pytest.raises(ValueError, match="--auto-compact-queries.*joined by '\\+'"):
+        ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_QUERIES": "repeat-prefill+nope"})
+    mixed = ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_QUERIES": "repeat-prefill+surprise-quote"})
+    assert mixed.auto_compact_queries == "repeat-prefill+surprise-quote"
 
 
 def test_serve_arguments(tmp_path):

@@ -235,6 +235,30 @@ class ModelAdapter:
                              logits_to_keep=logits_to_keep)
         return ForwardResult(out.logits[0].float(), run)
 
+    @torch.inference_mode()
+    def token_surprisal(self, token_ids: Sequence[int] | torch.Tensor, *, chunk: int = 512) -> torch.Tensor:
+        """``[T]`` float32 negative log-likelihood (nats) of every token given the ones before it
+        (0 for the first). One pass of the decoder; the vocabulary projection runs ``chunk`` rows
+        at a time, so a long prefix never holds its whole ``[T, vocab]`` logits."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        positions = torch.arange(ids.numel())
+        run = AttentionRun(positions=positions, segments=torch.zeros_like(positions),
+                           prefix=[None] * self.num_layers)
+        with runtime.activate(run):
+            hidden = self._base_model()(input_ids=ids[None], position_ids=positions[None],
+                                        use_cache=False).last_hidden_state[0]
+        head = self.model.get_output_embeddings()
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        nll = torch.zeros(ids.numel(), dtype=torch.float32)
+        for start in range(0, ids.numel() - 1, chunk):
+            rows = slice(start, min(start + chunk, ids.numel() - 1))
+            logits = head(hidden[rows]).float()
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            targets = ids[rows.start + 1:rows.stop + 1]
+            nll[rows.start + 1:rows.stop + 1] = -torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+        return nll
+
     def _base_model(self) -> torch.nn.Module:
         return self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
 

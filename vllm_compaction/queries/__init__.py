@@ -9,6 +9,7 @@ from vllm_compaction.queries.quote_prefill import QuotePrefill
 from vllm_compaction.queries.random_vectors import RandomVectors
 from vllm_compaction.queries.repeat_prefill import RepeatPrefill
 from vllm_compaction.queries.self_study import MockQuestion, SelfStudy
+from vllm_compaction.queries.surprise_quote import SurpriseQuote
 
 __all__ = [
     "DEFAULT_QUERY_CAP",
@@ -21,7 +22,8 @@ __all__ = [
 ]
 
 QUERY_SOURCES: dict[str, type] = {
-    cls.name: cls for cls in (ContextPrefill, RepeatPrefill, QuotePrefill, SelfStudy, MockQuestion, RandomVectors)
+    cls.name: cls for cls in (ContextPrefill, RepeatPrefill, QuotePrefill, SurpriseQuote, SelfStudy, MockQuestion,
+                          RandomVectors)
 }
 
 

@@ -24,9 +24,19 @@ from dataclasses import dataclass
 
 from vllm_compaction.queries.base import PrefixSpec, QueryPlan
 
-__all__ = ["QuotePrefill", "QUOTE_INSTRUCTION"]
+__all__ = ["QuotePrefill", "QUOTE_INSTRUCTION", "quote_probe"]
 
 QUOTE_INSTRUCTION = 'Continue the text above from "{lead}"'
+
+
+def quote_probe(adapter, content: list[int], start: int, lead: int, window: int,
+                instruction: str = QUOTE_INSTRUCTION) -> list[int]:
+    """The user turn quoting ``content[start - lead:start]``, then ``content[start:start + window]``
+    teacher-forced as the answer."""
+    # one line: a newline inside the quote would read as the end of the instruction
+    quote = " ".join(adapter.tokenizer.decode(content[max(0, start - lead):start]).split())
+    turn = adapter.turn_ids([{"role": "user", "content": instruction.format(lead=quote)}])
+    return turn + content[start:start + window]
 
 
 @dataclass
@@ -42,12 +52,6 @@ class QuotePrefill:
 
     def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
         content = prefix.content_ids
-        continuations = []
-        for start in range(0, max(1, len(content) - self.lead), self.window):
-            lead_ids = content[start:start + self.lead]
-            answer = content[start + self.lead:start + self.lead + self.window]
-            # one line: a newline inside the quote would read as the end of the instruction
-            lead = " ".join(adapter.tokenizer.decode(lead_ids).split())
-            turn = adapter.turn_ids([{"role": "user", "content": self.instruction.format(lead=lead)}])
-            continuations.append(turn + answer)
+        continuations = [quote_probe(adapter, content, start + self.lead, self.lead, self.window, self.instruction)
+                         for start in range(0, max(1, len(content) - self.lead), self.window)]
         return QueryPlan(continuations=continuations, record_from=[0] * len(continuations))

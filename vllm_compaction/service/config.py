@@ -7,7 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from vllm_compaction.service.protocol import check_method, check_queries
 
 __all__ = ["ServiceConfig", "ENV_PREFIX", "FLAGS"]
 
@@ -47,6 +49,16 @@ class ServiceConfig(BaseModel):
     auto_compact_keep_last_tokens: int = Field(0, ge=0)
     auto_compact_method: str = "am-omp-fast"
     auto_compact_queries: str | None = None
+
+    @field_validator("auto_compact_method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        return check_method(method)
+
+    @field_validator("auto_compact_queries")
+    @classmethod
+    def _known_queries(cls, queries: str | None) -> str | None:
+        return None if queries is None else check_queries(queries)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **defaults: Any) -> "ServiceConfig":

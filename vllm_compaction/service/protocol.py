@@ -13,13 +13,38 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = [
     "ChatMessage", "CompactRequest", "Compaction", "CompactionList", "CompactionDeleted",
-    "JobStatus", "QUERY_SOURCES", "WorkerInfo", "WorkerJob", "ClaimRequest", "Heartbeat",
+    "JobStatus", "QUERY_SOURCES", "check_method", "check_queries", "expand_queries", "WorkerInfo", "WorkerJob", "ClaimRequest", "Heartbeat",
     "HeartbeatReply", "FailReport", "normalize_messages",
 ]
 
-QUERY_SOURCES = ("repeat-prefill", "context-prefill", "self-study", "mix")
-"""The query sources the API accepts; ``mix`` is self-study plus repeat-prefill."""
+QUERY_SOURCES = ("repeat-prefill", "surprise-quote", "quote-prefill", "context-prefill", "self-study", "mix")
+"""The query sources the API accepts, alone or joined by ``+`` (``repeat-prefill+surprise-quote``);
+``mix`` is self-study plus repeat-prefill."""
 _QUERY_ALIASES = {"mix": "self-study+repeat-prefill"}
+
+
+def check_method(method: str) -> str:
+    """``method`` unchanged if it is a compaction method (``pipeline.RECIPES``)."""
+    from vllm_compaction.pipeline import RECIPES  # torch only once a method is checked
+
+    if method not in RECIPES:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(RECIPES)}")
+    return method
+
+
+def check_queries(queries: str) -> str:
+    """``queries`` unchanged if it names API query sources, alone or joined by '+' (each once)."""
+    parts = queries.split("+")
+    if any(p not in QUERY_SOURCES for p in parts) or len(set(parts)) != len(parts):
+        raise ValueError(f"queries must be one of {', '.join(QUERY_SOURCES)} or several joined by '+' "
+                         f"(each once), got {queries!r}")
+    return queries
+
+
+def expand_queries(queries: str) -> str:
+    """The pipeline's query source for API names (aliases expanded, each source once)."""
+    expanded = "+".join(_QUERY_ALIASES.get(p, p) for p in queries.split("+")).split("+")
+    return "+".join(dict.fromkeys(expanded))  # "mix+repeat-prefill" names repeat-prefill once
 
 
 class JobStatus(str, Enum):
@@ -91,7 +116,7 @@ class CompactRequest(BaseModel):
     ratio: float | None = Field(None, gt=0.0, le=1.0, description="slots kept per head / content tokens")
     target_tokens: int | None = Field(None, gt=0, description="slots kept per head, absolute")
     method: str = "am-omp-fast"
-    queries: Literal["repeat-prefill", "quote-prefill", "context-prefill", "self-study", "mix"] | None = None
+    queries: str | None = Field(None, max_length=200, description="query source, or several joined by '+'")
     keep_last_tokens: int = Field(0, ge=0, description="the last content tokens stay exact")
     max_head_ratio: float | None = Field(
         None, gt=0.0, le=1.0,
@@ -112,14 +137,15 @@ class CompactRequest(BaseModel):
     @field_validator("method")
     @classmethod
     def _known_method(cls, method: str) -> str:
-        from vllm_compaction.pipeline import RECIPES
+        return check_method(method)
 
-        if method not in RECIPES:
-            raise ValueError(f"unknown method {method!r}; choose from {', '.join(RECIPES)}")
-        return method
+    @field_validator("queries")
+    @classmethod
+    def _known_queries(cls, queries: str | None) -> str | None:
+        return None if queries is None else check_queries(queries)
 
     def query_source(self) -> str | None:
-        return _QUERY_ALIASES.get(self.queries, self.queries) if self.queries else None
+        return expand_queries(self.queries) if self.queries else None
 
 
 class Compaction(BaseModel):

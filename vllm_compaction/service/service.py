@@ -22,7 +22,8 @@ from vllm_compaction.service.config import ServiceConfig
 from vllm_compaction.service.conversations import ConversationBook
 from vllm_compaction.service.jobs import JobBook, JobError, JobRecord, new_compaction_id
 from vllm_compaction.service.metrics import ServiceMetrics
-from vllm_compaction.service.protocol import CompactRequest, JobStatus, WorkerInfo, normalize_messages
+from vllm_compaction.service.protocol import (CompactRequest, JobStatus, WorkerInfo, expand_queries,
+                                              normalize_messages)
 
 __all__ = ["CompactionService", "PrefixPlan"]
 
@@ -249,7 +250,7 @@ class CompactionService:
         target = cfg.auto_compact_target_tokens
         try:
             record = self._record(messages, owner, model=self.served_model_names[0], method=cfg.auto_compact_method,
-                                  queries=cfg.auto_compact_queries, ratio=None if target else cfg.auto_compact_ratio,
+                                  queries=cfg.auto_compact_queries and expand_queries(cfg.auto_compact_queries), ratio=None if target else cfg.auto_compact_ratio,
                                   target_tokens=target, keep_last_tokens=cfg.auto_compact_keep_last_tokens,
                                   conversation_id=conversation_id, least_content=target or 0)
         except JobError as exc:
