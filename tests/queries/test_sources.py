@@ -159,6 +159,8 @@ def test_token_surprisal_matches_the_logits_of_a_forward_pass(model, request):
     expected = -torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert nll[0] == 0
     torch.testing.assert_close(nll[1:], expected, rtol=1e-5, atol=1e-5)
+    # from the prefill's hidden states (what surprise-quote uses), without another decoder pass
+    torch.testing.assert_close(adapter.token_surprisal(ids, hidden=adapter.prefill(ids).last_hidden), nll)
 
 
 @pytest.mark.slow

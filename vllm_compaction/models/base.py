@@ -40,12 +40,14 @@ class PrefixKV:
         token_ids: ``[T]`` int64.
         keys, values: per layer ``[H_kv, T, d]`` in the model dtype.
         queries: per layer ``[H_kv, G*T, d]`` (query heads of each GQA group pooled), or None.
+        last_hidden: ``[T, hidden]`` final hidden states (what the logits are computed from), or None.
     """
 
     token_ids: torch.Tensor
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     queries: list[torch.Tensor] | None = None
+    last_hidden: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -60,6 +62,7 @@ class PrefixKV:
 class ForwardResult:
     logits: torch.Tensor | None  # [L_kept, vocab] float32
     run: AttentionRun
+    hidden: torch.Tensor | None = None  # [L, hidden] final hidden states, when no logits were asked for
 
 
 class ModelAdapter:
@@ -229,24 +232,23 @@ class ModelAdapter:
             run.advance(positions, segments)
         with runtime.activate(run):
             if isinstance(logits_to_keep, int) and logits_to_keep == 0:
-                self._base_model()(input_ids=ids, position_ids=positions[None], use_cache=False)
-                return ForwardResult(None, run)
+                out = self._base_model()(input_ids=ids, position_ids=positions[None], use_cache=False)
+                return ForwardResult(None, run, out.last_hidden_state[0])
             out = self.model(input_ids=ids, position_ids=positions[None], use_cache=False,
                              logits_to_keep=logits_to_keep)
         return ForwardResult(out.logits[0].float(), run)
 
     @torch.inference_mode()
-    def token_surprisal(self, token_ids: Sequence[int] | torch.Tensor, *, chunk: int = 512) -> torch.Tensor:
+    def token_surprisal(self, token_ids: Sequence[int] | torch.Tensor, *, hidden: torch.Tensor | None = None,
+                        chunk: int = 512) -> torch.Tensor:
         """``[T]`` float32 negative log-likelihood (nats) of every token given the ones before it
-        (0 for the first). One pass of the decoder; the vocabulary projection runs ``chunk`` rows
-        at a time, so a long prefix never holds its whole ``[T, vocab]`` logits."""
+        (0 for the first). ``hidden [T, hidden]``: the prefix's final hidden states
+        (``PrefixKV.last_hidden``), else one pass of the decoder computes them. The vocabulary
+        projection runs ``chunk`` rows at a time, so a long prefix never holds its ``[T, vocab]``
+        logits."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
-        positions = torch.arange(ids.numel())
-        run = AttentionRun(positions=positions, segments=torch.zeros_like(positions),
-                           prefix=[None] * self.num_layers)
-        with runtime.activate(run):
-            hidden = self._base_model()(input_ids=ids[None], position_ids=positions[None],
-                                        use_cache=False).last_hidden_state[0]
+        if hidden is None:
+            hidden = self.forward(ids, torch.arange(ids.numel())).hidden
         head = self.model.get_output_embeddings()
         softcap = getattr(self.config, "final_logit_softcapping", None)
         nll = torch.zeros(ids.numel(), dtype=torch.float32)
@@ -273,6 +275,7 @@ class ModelAdapter:
             keys=[run.kv[i][0] for i in layers],
             values=[run.kv[i][1] for i in layers],
             queries=[run.queries[i] for i in layers] if capture_queries else None,
+            last_hidden=res.hidden,
         )
 
     # ------------------------------------------------------------------ generation

@@ -1,10 +1,10 @@
 """``surprise-quote``: answer-mode quote probes (as ``quote-prefill``) on the most surprising
 spans of the content only.
 
-The model's own surprisal (per-token negative log-likelihood, one extra pass over the prefix)
-marks what it could not predict from its prior: numbers, names, facts stated once. Those are
-what a later question asks for and what a repeat cannot teach every head to keep: a head that
-copies the digits of a number while answering may idle while the context is repeated (see
+The model's own surprisal (per-token negative log-likelihood, from the prefill's final hidden
+states, so it costs only the vocabulary projection) marks what it could not predict from its
+prior: numbers, names, facts stated once. Those are what a later question asks for and what a
+repeat cannot teach every head to keep: a head that copies the digits of a number while answering may idle while the context is repeated (see
 ``quote_prefill``). Each of the ``spans`` highest-surprisal windows of ``span`` tokens (summed
 nats, non-overlapping) gets one probe: 'Continue the text above from "{lead}"', then the next
 ``window`` content tokens teacher-forced, starting ``margin`` tokens before the span.
@@ -62,7 +62,8 @@ class SurpriseQuote:
 
     def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
         content = prefix.content_ids
-        surprisal = adapter.token_surprisal(prefix.token_ids)[prefix.compact_mask]
+        hidden = prefix.kv.last_hidden if prefix.kv is not None else None  # the prefill's, when kept
+        surprisal = adapter.token_surprisal(prefix.token_ids, hidden=hidden)[prefix.compact_mask]
         count = self.spans or max(1, round(len(content) / self.tokens_per_span))
         continuations = [
             # at least one token of lead to quote, even for a span at the very start
