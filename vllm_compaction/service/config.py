@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError
 
-from vllm_compaction.service.protocol import check_method, check_queries
+from vllm_compaction.service.protocol import MethodName, QuerySources
 
 __all__ = ["ServiceConfig", "ENV_PREFIX", "FLAGS"]
 
@@ -47,18 +47,9 @@ class ServiceConfig(BaseModel):
     auto_compact_ratio: float = Field(0.2, gt=0, le=1)
     auto_compact_target_tokens: int | None = Field(None, gt=0)
     auto_compact_keep_last_tokens: int = Field(0, ge=0)
-    auto_compact_method: str = "am-omp-fast"
-    auto_compact_queries: str | None = None
-
-    @field_validator("auto_compact_method")
-    @classmethod
-    def _known_method(cls, method: str) -> str:
-        return check_method(method)
-
-    @field_validator("auto_compact_queries")
-    @classmethod
-    def _known_queries(cls, queries: str | None) -> str | None:
-        return None if queries is None else check_queries(queries)
+    # checked at start-up, not when the first automatic compaction fails
+    auto_compact_method: MethodName = "am-omp-fast"
+    auto_compact_queries: QuerySources | None = None
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **defaults: Any) -> "ServiceConfig":

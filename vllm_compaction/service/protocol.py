@@ -7,14 +7,14 @@ server's OpenAPI schema documents them and bad input is refused with a 4xx and a
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "ChatMessage", "CompactRequest", "Compaction", "CompactionList", "CompactionDeleted",
-    "JobStatus", "QUERY_SOURCES", "check_method", "check_queries", "expand_queries", "WorkerInfo", "WorkerJob", "ClaimRequest", "Heartbeat",
-    "HeartbeatReply", "FailReport", "normalize_messages",
+    "JobStatus", "MethodName", "QUERY_SOURCES", "QuerySources", "expand_queries", "WorkerInfo", "WorkerJob",
+    "ClaimRequest", "Heartbeat", "HeartbeatReply", "FailReport", "normalize_messages",
 ]
 
 QUERY_SOURCES = ("repeat-prefill", "surprise-quote", "quote-prefill", "context-prefill", "self-study", "mix")
@@ -41,8 +41,16 @@ def check_queries(queries: str) -> str:
     return queries
 
 
-def expand_queries(queries: str) -> str:
+#: A compaction method name, checked against ``pipeline.RECIPES`` (requests and server flags).
+MethodName = Annotated[str, AfterValidator(check_method)]
+#: API query sources, alone or joined by '+' (requests and server flags).
+QuerySources = Annotated[str, AfterValidator(check_queries)]
+
+
+def expand_queries(queries: str | None) -> str | None:
     """The pipeline's query source for API names (aliases expanded, each source once)."""
+    if not queries:
+        return None
     expanded = "+".join(_QUERY_ALIASES.get(p, p) for p in queries.split("+")).split("+")
     return "+".join(dict.fromkeys(expanded))  # "mix+repeat-prefill" names repeat-prefill once
 
@@ -115,8 +123,8 @@ class CompactRequest(BaseModel):
     conversation_id: str | None = Field(None, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     ratio: float | None = Field(None, gt=0.0, le=1.0, description="slots kept per head / content tokens")
     target_tokens: int | None = Field(None, gt=0, description="slots kept per head, absolute")
-    method: str = "am-omp-fast"
-    queries: str | None = Field(None, max_length=200, description="query source, or several joined by '+'")
+    method: MethodName = "am-omp-fast"
+    queries: QuerySources | None = Field(None, max_length=200, description="query source, or several joined by '+'")
     keep_last_tokens: int = Field(0, ge=0, description="the last content tokens stay exact")
     max_head_ratio: float | None = Field(
         None, gt=0.0, le=1.0,
@@ -134,18 +142,8 @@ class CompactRequest(BaseModel):
             raise ValueError("give exactly one of ratio (0 < ratio <= 1) or target_tokens")
         return self
 
-    @field_validator("method")
-    @classmethod
-    def _known_method(cls, method: str) -> str:
-        return check_method(method)
-
-    @field_validator("queries")
-    @classmethod
-    def _known_queries(cls, queries: str | None) -> str | None:
-        return None if queries is None else check_queries(queries)
-
     def query_source(self) -> str | None:
-        return expand_queries(self.queries) if self.queries else None
+        return expand_queries(self.queries)
 
 
 class Compaction(BaseModel):

@@ -250,7 +250,8 @@ class CompactionService:
         target = cfg.auto_compact_target_tokens
         try:
             record = self._record(messages, owner, model=self.served_model_names[0], method=cfg.auto_compact_method,
-                                  queries=cfg.auto_compact_queries and expand_queries(cfg.auto_compact_queries), ratio=None if target else cfg.auto_compact_ratio,
+                                  queries=expand_queries(cfg.auto_compact_queries),
+                                  ratio=None if target else cfg.auto_compact_ratio,
                                   target_tokens=target, keep_last_tokens=cfg.auto_compact_keep_last_tokens,
                                   conversation_id=conversation_id, least_content=target or 0)
         except JobError as exc:
