@@ -9,7 +9,11 @@ answered with the full context and with no context. Every compacted run records 
 score (fraction of expected answers named), compaction time, slot counts, and the
 reconstruction metrics (log-perplexity of the full context's answer under both caches, KL).
 Writes JSON and PNG plots (accuracy vs ratio per task; accuracy vs compaction time at the
-ratio closest to 10%). ``--quick`` is the CI-sized run.
+ratio closest to 10%). ``--quick`` is the CI-sized run. ``--resume`` continues a sweep that
+stopped (the JSON at ``--out``, saved after every instance): instances it completed are kept,
+after checking that the same settings produced them and that their prompts hash the same.
+``--combine A.json B.json --out C.json`` merges runs of other methods over the same instances
+into one result and plot.
 """
 
 from __future__ import annotations
@@ -33,12 +37,41 @@ logger = logging.getLogger("benchmarks.quality")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def run(args: argparse.Namespace, on_instance: Callable[[dict], None] | None = None) -> dict:
+class ResumeError(ValueError):
+    """The result to resume or combine was made with other settings or instances than this run's."""
+
+
+def completed_instances(previous: dict, args: argparse.Namespace) -> dict[tuple[str, int], dict]:
+    """The instances of an earlier (possibly partial) result that this run may keep, keyed by
+    (task, seed): their baselines, rows and prompt hash. Raises ResumeError when the result was
+    made with another model, length, method list or ratio list, whose rows would not compare."""
+    from vllm_compaction.eval.variants import parse_variants
+
+    methods = [v.label for v in parse_variants(args.methods)]
+    wanted = dict(model=args.model, tokens=args.tokens, methods=methods,
+                  ratios=[float(r) for r in args.ratios.split(",")])
+    for key, value in wanted.items():
+        if previous.get(key) != value:
+            raise ResumeError(f"cannot resume: the earlier result has {key}={previous.get(key)!r}, "
+                              f"this run {value!r}")
+    done: dict[tuple[str, int], dict] = {}
+    for task in args.tasks.split(","):
+        for seed in range(args.seed, args.seed + args.instances):
+            base = [b for b in previous.get("baselines", []) if b["task"] == task and b["seed"] == seed]
+            rows = [r for r in previous.get("rows", []) if r["task"] == task and r["seed"] == seed]
+            if len(base) == 2 and len(rows) == len(methods) * len(wanted["ratios"]):
+                done[(task, seed)] = dict(baselines=base, rows=rows, prompt=base[0]["prompt"])
+    return done
+
+
+def run(args: argparse.Namespace, on_instance: Callable[[dict], None] | None = None,
+        previous: dict | None = None) -> dict:
     """Every task x instance x method x ratio; ``on_instance`` gets the result so far (marked
-    ``"partial": true``) after each instance, so a long sweep that stops keeps what it measured."""
+    ``"partial": true``) after each instance, so a long sweep that stops keeps what it measured.
+    Given ``previous`` (such a result), its completed instances are kept, not recomputed."""
     from vllm_compaction.eval.reconstruction import reconstruction
     from vllm_compaction.eval.tasks import make_task, task_prompt
-    from vllm_compaction.eval.variants import parse_variant
+    from vllm_compaction.eval.variants import parse_variants
     from vllm_compaction.models import load_adapter
     from vllm_compaction.pipeline import RECIPES, compact_prepared, prepare_prefix
     from vllm_compaction.reference import ReferenceDecoder
@@ -46,18 +79,28 @@ def run(args: argparse.Namespace, on_instance: Callable[[dict], None] | None = N
     adapter = load_adapter(args.model)
     decoder = ReferenceDecoder(adapter)
     tasks = args.tasks.split(",")
-    variants = [parse_variant(s) for s in args.methods.split(";" if ";" in args.methods else ",")]
+    variants = parse_variants(args.methods, known=RECIPES)
     ratios = [float(r) for r in args.ratios.split(",")]
     seeds = range(args.seed, args.seed + args.instances)
+    done = completed_instances(previous, args) if previous is not None else {}
     rows, baselines = [], []
     prompt_hash: dict[tuple[str, int], str] = {}
-    bar = tqdm(total=len(tasks) * len(seeds) * (2 + len(variants) * len(ratios)), desc="quality", unit="run")
+    todo = len(tasks) * len(seeds) - len(done)
+    bar = tqdm(total=todo * (2 + len(variants) * len(ratios)), desc="quality", unit="run")
     for task in tasks:
         for seed in seeds:
             inst = make_task(task, adapter.tokenizer, args.tokens, seed=seed)
             prompt = task_prompt(adapter, inst)
             digest = hashlib.sha256(json.dumps([prompt.prefix_ids, prompt.continuation_ids]).encode()).hexdigest()[:16]
             assert prompt_hash.setdefault((task, seed), digest) == digest  # identical for every method
+            if (task, seed) in done:
+                kept = done[(task, seed)]
+                if kept["prompt"] != digest:
+                    raise ResumeError(f"cannot resume: {task} seed {seed} has another prompt now "
+                                      f"({digest}) than in the earlier result ({kept['prompt']})")
+                baselines += kept["baselines"]
+                rows += kept["rows"]
+                continue
             full_kv = adapter.prefill(prompt.prefix_ids, capture_queries=False)
             full = decoder.generate(full_kv, prompt.continuation_ids, max_new_tokens=args.max_new_tokens)
             template_only = [t for t, m in zip(prompt.prefix_ids, prompt.compact_mask.tolist()) if not m]
@@ -98,6 +141,37 @@ def _result(args, tasks, ratios, variants, rows: list[dict], baselines: list[dic
     return dict(model=args.model, tokens=args.tokens, instances=args.instances, seed=args.seed, tasks=tasks,
                 ratios=ratios, methods=[v.label for v in variants], summary=summarize(rows, baselines),
                 baselines=baselines, rows=rows, created=time.time())
+
+
+def combine(results: list[dict]) -> dict:
+    """One result from runs of different methods over the same instances (same model, length,
+    tasks and prompts, asserted), for one table and one plot. Each method must come from one run;
+    the full-context and no-context answers must agree, else the runs do not compare."""
+    if not results:
+        raise ResumeError("nothing to combine")
+    first = results[0]
+    for other in results[1:]:
+        for key in ("model", "tokens", "tasks"):
+            if other[key] != first[key]:
+                raise ResumeError(f"cannot combine: {key} {other[key]!r} differs from {first[key]!r}")
+    instances = {(b["task"], b["seed"], b["method"]): (b["prompt"], b["score"]) for b in first["baselines"]}
+    methods: list[str] = []
+    for result in results:
+        mine = {(b["task"], b["seed"], b["method"]): (b["prompt"], b["score"]) for b in result["baselines"]}
+        if mine != instances:
+            differ = sorted({k[:2] for k in set(mine) ^ set(instances)} |
+                            {k[:2] for k in set(mine) & set(instances) if mine[k] != instances[k]})
+            raise ResumeError(f"cannot combine: the runs differ on instances {differ[:5]} "
+                              "(missing, or another prompt or baseline answer)")
+        for method in result["methods"]:
+            if method in methods:
+                raise ResumeError(f"cannot combine: {method} is in two of the runs")
+            methods.append(method)
+    rows = [row for result in results for row in result["rows"]]
+    ratios = sorted({r for result in results for r in result["ratios"]}, reverse=True)
+    return dict(model=first["model"], tokens=first["tokens"], instances=first["instances"], seed=first["seed"],
+                tasks=first["tasks"], ratios=ratios, methods=methods, summary=summarize(rows, first["baselines"]),
+                baselines=first["baselines"], rows=rows, created=time.time())
 
 
 def summarize(rows: list[dict], baselines: list[dict]) -> dict:
@@ -143,8 +217,9 @@ def plot(result: dict, path: Path) -> None:
             per_ratio = summary[method]
             xs = sorted(float(r) for r in per_ratio)
             top.plot(xs, [_fraction(per_ratio[str(x)]["score"]) for x in xs], marker="o", label=method)
-            at = per_ratio[str(near_10)]
-            bottom.scatter([at["compaction_s"]], [_fraction(at["score"])], label=method)
+            if str(near_10) in per_ratio:
+                at = per_ratio[str(near_10)]
+                bottom.scatter([at["compaction_s"]], [_fraction(at["score"])], label=method)
         for name, style in (("full-context", "--"), ("no-context", ":")):
             top.axhline(_fraction(summary[name]), color="k", linestyle=style, label=name)
             bottom.axhline(_fraction(summary[name]), color="k", linestyle=style)
@@ -173,8 +248,19 @@ def parser(**defaults) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--quick", action="store_true", help="CI size: 2 instances of 600 tokens, ratio 0.2")
     p.add_argument("--out", default=str(RESULTS / "quality.json"))
+    p.add_argument("--combine", nargs="+", metavar="RESULT.json",
+                   help="run nothing: merge these results (same instances, other methods) into --out and plot")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the instances already completed in --out (same settings) and run the rest")
     p.set_defaults(**defaults)
     return p
+
+
+def _load(path: str | Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ResumeError(f"cannot read {path}: {exc}") from None
 
 
 def main(argv: list[str] | None = None, **defaults) -> dict:
@@ -182,7 +268,26 @@ def main(argv: list[str] | None = None, **defaults) -> dict:
     if args.quick:
         args.instances, args.tokens, args.ratios = 2, 600, "0.2"
     logging.basicConfig(level=logging.WARNING)
-    result = run(args, on_instance=lambda partial: save_result(partial, args.out))
+    try:  # the methods and earlier results are checked before any model is loaded
+        if not args.combine:
+            from vllm_compaction.eval.variants import parse_variants
+            from vllm_compaction.pipeline import RECIPES
+
+            parse_variants(args.methods, known=RECIPES)
+        result = combine([_load(f) for f in args.combine]) if args.combine else None
+        previous = _load(args.out) if args.resume and result is None and Path(args.out).exists() else None
+        if previous is not None:
+            kept = len(completed_instances(previous, args))
+            logger.warning("resuming %s: %d instance(s) already complete", args.out, kept)
+    except (ResumeError, ValueError) as exc:
+        raise SystemExit(f"benchmarks.quality: {exc}") from None
+    except (KeyError, TypeError) as exc:  # a JSON that is not a quality result
+        raise SystemExit(f"benchmarks.quality: not a result of this benchmark ({exc!r})") from None
+    if result is None:
+        try:
+            result = run(args, on_instance=lambda partial: save_result(partial, args.out), previous=previous)
+        except ResumeError as exc:  # an instance that now has another prompt
+            raise SystemExit(f"benchmarks.quality: {exc}") from None
     out = save_result(result, args.out, plot)
     logger.warning("wrote %s: %s", out, json.dumps(result["summary"], indent=1))
     return result

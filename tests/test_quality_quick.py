@@ -32,7 +32,7 @@ def test_scoring_is_whole_word():
 
 
 def test_quick_mode_meets_its_floors():
-    from benchmarks.quality import parser, run
+    from benchmarks.quality import ResumeError, parser, run
 
     args = parser().parse_args(["--quick", "--tasks", "niah", "--methods", "am-highest-attn-fast,kvzip"])
     args.instances, args.tokens, args.ratios = 2, 600, "0.2"
@@ -49,3 +49,56 @@ def test_quick_mode_meets_its_floors():
     assert am["kl"] < kvzip["kl"] and am["log_ppl_ratio"] < 1.10
     hashes = {(r["seed"], r["prompt"]) for r in result["rows"] + result["baselines"]}
     assert len(hashes) == 2  # one prompt per seed, shared by every method and baseline
+
+    # --resume keeps completed instances after checking their prompts; nothing is recomputed here
+    resumed = run(args, previous=result)
+    assert resumed["rows"] == result["rows"] and resumed["baselines"] == result["baselines"]
+    tampered = {**result, "baselines": [{**b, "prompt": "0" * 16} for b in result["baselines"]]}
+    with pytest.raises(ResumeError, match="another prompt"):
+        run(args, previous=tampered)
+
+
+def test_resume_refuses_other_settings_and_keeps_only_complete_instances():
+    from benchmarks.quality import ResumeError, completed_instances, parser
+
+    args = parser().parse_args(["--methods", "kvzip", "--ratios", "0.1,0.05", "--instances", "3", "--seed", "5"])
+    base = dict(model="smollm2-135m", tokens=2000, methods=["kvzip"], ratios=[0.1, 0.05])
+
+    def instance(seed, ratios=(0.1, 0.05)):
+        rows = [dict(task="niah", seed=seed, ratio=r) for r in ratios]
+        return rows, [dict(task="niah", seed=seed, method=m, prompt=f"p{seed}") for m in ("full-context", "no-context")]
+
+    rows, baselines = [], []
+    for seed, ratios in ((5, (0.1, 0.05)), (6, (0.1,)), (9, (0.1, 0.05))):  # 6 unfinished, 9 outside the range
+        r, b = instance(seed, ratios)
+        rows += r
+        baselines += b
+    done = completed_instances(dict(base, rows=rows, baselines=baselines), args)
+    assert list(done) == [("niah", 5)] and done[("niah", 5)]["prompt"] == "p5"
+    for key, other in (("ratios", [0.1]), ("methods", ["h2o+"]), ("tokens", 1000), ("model", "gemma3-270m")):
+        with pytest.raises(ResumeError, match=key):
+            completed_instances(dict(base, **{key: other}, rows=rows, baselines=baselines), args)
+
+
+def _result(methods, seeds=(0, 1), ratios=(0.1,), prompt="p", full_score=1.0):
+    baselines = [dict(task="niah", seed=s, method=m, prompt=f"{prompt}{s}", score=full_score if m == "full-context" else 0.0)
+                 for s in seeds for m in ("full-context", "no-context")]
+    rows = [dict(task="niah", seed=s, method=m, ratio=r, score=1.0, compaction_s=1.0, log_ppl_full=1.0,
+                 log_ppl_compacted=1.5, kl=0.1) for m in methods for s in seeds for r in ratios]
+    return dict(model="smollm2-135m", tokens=2000, instances=len(seeds), seed=seeds[0], tasks=["niah"],
+                ratios=list(ratios), methods=list(methods), baselines=baselines, rows=rows)
+
+
+def test_combine_merges_runs_over_the_same_instances_only():
+    from benchmarks.quality import ResumeError, combine
+
+    merged = combine([_result(["kvzip"], ratios=(0.1, 0.05)), _result(["h2o+", "snapkv"], ratios=(0.2, 0.1))])
+    assert merged["methods"] == ["kvzip", "h2o+", "snapkv"] and merged["ratios"] == [0.2, 0.1, 0.05]
+    summary = merged["summary"]["niah"]
+    assert summary["full-context"] == "2/2" and summary["snapkv"]["0.2"]["score"] == "2/2"
+    assert summary["kvzip"]["0.05"]["log_ppl_ratio"] == pytest.approx(1.5)
+    for other, match in ((_result(["h2o+"], seeds=(0, 2)), "instances"), (_result(["h2o+"], prompt="q"), "instances"),
+                         (_result(["h2o+"], full_score=0.0), "instances"), (_result(["kvzip"]), "two of the runs"),
+                         ({**_result(["h2o+"]), "tokens": 1000}, "tokens")):
+        with pytest.raises(ResumeError, match=match):
+            combine([_result(["kvzip"]), other])

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
-__all__ = ["MethodVariant", "parse_variant"]
+__all__ = ["MethodVariant", "parse_variant", "parse_variants"]
 
 _PIPELINE_KEYS = ("queries", "budgets", "on_policy")
 
@@ -44,3 +44,29 @@ def parse_variant(spec: str) -> MethodVariant:
             raise ValueError(f"bad override {item!r} in {spec!r}: use key=value")
         (pipeline if key in _PIPELINE_KEYS else options)[key] = _value(value)
     return MethodVariant(label=spec, method=method.strip(), pipeline=pipeline, options=options)
+
+
+def parse_variants(spec: str, known: Iterable[str] | None = None) -> list[MethodVariant]:
+    """Variants separated by ``;``, or by ``,`` when there is no ``;``. With commas, a piece
+    that is an override (``key=value``, never a method name) belongs to the variant before it,
+    so ``"am-omp-fast:seed_share=0.25,max_rounds=8,kvzip"`` is two variants. ``known`` (the
+    recipe names) turns an unknown method into an error here, before any work is done."""
+    if ";" in spec:
+        pieces = [s.strip() for s in spec.split(";") if s.strip()]
+    else:
+        pieces = []
+        for piece in filter(None, (s.strip() for s in spec.split(","))):
+            if pieces and "=" in piece.partition(":")[0]:
+                pieces[-1] += "," + piece
+            else:
+                pieces.append(piece)
+    variants = [parse_variant(piece) for piece in pieces]
+    if not variants:
+        raise ValueError("no method given")
+    if known is not None:
+        known = list(known)
+        for variant in variants:
+            if variant.method not in known:
+                raise ValueError(f"unknown method {variant.method!r} in {variant.label!r}; "
+                                 f"choose from {', '.join(known)}")
+    return variants
