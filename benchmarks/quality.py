@@ -208,7 +208,12 @@ def plot(result: dict, path: Path) -> None:
     if plt is None:
         return
     tasks = result["tasks"]
-    fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 7.5), squeeze=False)
+    # the legend goes under the plots (with many methods it would hide the curves): one column
+    # per task's width, and the figure grows by its height
+    legend_cols = max(1, len(tasks))
+    legend_rows = -(-(len(result["methods"]) + 2) // legend_cols)
+    legend_h = 0.14 * legend_rows + 0.15
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 7.5 + legend_h), squeeze=False)
     near_10 = min(result["ratios"], key=lambda r: abs(r - 0.1))
     for col, task in enumerate(tasks):
         summary = result["summary"][task]
@@ -230,9 +235,10 @@ def plot(result: dict, path: Path) -> None:
         bottom.set_xscale("log")
         bottom.set_xlabel(f"compaction time at ratio {near_10} (s)")
         bottom.set_ylabel("score")
-    axes[0][0].legend(fontsize=7)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=legend_cols, fontsize=7)
     fig.suptitle(result["model"])
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, legend_h / (7.5 + legend_h), 1, 1))
     fig.savefig(path, dpi=110)
 
 
