@@ -37,30 +37,34 @@ logger = logging.getLogger("benchmarks.quality")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-class ResumeError(ValueError):
-    """The result to resume or combine was made with other settings or instances than this run's."""
+class SweepError(ValueError):
+    """Settings or earlier results this sweep cannot use: an unknown method, a result to resume
+    or combine that was made with other settings or instances, a JSON that is not a result."""
 
 
 def completed_instances(previous: dict, args: argparse.Namespace) -> dict[tuple[str, int], dict]:
     """The instances of an earlier (possibly partial) result that this run may keep, keyed by
-    (task, seed): their baselines, rows and prompt hash. Raises ResumeError when the result was
+    (task, seed): their baselines, rows and prompt hash. Raises SweepError when the result was
     made with another model, length, method list or ratio list, whose rows would not compare."""
     from vllm_compaction.eval.variants import parse_variants
 
     methods = [v.label for v in parse_variants(args.methods)]
     wanted = dict(model=args.model, tokens=args.tokens, methods=methods,
                   ratios=[float(r) for r in args.ratios.split(",")])
-    for key, value in wanted.items():
-        if previous.get(key) != value:
-            raise ResumeError(f"cannot resume: the earlier result has {key}={previous.get(key)!r}, "
-                              f"this run {value!r}")
     done: dict[tuple[str, int], dict] = {}
-    for task in args.tasks.split(","):
-        for seed in range(args.seed, args.seed + args.instances):
-            base = [b for b in previous.get("baselines", []) if b["task"] == task and b["seed"] == seed]
-            rows = [r for r in previous.get("rows", []) if r["task"] == task and r["seed"] == seed]
-            if len(base) == 2 and len(rows) == len(methods) * len(wanted["ratios"]):
-                done[(task, seed)] = dict(baselines=base, rows=rows, prompt=base[0]["prompt"])
+    try:
+        for key, value in wanted.items():
+            if previous.get(key) != value:
+                raise SweepError(f"cannot resume: the earlier result has {key}={previous.get(key)!r}, "
+                                 f"this run {value!r}")
+        for task in args.tasks.split(","):
+            for seed in range(args.seed, args.seed + args.instances):
+                base = [b for b in previous.get("baselines", []) if b["task"] == task and b["seed"] == seed]
+                rows = [r for r in previous.get("rows", []) if r["task"] == task and r["seed"] == seed]
+                if len(base) == 2 and len(rows) == len(methods) * len(wanted["ratios"]):
+                    done[(task, seed)] = dict(baselines=base, rows=rows, prompt=base[0]["prompt"])
+    except (AttributeError, KeyError, TypeError) as exc:
+        raise SweepError(f"cannot resume: not a result of this benchmark ({exc!r})") from None
     return done
 
 
@@ -68,7 +72,8 @@ def run(args: argparse.Namespace, on_instance: Callable[[dict], None] | None = N
         previous: dict | None = None) -> dict:
     """Every task x instance x method x ratio; ``on_instance`` gets the result so far (marked
     ``"partial": true``) after each instance, so a long sweep that stops keeps what it measured.
-    Given ``previous`` (such a result), its completed instances are kept, not recomputed."""
+    Given ``previous`` (such a result), its completed instances are kept, not recomputed. The
+    methods and ``previous`` are checked (SweepError) before the model is loaded."""
     from vllm_compaction.eval.reconstruction import reconstruction
     from vllm_compaction.eval.tasks import make_task, task_prompt
     from vllm_compaction.eval.variants import parse_variants
@@ -76,17 +81,22 @@ def run(args: argparse.Namespace, on_instance: Callable[[dict], None] | None = N
     from vllm_compaction.pipeline import RECIPES, compact_prepared, prepare_prefix
     from vllm_compaction.reference import ReferenceDecoder
 
+    try:
+        variants = parse_variants(args.methods, known=RECIPES)
+    except ValueError as exc:
+        raise SweepError(str(exc)) from None
+    done = completed_instances(previous, args) if previous is not None else {}
+    if previous is not None:
+        logger.warning("resuming: %d instance(s) already complete", len(done))
     adapter = load_adapter(args.model)
     decoder = ReferenceDecoder(adapter)
     tasks = args.tasks.split(",")
-    variants = parse_variants(args.methods, known=RECIPES)
     ratios = [float(r) for r in args.ratios.split(",")]
     seeds = range(args.seed, args.seed + args.instances)
-    done = completed_instances(previous, args) if previous is not None else {}
     rows, baselines = [], []
     prompt_hash: dict[tuple[str, int], str] = {}
-    todo = len(tasks) * len(seeds) - len(done)
-    bar = tqdm(total=todo * (2 + len(variants) * len(ratios)), desc="quality", unit="run")
+    remaining = len(tasks) * len(seeds) - len(done)
+    bar = tqdm(total=remaining * (2 + len(variants) * len(ratios)), desc="quality", unit="run")
     for task in tasks:
         for seed in seeds:
             inst = make_task(task, adapter.tokenizer, args.tokens, seed=seed)
@@ -96,8 +106,8 @@ def run(args: argparse.Namespace, on_instance: Callable[[dict], None] | None = N
             if (task, seed) in done:
                 kept = done[(task, seed)]
                 if kept["prompt"] != digest:
-                    raise ResumeError(f"cannot resume: {task} seed {seed} has another prompt now "
-                                      f"({digest}) than in the earlier result ({kept['prompt']})")
+                    raise SweepError(f"cannot resume: {task} seed {seed} has another prompt now "
+                                     f"({digest}) than in the earlier result ({kept['prompt']})")
                 baselines += kept["baselines"]
                 rows += kept["rows"]
                 continue
@@ -148,27 +158,31 @@ def combine(results: list[dict]) -> dict:
     tasks and prompts, asserted), for one table and one plot. Each method must come from one run;
     the full-context and no-context answers must agree, else the runs do not compare."""
     if not results:
-        raise ResumeError("nothing to combine")
-    first = results[0]
-    for other in results[1:]:
-        for key in ("model", "tokens", "tasks"):
-            if other[key] != first[key]:
-                raise ResumeError(f"cannot combine: {key} {other[key]!r} differs from {first[key]!r}")
-    instances = {(b["task"], b["seed"], b["method"]): (b["prompt"], b["score"]) for b in first["baselines"]}
-    methods: list[str] = []
-    for result in results:
-        mine = {(b["task"], b["seed"], b["method"]): (b["prompt"], b["score"]) for b in result["baselines"]}
-        if mine != instances:
-            differ = sorted({k[:2] for k in set(mine) ^ set(instances)} |
-                            {k[:2] for k in set(mine) & set(instances) if mine[k] != instances[k]})
-            raise ResumeError(f"cannot combine: the runs differ on instances {differ[:5]} "
-                              "(missing, or another prompt or baseline answer)")
-        for method in result["methods"]:
-            if method in methods:
-                raise ResumeError(f"cannot combine: {method} is in two of the runs")
-            methods.append(method)
-    rows = [row for result in results for row in result["rows"]]
-    ratios = sorted({r for result in results for r in result["ratios"]}, reverse=True)
+        raise SweepError("nothing to combine")
+    try:
+        first = results[0]
+        for other in results[1:]:
+            for key in ("model", "tokens", "tasks"):
+                if other[key] != first[key]:
+                    raise SweepError(f"cannot combine: {key} {other[key]!r} differs from {first[key]!r}")
+        instances = {(b["task"], b["seed"], b["method"]): (b["prompt"], b["score"]) for b in first["baselines"]}
+        methods: list[str] = []
+        for result in results[1:]:
+            mine = {(b["task"], b["seed"], b["method"]): (b["prompt"], b["score"]) for b in result["baselines"]}
+            if mine != instances:
+                differ = sorted({k[:2] for k in set(mine) ^ set(instances)} |
+                                {k[:2] for k in set(mine) & set(instances) if mine[k] != instances[k]})
+                raise SweepError(f"cannot combine: the runs differ on instances {differ[:5]} "
+                                 "(missing, or another prompt or baseline answer)")
+        for result in results:
+            for method in result["methods"]:
+                if method in methods:
+                    raise SweepError(f"cannot combine: {method} is in two of the runs")
+                methods.append(method)
+        rows = [row for result in results for row in result["rows"]]
+        ratios = sorted({r for result in results for r in result["ratios"]}, reverse=True)
+    except (KeyError, TypeError) as exc:
+        raise SweepError(f"cannot combine: not a result of this benchmark ({exc!r})") from None
     return dict(model=first["model"], tokens=first["tokens"], instances=first["instances"], seed=first["seed"],
                 tasks=first["tasks"], ratios=ratios, methods=methods, summary=summarize(rows, first["baselines"]),
                 baselines=first["baselines"], rows=rows, created=time.time())
@@ -266,7 +280,7 @@ def _load(path: str | Path) -> dict:
     try:
         return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ResumeError(f"cannot read {path}: {exc}") from None
+        raise SweepError(f"cannot read {path}: {exc}") from None
 
 
 def main(argv: list[str] | None = None, **defaults) -> dict:
@@ -274,26 +288,14 @@ def main(argv: list[str] | None = None, **defaults) -> dict:
     if args.quick:
         args.instances, args.tokens, args.ratios = 2, 600, "0.2"
     logging.basicConfig(level=logging.WARNING)
-    try:  # the methods and earlier results are checked before any model is loaded
-        if not args.combine:
-            from vllm_compaction.eval.variants import parse_variants
-            from vllm_compaction.pipeline import RECIPES
-
-            parse_variants(args.methods, known=RECIPES)
-        result = combine([_load(f) for f in args.combine]) if args.combine else None
-        previous = _load(args.out) if args.resume and result is None and Path(args.out).exists() else None
-        if previous is not None:
-            kept = len(completed_instances(previous, args))
-            logger.warning("resuming %s: %d instance(s) already complete", args.out, kept)
-    except (ResumeError, ValueError) as exc:
-        raise SystemExit(f"benchmarks.quality: {exc}") from None
-    except (KeyError, TypeError) as exc:  # a JSON that is not a quality result
-        raise SystemExit(f"benchmarks.quality: not a result of this benchmark ({exc!r})") from None
-    if result is None:
-        try:
+    try:
+        if args.combine:
+            result = combine([_load(f) for f in args.combine])
+        else:
+            previous = _load(args.out) if args.resume and Path(args.out).exists() else None
             result = run(args, on_instance=lambda partial: save_result(partial, args.out), previous=previous)
-        except ResumeError as exc:  # an instance that now has another prompt
-            raise SystemExit(f"benchmarks.quality: {exc}") from None
+    except SweepError as exc:
+        raise SystemExit(f"benchmarks.quality: {exc}") from None
     out = save_result(result, args.out, plot)
     logger.warning("wrote %s: %s", out, json.dumps(result["summary"], indent=1))
     return result

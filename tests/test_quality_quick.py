@@ -32,7 +32,7 @@ def test_scoring_is_whole_word():
 
 
 def test_quick_mode_meets_its_floors():
-    from benchmarks.quality import ResumeError, parser, run
+    from benchmarks.quality import SweepError, parser, run
 
     args = parser().parse_args(["--quick", "--tasks", "niah", "--methods", "am-highest-attn-fast,kvzip"])
     args.instances, args.tokens, args.ratios = 2, 600, "0.2"
@@ -54,12 +54,12 @@ def test_quick_mode_meets_its_floors():
     resumed = run(args, previous=result)
     assert resumed["rows"] == result["rows"] and resumed["baselines"] == result["baselines"]
     tampered = {**result, "baselines": [{**b, "prompt": "0" * 16} for b in result["baselines"]]}
-    with pytest.raises(ResumeError, match="another prompt"):
+    with pytest.raises(SweepError, match="another prompt"):
         run(args, previous=tampered)
 
 
 def test_resume_refuses_other_settings_and_keeps_only_complete_instances():
-    from benchmarks.quality import ResumeError, completed_instances, parser
+    from benchmarks.quality import SweepError, completed_instances, parser
 
     args = parser().parse_args(["--methods", "kvzip", "--ratios", "0.1,0.05", "--instances", "3", "--seed", "5"])
     base = dict(model="smollm2-135m", tokens=2000, methods=["kvzip"], ratios=[0.1, 0.05])
@@ -76,7 +76,7 @@ def test_resume_refuses_other_settings_and_keeps_only_complete_instances():
     done = completed_instances(dict(base, rows=rows, baselines=baselines), args)
     assert list(done) == [("niah", 5)] and done[("niah", 5)]["prompt"] == "p5"
     for key, other in (("ratios", [0.1]), ("methods", ["h2o+"]), ("tokens", 1000), ("model", "gemma3-270m")):
-        with pytest.raises(ResumeError, match=key):
+        with pytest.raises(SweepError, match=key):
             completed_instances(dict(base, **{key: other}, rows=rows, baselines=baselines), args)
 
 
@@ -90,7 +90,7 @@ def _result(methods, seeds=(0, 1), ratios=(0.1,), prompt="p", full_score=1.0):
 
 
 def test_combine_merges_runs_over_the_same_instances_only():
-    from benchmarks.quality import ResumeError, combine
+    from benchmarks.quality import SweepError, combine
 
     merged = combine([_result(["kvzip"], ratios=(0.1, 0.05)), _result(["h2o+", "snapkv"], ratios=(0.2, 0.1))])
     assert merged["methods"] == ["kvzip", "h2o+", "snapkv"] and merged["ratios"] == [0.2, 0.1, 0.05]
@@ -100,5 +100,5 @@ def test_combine_merges_runs_over_the_same_instances_only():
     for other, match in ((_result(["h2o+"], seeds=(0, 2)), "instances"), (_result(["h2o+"], prompt="q"), "instances"),
                          (_result(["h2o+"], full_score=0.0), "instances"), (_result(["kvzip"]), "two of the runs"),
                          ({**_result(["h2o+"]), "tokens": 1000}, "tokens")):
-        with pytest.raises(ResumeError, match=match):
+        with pytest.raises(SweepError, match=match):
             combine([_result(["kvzip"]), other])

@@ -5,9 +5,10 @@ The model's own surprisal (per-token negative log-likelihood, from the prefill's
 states, so it costs only the vocabulary projection) marks what it could not predict from its
 prior: numbers, names, facts stated once. Those are what a later question asks for and what a
 repeat cannot teach every head to keep: a head that copies the digits of a number while
-answering may idle while the context is repeated (see ``quote_prefill``). Each of the ``spans`` highest-surprisal windows of ``span`` tokens (summed
-nats, non-overlapping) gets one probe: 'Continue the text above from "{lead}"', then the next
-``window`` content tokens teacher-forced, starting ``margin`` tokens before the span.
+answering may idle while the context is repeated (see ``quote_prefill``). Each of the
+``spans`` highest-surprisal windows of ``span`` tokens (summed nats, non-overlapping) gets one
+probe: 'Continue the text above from "{lead}"', then the next ``window`` content tokens
+teacher-forced, starting ``margin`` tokens before the span.
 
 ``spans`` defaults to one per ``tokens_per_span`` content tokens, so the probes add about a
 third of the content's length whatever the context length. Measured on SmolLM2-135M
