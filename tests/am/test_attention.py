@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_compaction.am import attention_output_and_mass, score_keys
-from vllm_compaction.am.attention import max_pool_scores, reference_attention
+from vllm_compaction.am.attention import max_pool_scores, reference_attention, row_split
 
 
 def _naive(q, k, v, scale, beta=None):
@@ -98,3 +98,27 @@ def test_mixture_identity(t, s, seed, shift):
     got = attention_output_and_mass(q, compact_k, compact_v, scale=1.0, beta=bias)
     torch.testing.assert_close(got.output, full.output, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got.log_mass, full.log_mass, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_reference_pass_is_the_same_when_rows_are_split_for_threads(threads):
+    """3 heads on 2 or 4 threads cut each chunk's rows into blocks (``row_split``); 256-row
+    chunks over T = 2,048 keys, the last one odd (165 rows, not split), must still give the
+    exact outputs, mass, features and every score."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, n, 8, generator=gen) for n in (421, 2048, 2048))
+    out, lse = _naive(q, k, v, 0.3)
+    a = torch.softmax(0.3 * q.double() @ k.double().transpose(1, 2), -1)
+    want = {"rms": a.square().mean(1).sqrt(), "mean": a.mean(1), "max": a.amax(1)}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert row_split(3, 256) == threads and row_split(4, 256) == 1 and row_split(3, 100) == 1
+        for aggregation in ("rms", "mean", "max"):
+            ref = reference_attention(k, v, q, scale=0.3, aggregation=aggregation, keep_features=True)
+            torch.testing.assert_close(ref.scores.double(), want[aggregation], rtol=1e-5, atol=1e-8)
+            torch.testing.assert_close(ref.output.double(), out, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ref.log_mass.double(), lse, rtol=1e-6, atol=1e-5)
+            torch.testing.assert_close(ref.features.double().sum(1), ref.mass.double(), rtol=2e-3, atol=0)
+    finally:
+        torch.set_num_threads(before)

@@ -103,6 +103,17 @@ def test_options_override_preset_fields():
     _assert_heads_equal(c, compact_heads(keys, values, queries, 9, method="am-omp"))
 
 
+def test_beta_bounds_box_the_fitted_beta_and_parse_from_text():
+    """``beta_bounds="lo:hi"`` (a command-line override) is the pair ``(lo, hi)``, and the NNLS
+    beta stays inside it: a tight upper bound clips it, a wide one lets it grow."""
+    keys, values, queries = _inputs(9)
+    wide = compact_heads(keys, values, queries, 3, method="am-highest-attn", beta_bounds="-3:8")
+    _assert_heads_equal(wide, compact_heads(keys, values, queries, 3, method="am-highest-attn", beta_bounds=(-3, 8)))
+    tight = compact_heads(keys, values, queries, 3, method="am-highest-attn", beta_bounds="-1:0.5")
+    assert tight.beta.min() >= -1 - 1e-6 and tight.beta.max() <= 0.5 + 1e-6
+    assert wide.beta.max() > 0.5  # 3 slots of 48 keys carry the others' mass: beta > 0.5
+
+
 def test_value_anchor_interpolates_between_lstsq_and_direct_values():
     """``value_anchor=lam`` solves ``min ||X C - Y||^2 + lam g ||C - V||^2`` (its gradient is 0);
     0 is plain least squares, a huge ``lam`` gives the original values."""
@@ -187,6 +198,9 @@ BAD_CALLS = {
     "unknown selector": (dict(selector="oracle"), "valid selectors"),
     "negative value_anchor": (dict(method="am-highest-attn", value_anchor=-1.0), "value_anchor"),
     "value_anchor without lstsq": (dict(method="h2o+", value_anchor=1.0), "lstsq"),
+    "beta_bounds reversed": (dict(method="am-highest-attn", beta_bounds="3:-3"), "beta_bounds"),
+    "beta_bounds not numbers": (dict(method="am-highest-attn", beta_bounds="low:high"), "beta_bounds"),
+    "beta_bounds three": (dict(method="am-highest-attn", beta_bounds=(1, 2, 3)), "beta_bounds"),
 }
 
 

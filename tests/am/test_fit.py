@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_compaction.am import lstsq_values, nnls_pgd
-from vllm_compaction.am.fit import nnls_pgd_gram, solve_normal_equations
+from vllm_compaction.am.fit import SelectedLogits, fit_beta, fit_values, nnls_pgd_gram, solve_normal_equations
 
 
 def _features(seed: int, b: int = 3, n: int = 200, p: int = 12) -> torch.Tensor:
@@ -84,3 +84,43 @@ def test_bad_bounds_and_shapes_raise():
         nnls_pgd_gram(torch.eye(2)[None], torch.ones(1, 2), lower=2.0, upper=1.0)
     with pytest.raises(ValueError, match="matrix"):
         nnls_pgd(torch.ones(2, 3, 4), torch.ones(2, 4))
+
+
+@pytest.mark.parametrize("n", [6000, 30001])
+def test_fits_are_the_same_when_rows_are_split_for_threads(n):
+    """3 heads on 2 threads: the kept-key logits and the Gram products of ``fit_beta`` and
+    ``fit_values`` cut each chunk's rows into blocks (``SelectedLogits.split``). One even chunk,
+    or two with an odd last one, must give the logits, the NNLS objective and the fitted
+    outputs of 1 thread (the fitted numbers themselves carry the normal equations'
+    conditioning, so the test compares what they are fitted for)."""
+    gen = torch.Generator().manual_seed(7)
+    h, t, d = 3, 20, 8
+    q, kept = torch.randn(h, n, d, generator=gen), torch.randn(h, t, d, generator=gen)
+    valid = torch.ones(h, t, dtype=torch.bool)
+    valid[1, 15:] = False
+    mass = torch.rand(h, n, generator=gen) * 3 + 1
+    shift, targets = torch.randn(h, n, generator=gen), torch.randn(h, n, d, generator=gen)
+    naive = torch.where(valid[:, None], 0.3 * q.double() @ kept.double().transpose(1, 2), float("-inf"))
+    phi = (naive - shift.double()[..., None]).exp()
+
+    def objective(beta):  # the NNLS objective ||Phi w - m||^2 per head
+        return ((phi @ beta.double().exp().where(valid, 0.0)[..., None])[..., 0] - mass.double()).square().sum(-1)
+
+    def outputs(beta, values):
+        return torch.softmax(naive + beta.double()[:, None], -1) @ values.double()
+
+    before = torch.get_num_threads()
+    fits = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            logits = SelectedLogits(q * 0.3, kept, valid, 1 << 30)
+            assert logits.split == threads and len(logits.chunks) == (1 if n == 6000 else 2)
+            torch.testing.assert_close(torch.cat([c for _, c in logits], 1).double(), naive, rtol=1e-5, atol=1e-5)
+            beta = fit_beta(logits, shift, mass, valid, bounds=(-3.0, 3.0), iters=2)
+            same_beta = fits[1][0] if threads == 2 else beta
+            fits[threads] = beta, outputs(same_beta, fit_values(logits, same_beta, targets, valid))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(objective(fits[2][0]), objective(fits[1][0]), rtol=1e-4, atol=0)
+    torch.testing.assert_close(fits[2][1], fits[1][1], rtol=1e-4, atol=1e-5)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from vllm_compaction.am.attention import CHUNK_BYTES_PER_HEAD, query_chunks
+from vllm_compaction.am.attention import CHUNK_BYTES_PER_HEAD, bmm_row_split, query_chunks, repeat_heads, row_split
 
 __all__ = [
     "SelectedLogits",
@@ -189,26 +189,56 @@ class SelectedLogits:
 
     Padded slots hold ``-inf``. Chunks are cache-sized (``CHUNK_BYTES_PER_HEAD``), but at least
     ``MIN_GRAM_ROWS`` rows, so that the consumers' temporaries stay small and their Gram
-    products stay efficient; the whole ``[H, n, t]`` tensor is computed once and
-    cached when it fits in ``budget_bytes``, otherwise every pass recomputes its chunks.
-    Consumers must not modify the yielded chunks in place.
+    products stay efficient; all chunks are computed once and kept when they fit in
+    ``budget_bytes``, otherwise every pass recomputes them. Consumers must not modify the
+    yielded chunks in place. Every chunk but the last holds whole ``split`` blocks of rows
+    (``row_split``), which the products here and in the consumers use.
     """
 
     def __init__(self, queries_scaled: torch.Tensor, kept_keys: torch.Tensor, valid: torch.Tensor, budget_bytes: int):
-        self._q = queries_scaled  # [H, n, d]
-        self._kt = kept_keys.transpose(1, 2)  # [H, d, t]
-        self._mask = torch.where(valid, 0.0, float("-inf")).to(queries_scaled.dtype)[:, None, :]  # [H, 1, t]
         h, n, _ = queries_scaled.shape
         t = max(1, kept_keys.shape[1])
-        self.chunks = query_chunks(n, 4 * t, max(CHUNK_BYTES_PER_HEAD, 4 * t * MIN_GRAM_ROWS))
-        self._cached = self._compute(slice(0, n)) if 3 * 4 * h * n * t <= budget_bytes else None
+        rows = max(CHUNK_BYTES_PER_HEAD, 4 * t * MIN_GRAM_ROWS) // (4 * t)
+        self.split = row_split(h, rows)
+        self.chunks = query_chunks(n, 1, rows // self.split * self.split)
+        self._q = queries_scaled  # [H, n, d]
+        self._kt = repeat_heads(kept_keys.transpose(1, 2), self.split)  # [H * split, d, t]
+        self._mask = None if bool(valid.all()) else torch.where(valid, 0.0, float("-inf")).to(queries_scaled.dtype)
+        self._cached = [self._compute(sl) for sl in self.chunks] if 3 * 4 * h * n * t <= budget_bytes else None
 
     def _compute(self, sl: slice) -> torch.Tensor:
-        return torch.baddbmm(self._mask, self._q[:, sl], self._kt)
+        logits = bmm_row_split(self._q[:, sl], self._kt, self.split)
+        return logits if self._mask is None else logits.add_(self._mask[:, None, :])
 
     def __iter__(self) -> Iterator[tuple[slice, torch.Tensor]]:
-        for sl in self.chunks:
-            yield sl, (self._cached[:, sl] if self._cached is not None else self._compute(sl))
+        for i, sl in enumerate(self.chunks):
+            yield sl, (self._cached[i] if self._cached is not None else self._compute(sl))
+
+
+class _NormalEquations:
+    """``X^T X`` and ``X^T Y`` summed over query chunks ``X [H, c, t]``, ``Y [H, c, k]``.
+
+    Each chunk's rows are cut into ``split`` blocks, each block a batch entry with an
+    accumulator of its own, so that the batched products keep every thread busy
+    (``row_split``); the blocks are summed at the end.
+    """
+
+    def __init__(self, heads: int, t: int, k: int, split: int, device: torch.device):
+        self.split = split
+        self.gram = torch.zeros(heads, split, t, t, dtype=GRAM_DTYPE, device=device)
+        self.rhs = torch.zeros(heads, split, t, k, dtype=GRAM_DTYPE, device=device)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        h, c, t = x.shape
+        blocks = self.split if c % self.split == 0 else 1
+        x, y = x.reshape(h * blocks, c // blocks, t), y.reshape(h * blocks, c // blocks, -1)
+        gram, rhs = (self.gram, self.rhs) if blocks > 1 else (self.gram[:, :1], self.rhs[:, :1])
+        gram.view(h * blocks, t, t).baddbmm_(x.transpose(1, 2), x)
+        rhs.view(h * blocks, t, -1).baddbmm_(x.transpose(1, 2), y)
+
+    def sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[H, t, t]`` Gram matrices and ``[H, t, k]`` right-hand sides."""
+        return self.gram.sum(1), self.rhs.sum(1)
 
 
 def fit_beta(
@@ -235,12 +265,11 @@ def fit_beta(
     ``[H, t]`` float32 ``beta`` (0 on padded slots).
     """
     h, t = valid.shape
-    gram = shift.new_zeros(h, t, t, dtype=GRAM_DTYPE)
-    rhs = shift.new_zeros(h, t, 1, dtype=GRAM_DTYPE)
+    sums = _NormalEquations(h, t, 1, logits.split, shift.device)
     for sl, chunk in logits:
         phi = torch.sub(chunk, shift[:, sl, None]).exp_().to(GRAM_DTYPE)  # [H, c, t] shifted features
-        gram.baddbmm_(phi.transpose(1, 2), phi)
-        rhs.baddbmm_(phi.transpose(1, 2), mass[:, sl, None].to(GRAM_DTYPE))
+        sums.add(phi, mass[:, sl, None].to(GRAM_DTYPE))
+    gram, rhs = sums.sums()
     lo, hi = bounds
     w = nnls_pgd_gram(gram, rhs[..., 0], lower=math.exp(lo), upper=math.exp(hi), iters=iters, valid=valid)
     return torch.where(valid, w.clamp_min(torch.finfo(torch.float64).tiny).log(), 0.0).float()
@@ -257,13 +286,12 @@ def fit_values(logits: SelectedLogits, beta: torch.Tensor, targets: torch.Tensor
     Returns ``[H, t, d]`` float32 values (0 on padded slots).
     """
     h, t = valid.shape
-    gram = targets.new_zeros(h, t, t, dtype=GRAM_DTYPE)
-    rhs = targets.new_zeros(h, t, targets.shape[-1], dtype=GRAM_DTYPE)
+    sums = _NormalEquations(h, t, targets.shape[-1], logits.split, targets.device)
     bias = beta[:, None, :]
     for sl, chunk in logits:
         x = torch.softmax(chunk + bias, dim=-1).nan_to_num_(0.0).to(GRAM_DTYPE)  # [H, c, t]
-        gram.baddbmm_(x.transpose(1, 2), x)
-        rhs.baddbmm_(x.transpose(1, 2), targets[:, sl].to(GRAM_DTYPE))
+        sums.add(x, targets[:, sl].to(GRAM_DTYPE))
+    gram, rhs = sums.sums()
     if anchor is not None and anchor_weight > 0:
         diag = torch.where(valid, gram.diagonal(dim1=1, dim2=2), 0.0)
         pull = anchor_weight * diag.sum(-1) / valid.sum(-1).clamp_min(1)  # [H]

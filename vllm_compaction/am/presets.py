@@ -29,7 +29,8 @@ class FitOptions:
     Attributes:
         beta: ``"nnls"`` (bounded mass-matching fit), ``"zero"``, or ``"selector"`` (the
             selector's own weights, e.g. OMP's).
-        beta_bounds: ``(lo, hi)`` box on ``beta`` for ``"nnls"`` (paper: ``[-3, 3]``).
+        beta_bounds: ``(lo, hi)`` box on ``beta`` for ``"nnls"`` (paper: ``[-3, 3]``), or the
+            string ``"lo:hi"`` (as a command-line override gives it).
         beta_iters: projected-gradient steps of the ``"nnls"`` fit (paper: 2).
         values: ``"lstsq"`` (output-matching least squares), ``"direct"`` (original values of
             the kept keys), or ``"selector"`` (the selector's own, e.g. merged values).
@@ -52,10 +53,14 @@ class FitOptions:
             raise ValueError(f"beta must be one of {', '.join(BETA_MODES)}, got {self.beta!r}")
         if self.values not in VALUE_MODES:
             raise ValueError(f"values must be one of {', '.join(VALUE_MODES)}, got {self.values!r}")
-        bounds = tuple(self.beta_bounds)
-        if len(bounds) != 2 or not float(bounds[0]) <= float(bounds[1]):
-            raise ValueError(f"beta_bounds must be a pair (lo, hi) with lo <= hi, got {self.beta_bounds!r}")
-        object.__setattr__(self, "beta_bounds", (float(bounds[0]), float(bounds[1])))
+        bounds = self.beta_bounds.split(":") if isinstance(self.beta_bounds, str) else self.beta_bounds
+        try:
+            lo, hi = (float(b) for b in bounds)
+        except (TypeError, ValueError):
+            lo, hi = math.nan, math.nan
+        if not lo <= hi:  # also refuses NaN
+            raise ValueError(f"beta_bounds must be a pair (lo, hi) or 'lo:hi' with lo <= hi, got {self.beta_bounds!r}")
+        object.__setattr__(self, "beta_bounds", (lo, hi))
         if not isinstance(self.beta_iters, int) or isinstance(self.beta_iters, bool) or self.beta_iters < 0:
             raise ValueError(f"beta_iters must be a non-negative integer, got {self.beta_iters!r}")
         if isinstance(self.value_anchor, bool) or not isinstance(self.value_anchor, (int, float)) \
