@@ -114,6 +114,7 @@ def test_reference_pass_is_the_same_when_rows_are_split_for_threads(threads):
     torch.set_num_threads(threads)
     try:
         assert row_split(3, 256) == threads and row_split(4, 256) == 1 and row_split(3, 100) == 1
+        assert row_split(3, 256, "cuda") == 1  # GPUs are not split (no CUDA needed to ask)
         for aggregation in ("rms", "mean", "max"):
             ref = reference_attention(k, v, q, scale=0.3, aggregation=aggregation, keep_features=True)
             torch.testing.assert_close(ref.scores.double(), want[aggregation], rtol=1e-5, atol=1e-8)

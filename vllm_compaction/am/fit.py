@@ -199,7 +199,7 @@ class SelectedLogits:
         h, n, _ = queries_scaled.shape
         t = max(1, kept_keys.shape[1])
         rows = max(CHUNK_BYTES_PER_HEAD, 4 * t * MIN_GRAM_ROWS) // (4 * t)
-        self.split = row_split(h, rows)
+        self.split = row_split(h, rows, queries_scaled.device)
         self.chunks = query_chunks(n, 1, rows // self.split * self.split)
         self._q = queries_scaled  # [H, n, d]
         self._kt = repeat_heads(kept_keys.transpose(1, 2), self.split)  # [H * split, d, t]
