@@ -103,7 +103,7 @@ def compact(
         on_progress: called with the fraction of layers done (0 after the prefill, then after
             each layer); the compaction worker reports it and may raise from it to cancel.
         options: math options for ``compact_heads`` (e.g. ``values="direct"``) and budget
-            options (``max_head_ratio``, ``min_head_slots``).
+            options (``max_head_ratio``, ``min_head_slots``, ``min_layer_share``).
     """
     adapter = model if isinstance(model, ModelAdapter) else load_adapter(model)
     if isinstance(messages, str):
@@ -265,7 +265,8 @@ def compact_prepared(
     see ``compact``)."""
     adapter, kv, mask = prepared.adapter, prepared.spec.kv, prepared.spec.compact_mask
     recipe = _recipe(method, prepared.queries, budgets, on_policy)
-    budget_options = {k: options.pop(k) for k in ("max_head_ratio", "min_head_slots") if k in options}
+    budget_options = {k: options.pop(k) for k in ("max_head_ratio", "min_head_slots", "min_layer_share")
+                      if k in options}
     score_softmax = options.pop("score_softmax", DEFAULT_SCORE_SOFTMAX)
     _check_score_softmax(score_softmax)
     n = prepared.num_content

@@ -35,6 +35,28 @@ def test_global_budgets_follow_scores():
     assert int(b.sum()) == 180 and b[2, 1] == 100 and (b[1] == 0).all()
 
 
+def test_layer_floor_gives_every_layer_its_share_then_ranks_globally():
+    """``min_layer_share=s``: each compacted layer first keeps its own top ``s`` of an equal
+    split (by its scores, so the layer's strongest head gets them), then the rest is global."""
+    g = torch.Generator().manual_seed(1)
+    scores = [torch.rand(3, 100, generator=g) for _ in range(4)]
+    scores[1] = None
+    scores[3] *= 0.01  # a layer global ranking starves: 0 slots without a floor
+    scores[3][2, :7] = 0.5  # ... whose head 2 has its 7 strongest keys
+    assert global_budgets(scores, 0.2, 100)[3].sum() == 0
+    assert torch.equal(global_budgets(scores, 0.2, 100, min_layer_share=0.0), global_budgets(scores, 0.2, 100))
+    b = global_budgets(scores, 0.2, 100, min_layer_share=0.5)  # total 180, floor 30 per layer
+    assert int(b.sum()) == 180 and (b[1] == 0).all()
+    assert int(b[3].sum()) == 30 and b[3, 2] >= 7 and int(b[0].sum()) >= 30 and int(b[2].sum()) >= 30
+    equal = global_budgets(scores, 0.2, 100, min_layer_share=1.0)
+    assert [int(x) for x in equal.sum(1)] == [60, 0, 60, 60]
+    with pytest.raises(ValueError, match="min_layer_share"):
+        global_budgets(scores, 0.2, 100, min_layer_share=1.5)
+    with pytest.raises(ValueError, match="global"):
+        resolve_budgets("uniform", ratio=0.1, n=100, layers=LAYERS, num_heads=3, scores=lambda: scores,
+                        min_layer_share=0.5)
+
+
 def test_pyramid_decreases_with_depth():
     b = pyramid_budgets(0.1, 1000, torch.ones(6, dtype=torch.bool), 2)
     assert int(b.sum()) == 1200

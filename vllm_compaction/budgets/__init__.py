@@ -45,15 +45,19 @@ def resolve_budgets(
     model_name: str = "",
     max_head_ratio: float = 1.0,
     min_head_slots: int = 0,
+    min_layer_share: float = 0.0,
 ) -> torch.Tensor:
     """Budgets ``[L, H]`` for a mode name or a schedule file path.
 
-    ``scores`` is called only by ``global`` (it costs an off-policy query pass).
+    ``scores`` is called only by ``global`` (it costs an off-policy query pass), and only
+    ``global`` takes ``min_layer_share``.
     """
+    if min_layer_share and mode != "global":
+        raise ValueError(f"min_layer_share applies to budgets='global' only, not {mode!r}")
     if mode == "uniform":
         budgets = uniform_budgets(ratio, n, layers, num_heads)
     elif mode == "global":
-        budgets = global_budgets(scores(), ratio, n)
+        budgets = global_budgets(scores(), ratio, n, min_layer_share=min_layer_share)
     elif mode == "pyramid":
         budgets = pyramid_budgets(ratio, n, layers, num_heads)
     elif mode == "schedule" or Path(mode).suffix == ".json":

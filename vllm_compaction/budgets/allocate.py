@@ -52,19 +52,31 @@ def uniform_budgets(ratio: float, n: int, layers: torch.Tensor, num_heads: int) 
     return cap_and_fill(_round_to_total(weights, total), n, layers)
 
 
-def global_budgets(scores: list[torch.Tensor | None], ratio: float, n: int) -> torch.Tensor:
+def global_budgets(scores: list[torch.Tensor | None], ratio: float, n: int, *,
+                   min_layer_share: float = 0.0) -> torch.Tensor:
     """KVzip's global selection: rank every (layer, head, key) score together, keep the top.
 
     Args:
         scores: per layer ``[H, n]`` key importance (comparable across heads, e.g. max
             attention weight), or None for layers that are not compacted.
+        min_layer_share: in ``[0, 1]``; every compacted layer first keeps its own top
+            ``min_layer_share`` of an equal split of the total (ranked within the layer), and the
+            rest is ranked globally. Max attention gives the lower layers, whose attention is
+            local and broad, few slots, and the question's tokens read the prefix through them.
     """
+    if not 0.0 <= min_layer_share <= 1.0:
+        raise ValueError(f"min_layer_share must be in [0, 1], got {min_layer_share}")
     layers = torch.tensor([s is not None for s in scores])
     num_heads = next(s.shape[0] for s in scores if s is not None)
     total = total_budget(ratio, n, layers, num_heads)
-    flat = torch.cat([s.flatten() for s in scores if s is not None])
-    keep = torch.zeros_like(flat, dtype=torch.bool)
-    keep[torch.topk(flat, min(total, flat.numel())).indices] = True
+    per_layer = torch.stack([s.flatten() for s in scores if s is not None])  # [L_c, H n]
+    keep = torch.zeros_like(per_layer, dtype=torch.bool)
+    floor = min(per_layer.shape[1], int(min_layer_share * total / per_layer.shape[0]))
+    if floor:
+        keep.scatter_(1, torch.topk(per_layer, floor, dim=1).indices, True)
+    rest = per_layer.masked_fill(keep, float("-inf")).flatten()
+    extra = min(total - int(keep.sum()), int((~keep).sum()))
+    keep.view(-1)[torch.topk(rest, extra).indices] = True
     counts = keep.view(-1, num_heads, n).sum(-1)
     budgets = torch.zeros(len(scores), num_heads, dtype=torch.long)
     budgets[layers] = counts
