@@ -17,13 +17,14 @@ def test_compact_then_inspect(tmp_path, capsys, smollm2):
     src.write_text(json.dumps(chat))
     out = tmp_path / "cache.safetensors"
     code = main(["compact", "--input", str(src), "--ratio", "0.2", "--method", "am-highest-attn-fast",
-                 "--out", str(out), "--quiet"])
+                 "--min-layer-share", "0.5", "--out", str(out), "--quiet"])
     assert code == 0 and out.is_file()
     printed = capsys.readouterr().out
     assert "physical_slots" in printed and "timings" in printed
     assert main(["inspect", str(out), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["method"] == "am-highest-attn-fast" and summary["physical_slots"] > 0
+    assert summary["options"]["min_layer_share"] == 0.5
 
 
 @pytest.mark.parametrize("setup, args, message", [
@@ -34,6 +35,10 @@ def test_compact_then_inspect(tmp_path, capsys, smollm2):
     ("hi", ["compact", "--input", "{tmp}/bad.txt", "--ratio", "0.1", "--method", "zip", "--out", "{tmp}/c"],
      "unknown method"),
     ("hi", ["compact", "--input", "{tmp}/bad.pdf", "--ratio", "0.1", "--out", "{tmp}/c"], "unsupported input"),
+    ("hi", ["compact", "--input", "{tmp}/bad.txt", "--ratio", "0.1", "--min-layer-share", "2", "--out", "{tmp}/c"],
+     "--min-layer-share"),
+    ("hi", ["compact", "--input", "{tmp}/bad.txt", "--ratio", "0.1", "--min-layer-share", "0.5", "--budgets", "uniform",
+            "--out", "{tmp}/c"], "global budgets only"),
     ("hi", ["compact", "--input", "{tmp}/bad.txt", "--ratio", "0.1", "--out", "{tmp}/nodir/c"], "does not exist"),
     ("not a cache", ["inspect", "{tmp}/bad.txt"], "bad.txt"),
     (None, ["models", "prepare", "no-such-model"], "no-such-model"),

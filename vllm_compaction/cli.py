@@ -72,13 +72,20 @@ def _cmd_compact(args: argparse.Namespace) -> int:
         raise CliError("give exactly one of --ratio or --target-tokens")
     if args.ratio is not None and not 0 < args.ratio <= 1:
         raise CliError(f"--ratio must be in (0, 1], got {args.ratio}")
+    budget_options = {}
+    if args.min_layer_share is not None:
+        if not 0 <= args.min_layer_share <= 1:
+            raise CliError(f"--min-layer-share must be in [0, 1], got {args.min_layer_share}")
+        if (args.budgets or RECIPES[args.method].budgets) != "global":
+            raise CliError("--min-layer-share applies to global budgets only")
+        budget_options["min_layer_share"] = args.min_layer_share
     messages = _read_messages(Path(args.input))
     out = Path(args.out)
     if not out.parent.exists():
         raise CliError(f"output folder {out.parent} does not exist")
     cache = compact(args.model, messages, ratio=args.ratio, target_tokens=args.target_tokens,
                     method=args.method, queries=args.queries, budgets=args.budgets,
-                    keep_last_tokens=args.keep_last_tokens, progress=not args.quiet)
+                    keep_last_tokens=args.keep_last_tokens, progress=not args.quiet, **budget_options)
     cache.save(out)
     _print_summary(cache.summary(), out)
     return 0
@@ -149,6 +156,8 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--queries", help="query source override, e.g. repeat-prefill or a+b")
     comp.add_argument("--budgets", help="uniform | global | pyramid | schedule | FILE.json")
     comp.add_argument("--keep-last-tokens", type=int, default=0)
+    comp.add_argument("--min-layer-share", type=float,
+                      help="global budgets: every layer first keeps this share (0-1) of an equal split")
     comp.add_argument("--out", required=True)
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
     comp.set_defaults(func=_cmd_compact)

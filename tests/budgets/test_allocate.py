@@ -50,8 +50,9 @@ def test_layer_floor_gives_every_layer_its_share_then_ranks_globally():
     assert int(b[3].sum()) == 30 and b[3, 2] >= 7 and int(b[0].sum()) >= 30 and int(b[2].sum()) >= 30
     equal = global_budgets(scores, 0.2, 100, min_layer_share=1.0)
     assert [int(x) for x in equal.sum(1)] == [60, 0, 60, 60]
-    with pytest.raises(ValueError, match="min_layer_share"):
-        global_budgets(scores, 0.2, 100, min_layer_share=1.5)
+    for bad in (1.5, -0.1, float("nan"), "half", True):
+        with pytest.raises(ValueError, match="min_layer_share"):
+            global_budgets(scores, 0.2, 100, min_layer_share=bad)
     with pytest.raises(ValueError, match="global"):
         resolve_budgets("uniform", ratio=0.1, n=100, layers=LAYERS, num_heads=3, scores=lambda: scores,
                         min_layer_share=0.5)

@@ -64,8 +64,9 @@ def global_budgets(scores: list[torch.Tensor | None], ratio: float, n: int, *,
             rest is ranked globally. Max attention gives the lower layers, whose attention is
             local and broad, few slots, and the question's tokens read the prefix through them.
     """
-    if not 0.0 <= min_layer_share <= 1.0:
-        raise ValueError(f"min_layer_share must be in [0, 1], got {min_layer_share}")
+    if isinstance(min_layer_share, bool) or not isinstance(min_layer_share, (int, float)) \
+            or not 0.0 <= min_layer_share <= 1.0:
+        raise ValueError(f"min_layer_share must be a number in [0, 1], got {min_layer_share!r}")
     layers = torch.tensor([s is not None for s in scores])
     num_heads = next(s.shape[0] for s in scores if s is not None)
     total = total_budget(ratio, n, layers, num_heads)
