@@ -29,6 +29,7 @@ __all__ = [
     "ReferenceAttention",
     "attention_output_and_mass",
     "attention_output_error",
+    "block_chunks",
     "bmm_row_split",
     "max_pool_scores",
     "query_chunks",
@@ -122,6 +123,13 @@ def row_split(num_heads: int, rows: int, device: torch.device | str = "cpu") -> 
     return split if split > 1 and rows >= MIN_SPLIT_ROWS * split else 1
 
 
+def block_chunks(n: int, rows: int, num_heads: int, device: torch.device | str) -> tuple[list[slice], int]:
+    """Chunks of ``range(n)`` of at most ``rows`` rows and their ``row_split``: every chunk but
+    the last holds whole blocks, so the batched GEMMs of ``bmm_row_split`` can cut it."""
+    split = row_split(num_heads, rows, device)
+    return query_chunks(n, 1, max(1, rows // split * split)), split
+
+
 def repeat_heads(b: torch.Tensor, split: int) -> torch.Tensor:
     """``b [H, k, m]`` with every head repeated ``split`` times (the right operand of
     ``bmm_row_split``)."""
@@ -178,11 +186,8 @@ def reference_attention(
     shift, mass = keys.new_empty(h, n), keys.new_empty(h, n)
     output = keys.new_empty(h, n, values.shape[-1]) if values is not None else None
     features = keys.new_empty(h, t, n, dtype=FEATURE_DTYPE) if keep_features else None
-    chunks = query_chunks(n, 4 * t, CHUNK_BYTES_PER_HEAD)
+    chunks, split = block_chunks(n, min(n, max(1, CHUNK_BYTES_PER_HEAD // (4 * t))), h, keys.device)
     rows = chunks[0].stop - chunks[0].start if chunks else 0
-    split = row_split(h, rows, keys.device)
-    if split > 1:  # whole blocks in every chunk but the last
-        chunks = query_chunks(n, 4 * t, 4 * t * (rows // split * split))
     # keys and values repeated once per row block: tiny next to the logits
     kt_rep = repeat_heads(kt, split)
     v_rep = repeat_heads(values, split) if values is not None else None

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from vllm_compaction.am.attention import CHUNK_BYTES_PER_HEAD, bmm_row_split, query_chunks, repeat_heads, row_split
+from vllm_compaction.am.attention import CHUNK_BYTES_PER_HEAD, block_chunks, bmm_row_split, repeat_heads
 
 __all__ = [
     "SelectedLogits",
@@ -199,8 +199,7 @@ class SelectedLogits:
         h, n, _ = queries_scaled.shape
         t = max(1, kept_keys.shape[1])
         rows = max(CHUNK_BYTES_PER_HEAD, 4 * t * MIN_GRAM_ROWS) // (4 * t)
-        self.split = row_split(h, rows, queries_scaled.device)
-        self.chunks = query_chunks(n, 1, rows // self.split * self.split)
+        self.chunks, self.split = block_chunks(n, rows, h, queries_scaled.device)
         self._q = queries_scaled  # [H, n, d]
         self._kt = repeat_heads(kept_keys.transpose(1, 2), self.split)  # [H * split, d, t]
         self._mask = None if bool(valid.all()) else torch.where(valid, 0.0, float("-inf")).to(queries_scaled.dtype)
