@@ -25,6 +25,8 @@ from vllm_compaction.service.protocol import CompactRequest, normalize_messages
     ({"model": "m", "prompt": "x", "ratio": 0.5, "keep_last_tokens": -1}, "greater than or equal to 0"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "surprise": 1}, "Extra inputs"),
     ({"model": "m", "conversation_id": "a/b", "ratio": 0.5}, "pattern"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "min_layer_share": 1.5}, "less than or equal to 1"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "method": "snapkv", "min_layer_share": 0.3}, "global budgets"),
 ])
 def test_bad_compact_requests_say_why(body, fragment):
     with pytest.raises(ValidationError) as info:
@@ -67,6 +69,13 @@ def test_config_from_env_names_the_bad_variable():
         ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_QUERIES": "repeat-prefill+nope"})
     mixed = ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_QUERIES": "repeat-prefill+surprise-quote"})
     assert mixed.auto_compact_queries == "repeat-prefill+surprise-quote"
+    floor = ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_MIN_LAYER_SHARE": "0.3"})
+    assert floor.auto_compact_min_layer_share == 0.3
+    with pytest.raises(ValueError, match="--auto-compact-min-layer-share.*global budgets.*not 'h2o\\+'"):
+        ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_MIN_LAYER_SHARE": "0.3",
+                                "VLLM_COMPACTION_AUTO_COMPACT_METHOD": "h2o+"})
+    with pytest.raises(ValueError, match="--auto-compact-min-layer-share.*less than or equal to 1"):
+        ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_MIN_LAYER_SHARE": "2"})
 
 
 def test_serve_arguments(tmp_path):

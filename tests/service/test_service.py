@@ -65,6 +65,9 @@ def test_submit_checks(service):
     assert status_of(lambda: service.submit(request(prompt="x " * 5000), "a")) == 400  # over the window
     assert status_of(lambda: service.submit(request(prompt="x y z", max_head_ratio=0.1), "a")) == 400
     assert status_of(lambda: service.submit(request(conversation_id="unknown"), "a")) == 404
+    floor = service.submit(request(messages=HISTORY, method="am-highest-attn-fast", min_layer_share=0.3), "a")
+    assert floor.public().min_layer_share == 0.3 and floor.worker_job().min_layer_share == 0.3
+    assert job.worker_job().min_layer_share == 0.0
 
 
 def test_plans_follow_the_job(service):
@@ -124,13 +127,15 @@ def test_auto_compaction_by_conversation(service):
 
 def test_auto_compaction_to_a_target_size(tmp_path, checkpoint):
     path, tokenizer, fingerprint = checkpoint
-    config = ServiceConfig(store=tmp_path / "store", auto_compact_threshold_tokens=20, auto_compact_target_tokens=16)
+    config = ServiceConfig(store=tmp_path / "store", auto_compact_threshold_tokens=20, auto_compact_target_tokens=16,
+                           auto_compact_min_layer_share=0.3)
     service = CompactionService(config, model_path=path, served_model_names=[MODEL], fingerprint=fingerprint,
                                 tokenizer=tokenizer, kv_bytes_per_token=100, max_model_len=4096)
     long = HISTORY + QUESTION
     assert service.plan_chat("a", long, conversation_id="c") is None
     (job,) = service.book.list("a")
     assert job.target_tokens == 16 and job.ratio_requested is None
+    assert job.worker_job().min_layer_share == 0.3  # the configured floor reaches the worker
     # content no longer than the target: nothing to gain, so no job
     config.auto_compact_target_tokens = 10_000
     assert service.plan_chat("a", long, conversation_id="d") is None

@@ -55,7 +55,8 @@ class JobRecord(Compaction):
     def worker_job(self) -> WorkerJob:
         return WorkerJob(id=self.id, messages=self.messages, ratio=self.ratio_requested,
                          target_tokens=self.target_tokens, method=self.method, queries=self.queries,
-                         keep_last_tokens=self.keep_last_tokens, max_head_ratio=self.max_head_ratio or 1.0)
+                         keep_last_tokens=self.keep_last_tokens, max_head_ratio=self.max_head_ratio or 1.0,
+                         min_layer_share=self.min_layer_share or 0.0)
 
 
 class JobBook:

@@ -95,12 +95,14 @@ class CompactionService:
                                              target_tokens=request.target_tokens,
                                              keep_last_tokens=request.keep_last_tokens,
                                              max_head_ratio=request.max_head_ratio,
+                                             min_layer_share=request.min_layer_share,
                                              conversation_id=request.conversation_id))
 
     def _record(self, messages: list[dict[str, str]], owner: str, *, model: str, method: str,
                 queries: str | None, ratio: float | None, target_tokens: int | None,
                 keep_last_tokens: int, conversation_id: str | None,
-                max_head_ratio: float | None = None, least_content: int = 0) -> JobRecord:
+                max_head_ratio: float | None = None, min_layer_share: float | None = None,
+                least_content: int = 0) -> JobRecord:
         try:
             ids, mask = self.chat.chat_content(messages)
         except ValueError as exc:  # ChatTemplateError included
@@ -121,7 +123,8 @@ class CompactionService:
         return JobRecord(id=new_compaction_id(), status=JobStatus.queued, created=int(time.time()),
                          model=model, method=method, queries=queries, ratio_requested=ratio,
                          target_tokens=target_tokens, keep_last_tokens=keep_last_tokens,
-                         max_head_ratio=max_head_ratio, conversation_id=conversation_id, original_tokens=len(ids),
+                         max_head_ratio=max_head_ratio, min_layer_share=min_layer_share,
+                         conversation_id=conversation_id, original_tokens=len(ids),
                          messages_covered=len(messages), owner=owner, messages=messages)
 
     def get(self, compaction_id: str, owner: str) -> JobRecord:
@@ -253,6 +256,7 @@ class CompactionService:
                                   queries=expand_queries(cfg.auto_compact_queries),
                                   ratio=None if target else cfg.auto_compact_ratio,
                                   target_tokens=target, keep_last_tokens=cfg.auto_compact_keep_last_tokens,
+                                  min_layer_share=cfg.auto_compact_min_layer_share,
                                   conversation_id=conversation_id, least_content=target or 0)
         except JobError as exc:
             logger.warning("no automatic compaction of conversation %s: %s", conversation_id, exc)

@@ -83,7 +83,8 @@ def _compute_main(model_path: str, nice: int, jobs: "mp.Queue", events: "mp.Queu
         try:
             cache = compact(adapter, job.messages, ratio=job.ratio, target_tokens=job.target_tokens,
                             method=job.method, queries=job.queries, keep_last_tokens=job.keep_last_tokens,
-                            max_head_ratio=job.max_head_ratio, on_progress=lambda f: events.put(("progress", f)))
+                            max_head_ratio=job.max_head_ratio, min_layer_share=job.min_layer_share,
+                            on_progress=lambda f: events.put(("progress", f)))
             cache.save(out_path)
             events.put(("done", out_path))
         except Exception as exc:  # reported to the server as the job's failure reason
