@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_compaction.am import lstsq_values, nnls_pgd
-from vllm_compaction.am.fit import SelectedLogits, fit_beta, fit_values, nnls_pgd_gram, solve_normal_equations
+from vllm_compaction.am.fit import SelectedFeatures, fit_beta, fit_values, nnls_pgd_gram, solve_normal_equations
 
 
 def _features(seed: int, b: int = 3, n: int = 200, p: int = 12) -> torch.Tensor:
@@ -88,9 +88,9 @@ def test_bad_bounds_and_shapes_raise():
 
 @pytest.mark.parametrize("n", [6000, 30001])
 def test_fits_are_the_same_when_rows_are_split_for_threads(n):
-    """3 heads on 2 threads: the kept-key logits and the Gram products of ``fit_beta`` and
-    ``fit_values`` cut each chunk's rows into blocks (``SelectedLogits.split``). One even chunk,
-    or two with an odd last one, must give the logits, the NNLS objective and the fitted
+    """3 heads on 2 threads: the kept keys' features and the Gram products of ``fit_beta`` and
+    ``fit_values`` cut each chunk's rows into blocks (``SelectedFeatures.split``). One even chunk,
+    or two with an odd last one, must give the features, the NNLS objective and the fitted
     outputs of 1 thread (the fitted numbers themselves carry the normal equations'
     conditioning, so the test compares what they are fitted for)."""
     gen = torch.Generator().manual_seed(7)
@@ -114,12 +114,12 @@ def test_fits_are_the_same_when_rows_are_split_for_threads(n):
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            logits = SelectedLogits(q * 0.3, kept, valid, 1 << 30)
-            assert logits.split == threads and len(logits.chunks) == (1 if n == 6000 else 2)
-            torch.testing.assert_close(torch.cat([c for _, c in logits], 1).double(), naive, rtol=1e-5, atol=1e-5)
-            beta = fit_beta(logits, shift, mass, valid, bounds=(-3.0, 3.0), iters=2)
+            features = SelectedFeatures(q, kept, valid, shift, scale=0.3, budget_bytes=1 << 30)
+            assert features.split == threads and len(features.chunks) == (1 if n == 6000 else 2)
+            torch.testing.assert_close(torch.cat([c for _, c in features], 1).double(), phi, rtol=1e-5, atol=1e-6)
+            beta = fit_beta(features, mass, valid, bounds=(-3.0, 3.0), iters=2)
             same_beta = fits[1][0] if threads == 2 else beta
-            fits[threads] = beta, outputs(same_beta, fit_values(logits, same_beta, targets, valid))
+            fits[threads] = beta, outputs(same_beta, fit_values(features, same_beta, targets, valid))
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(objective(fits[2][0]), objective(fits[1][0]), rtol=1e-4, atol=0)

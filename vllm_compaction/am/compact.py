@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from vllm_compaction.am.attention import FEATURE_DTYPE, reference_attention, resolve_scale
-from vllm_compaction.am.fit import SelectedLogits, fit_beta, fit_values
+from vllm_compaction.am.fit import SelectedFeatures, fit_beta, fit_values
 from vllm_compaction.am.heads import CompactedHeads
 from vllm_compaction.am.presets import ResolvedMethod, resolve_method
 from vllm_compaction.am.selectors.base import Selection, SelectionProblem, slot_mask
@@ -135,11 +135,11 @@ def _compact_group(
     h, t_max = sel.indices.shape
     valid = slot_mask(sel.lengths, t_max)
     kept_keys = keys.gather(1, sel.indices[..., None].expand(h, t_max, keys.shape[-1]))
-    logits = None
+    features = None
     if ref is not None and (plan.fit.beta == "nnls" or plan.fit.values == "lstsq"):
-        logits = SelectedLogits(queries * scale, kept_keys, valid, memory_limit)
+        features = SelectedFeatures(queries, kept_keys, valid, ref.shift, scale=scale, budget_bytes=memory_limit)
     if plan.fit.beta == "nnls":
-        beta = fit_beta(logits, ref.shift, ref.mass, valid, bounds=plan.fit.beta_bounds, iters=plan.fit.beta_iters)
+        beta = fit_beta(features, ref.mass, valid, bounds=plan.fit.beta_bounds, iters=plan.fit.beta_iters)
     elif plan.fit.beta == "selector":
         beta = sel.beta
     else:
@@ -149,7 +149,7 @@ def _compact_group(
     if plan.fit.values == "direct" or plan.fit.value_anchor:
         original = values.gather(1, sel.indices[..., None].expand(h, t_max, values.shape[-1]))
     if plan.fit.values == "lstsq":
-        fitted = fit_values(logits, beta, ref.output, valid, anchor=original, anchor_weight=plan.fit.value_anchor)
+        fitted = fit_values(features, beta, ref.output, valid, anchor=original, anchor_weight=plan.fit.value_anchor)
     elif plan.fit.values == "selector":
         fitted = sel.values
     else:

@@ -20,10 +20,10 @@ from collections.abc import Iterator
 
 import torch
 
-from vllm_compaction.am.attention import CHUNK_BYTES_PER_HEAD, block_chunks, bmm_row_split, repeat_heads
+from vllm_compaction.am.attention import CHUNK_BYTES_PER_HEAD, LOG2_E, block_chunks, bmm_row_split, repeat_heads
 
 __all__ = [
-    "SelectedLogits",
+    "SelectedFeatures",
     "fit_beta",
     "fit_values",
     "lstsq_values",
@@ -184,10 +184,14 @@ def lstsq_values(weights: torch.Tensor, targets: torch.Tensor, valid: torch.Tens
     return solve_normal_equations(xt @ x, xt @ targets.to(GRAM_DTYPE), valid).to(targets.dtype)
 
 
-class SelectedLogits:
-    """Scaled logits ``l = scale * Q C_k^T`` of the kept keys, by chunks of query rows.
+class SelectedFeatures:
+    """Shifted features ``phi = exp(l - s)`` of the kept keys, by chunks of query rows: ``l``
+    the scaled logits ``scale * Q C_k^T``, ``s`` each query's max logit over the original keys.
 
-    Padded slots hold ``-inf``. Chunks are cache-sized (``CHUNK_BYTES_PER_HEAD``), but at least
+    Both fits read them: the mass fit of ``beta`` is a least-squares problem in ``phi``, and the
+    compacted attention weights are ``X = phi e^beta / (phi e^beta) 1``, a softmax of ``l + beta``
+    without another exp. Computed like the reference pass, in log2 units with ``exp2``. Padded
+    slots hold 0. Chunks are cache-sized (``CHUNK_BYTES_PER_HEAD``), but at least
     ``MIN_GRAM_ROWS`` rows, so that the consumers' temporaries stay small and their Gram
     products stay efficient; all chunks are computed once and kept when they fit in
     ``budget_bytes``, otherwise every pass recomputes them. Consumers must not modify the
@@ -195,19 +199,23 @@ class SelectedLogits:
     (``row_split``), which the products here and in the consumers use.
     """
 
-    def __init__(self, queries_scaled: torch.Tensor, kept_keys: torch.Tensor, valid: torch.Tensor, budget_bytes: int):
-        h, n, _ = queries_scaled.shape
+    def __init__(self, queries: torch.Tensor, kept_keys: torch.Tensor, valid: torch.Tensor, shift: torch.Tensor,
+                 *, scale: float, budget_bytes: int):
+        h, n, _ = queries.shape
         t = max(1, kept_keys.shape[1])
         rows = max(CHUNK_BYTES_PER_HEAD, 4 * t * MIN_GRAM_ROWS) // (4 * t)
-        self.chunks, self.split = block_chunks(n, rows, h, queries_scaled.device)
-        self._q = queries_scaled  # [H, n, d]
+        self.chunks, self.split = block_chunks(n, rows, h, queries.device)
+        self._q = queries * (scale * LOG2_E)  # [H, n, d], logits in log2 units
+        self._shift = shift[..., None] * LOG2_E  # [H, n, 1]
         self._kt = repeat_heads(kept_keys.transpose(1, 2), self.split)  # [H * split, d, t]
-        self._mask = None if bool(valid.all()) else torch.where(valid, 0.0, float("-inf")).to(queries_scaled.dtype)
+        self._mask = None if bool(valid.all()) else torch.where(valid, 0.0, float("-inf")).to(queries.dtype)
         self._cached = [self._compute(sl) for sl in self.chunks] if 3 * 4 * h * n * t <= budget_bytes else None
 
     def _compute(self, sl: slice) -> torch.Tensor:
-        logits = bmm_row_split(self._q[:, sl], self._kt, self.split)
-        return logits if self._mask is None else logits.add_(self._mask[:, None, :])
+        logits = bmm_row_split(self._q[:, sl], self._kt, self.split).sub_(self._shift[:, sl])
+        if self._mask is not None:
+            logits.add_(self._mask[:, None, :])
+        return logits.exp2_()
 
     def __iter__(self) -> Iterator[tuple[slice, torch.Tensor]]:
         for i, sl in enumerate(self.chunks):
@@ -241,8 +249,7 @@ class _NormalEquations:
 
 
 def fit_beta(
-    logits: SelectedLogits,
-    shift: torch.Tensor,
+    features: SelectedFeatures,
     mass: torch.Tensor,
     valid: torch.Tensor,
     *,
@@ -253,8 +260,8 @@ def fit_beta(
 
     Parameters
     ----------
-    logits : kept-key logits ``[H, n, t]`` by chunk.
-    shift, mass : ``[H, n]`` per-query max logit and shifted mass of the original keys.
+    features : shifted features ``[H, n, t]`` of the kept keys, by chunk.
+    mass : ``[H, n]`` shifted mass of the original keys (the same shift).
     valid : ``[H, t]`` bool real slots.
     bounds : ``(lo, hi)`` bounds on ``beta`` (``w = exp(beta)`` in ``[e^lo, e^hi]``).
     iters : projected-gradient steps.
@@ -264,17 +271,16 @@ def fit_beta(
     ``[H, t]`` float32 ``beta`` (0 on padded slots).
     """
     h, t = valid.shape
-    sums = _NormalEquations(h, t, 1, logits.split, shift.device)
-    for sl, chunk in logits:
-        phi = torch.sub(chunk, shift[:, sl, None]).exp_().to(GRAM_DTYPE)  # [H, c, t] shifted features
-        sums.add(phi, mass[:, sl, None].to(GRAM_DTYPE))
+    sums = _NormalEquations(h, t, 1, features.split, mass.device)
+    for sl, phi in features:
+        sums.add(phi.to(GRAM_DTYPE), mass[:, sl, None].to(GRAM_DTYPE))
     gram, rhs = sums.sums()
     lo, hi = bounds
     w = nnls_pgd_gram(gram, rhs[..., 0], lower=math.exp(lo), upper=math.exp(hi), iters=iters, valid=valid)
     return torch.where(valid, w.clamp_min(torch.finfo(torch.float64).tiny).log(), 0.0).float()
 
 
-def fit_values(logits: SelectedLogits, beta: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, *,
+def fit_values(features: SelectedFeatures, beta: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, *,
                anchor: torch.Tensor | None = None, anchor_weight: float = 0.0) -> torch.Tensor:
     """Least-squares values for kept keys with biases ``beta [H, t]`` onto ``targets [H, n, d]``.
 
@@ -285,10 +291,14 @@ def fit_values(logits: SelectedLogits, beta: torch.Tensor, targets: torch.Tensor
     Returns ``[H, t, d]`` float32 values (0 on padded slots).
     """
     h, t = valid.shape
-    sums = _NormalEquations(h, t, targets.shape[-1], logits.split, targets.device)
-    bias = beta[:, None, :]
-    for sl, chunk in logits:
-        x = torch.softmax(chunk + bias, dim=-1).nan_to_num_(0.0).to(GRAM_DTYPE)  # [H, c, t]
+    sums = _NormalEquations(h, t, targets.shape[-1], features.split, targets.device)
+    # e^beta up to a per-head constant, which the row normalisation cancels (no overflow)
+    weight = (beta - beta.amax(-1, keepdim=True)).exp()[:, None, :].to(GRAM_DTYPE)  # [H, 1, t]
+    for sl, phi in features:
+        x = torch.mul(phi.to(GRAM_DTYPE), weight)  # [H, c, t]: softmax(l + beta) up to each row's sum
+        total = x.sum(-1, keepdim=True)
+        # a row with no feature left (every kept key > ~100 nats below the max) weighs nothing
+        x.div_(torch.where(total > 0, total, torch.inf))
         sums.add(x, targets[:, sl].to(GRAM_DTYPE))
     gram, rhs = sums.sums()
     if anchor is not None and anchor_weight > 0:
