@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 FACT = "The secret code of the vault is 7319."
 QUESTION = "What is the secret code of the vault?"
 ANSWER = "7319"
-METHOD = {"method": "am-highest-attn", "queries": "repeat-prefill"}
+METHOD = {"method": "am-highest-attn", "queries": "repeat-prefill", "min_layer_share": 0.3}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_planted_fact_from_compaction_id(client, fact_compaction):
     messages, job = fact_compaction
     assert job["status"] == "succeeded", job
     assert job["compacted_tokens"] < 0.7 * job["original_tokens"]
-    assert job["bytes_saved"] > 0 and job["progress"] == 1.0
+    assert job["bytes_saved"] > 0 and job["progress"] == 1.0 and job["min_layer_share"] == 0.3
     assert {"queued_s", "fit_s", "total_s"} <= job["timings"].keys()
     question = messages + [{"role": "user", "content": QUESTION}]
     full = ask(client, question)
@@ -155,6 +155,7 @@ def test_invalid_input_gets_4xx_with_a_message(client, other_client, fact_compac
         (lambda: compact(client, messages=[{"content": "no role"}], ratio=0.5), 400),
         (lambda: compact(client, messages="not a list", ratio=0.5), (400, 422)),
         (lambda: compact(client, prompt="hi", ratio=0.5, method="no-such-method"), (400, 422)),
+        (lambda: compact(client, prompt="hi", ratio=0.5, method="snapkv", min_layer_share=0.3), (400, 422)),
         (lambda: ask(other_client, [{"role": "user", "content": QUESTION}], compaction_id=job["id"]), 404),
         (lambda: other_client.get(f"/compact/{job['id']}", cast_to=object), 404),
         (lambda: ask(client, [{"role": "user", "content": QUESTION}], compaction_id="cmp_unknown"), 404),
