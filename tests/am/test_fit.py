@@ -124,3 +124,24 @@ def test_fits_are_the_same_when_rows_are_split_for_threads(n):
         torch.set_num_threads(before)
     torch.testing.assert_close(objective(fits[2][0]), objective(fits[1][0]), rtol=1e-4, atol=0)
     torch.testing.assert_close(fits[2][1], fits[1][1], rtol=1e-4, atol=1e-5)
+
+
+def test_value_fit_is_the_softmax_least_squares_and_drops_rows_without_features():
+    """``fit_values`` weighs the kept keys by ``phi e^beta`` over its row sum: the same normal
+    equations as ``softmax(l + beta)`` (large betas included), and a query whose kept features
+    all underflow (its max logit is far above every kept key's) adds nothing instead of NaN."""
+    gen = torch.Generator().manual_seed(3)
+    h, n, t, d = 2, 300, 12, 8
+    q, kept = torch.randn(h, n, d, generator=gen), torch.randn(h, t, d, generator=gen)
+    valid = torch.ones(h, t, dtype=torch.bool)
+    valid[0, 9:] = False
+    beta = torch.randn(h, t, generator=gen) * 2 + 100.0  # e^100 is inf in fp32
+    shift, targets = torch.zeros(h, n), torch.randn(h, n, d, generator=gen)
+    shift[:, :5] = 500.0  # these queries see no kept feature: 2^(-720) is 0 in fp32
+    features = SelectedFeatures(q, kept, valid, shift, scale=0.4, budget_bytes=1 << 30)
+    fitted = fit_values(features, beta, targets, valid)
+    assert torch.isfinite(fitted).all() and (fitted[0, 9:] == 0).all()
+    logits = torch.where(valid[:, None], 0.4 * q.double() @ kept.double().transpose(1, 2), float("-inf"))
+    x = torch.softmax(logits[:, 5:] + beta.double()[:, None], -1)  # the rows that have features
+    expected = lstsq_values(x, targets[:, 5:].double(), valid)
+    torch.testing.assert_close(fitted.double(), expected, rtol=1e-3, atol=1e-4)
