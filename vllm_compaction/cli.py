@@ -64,6 +64,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_compact(args: argparse.Namespace) -> int:
+    from vllm_compaction.budgets import check_budget_options
     from vllm_compaction.pipeline import RECIPES, compact
 
     if args.method not in RECIPES:
@@ -74,10 +75,11 @@ def _cmd_compact(args: argparse.Namespace) -> int:
         raise CliError(f"--ratio must be in (0, 1], got {args.ratio}")
     budget_options = {}
     if args.min_layer_share is not None:
-        if not 0 <= args.min_layer_share <= 1:
-            raise CliError(f"--min-layer-share must be in [0, 1], got {args.min_layer_share}")
-        if (args.budgets or RECIPES[args.method].budgets) != "global":
-            raise CliError("--min-layer-share applies to global budgets only")
+        try:
+            check_budget_options(args.budgets or RECIPES[args.method].budgets,
+                                 min_layer_share=args.min_layer_share)
+        except ValueError as error:
+            raise CliError(f"--min-layer-share: {error}") from None
         budget_options["min_layer_share"] = args.min_layer_share
     messages = _read_messages(Path(args.input))
     out = Path(args.out)

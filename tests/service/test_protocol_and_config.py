@@ -71,7 +71,7 @@ def test_config_from_env_names_the_bad_variable():
     assert mixed.auto_compact_queries == "repeat-prefill+surprise-quote"
     floor = ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_MIN_LAYER_SHARE": "0.3"})
     assert floor.auto_compact_min_layer_share == 0.3
-    with pytest.raises(ValueError, match="--auto-compact-min-layer-share.*global budgets.*not 'h2o\\+'"):
+    with pytest.raises(ValueError, match="--auto-compact-min-layer-share.*global budgets only.*method 'h2o\\+'"):
         ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_MIN_LAYER_SHARE": "0.3",
                                 "VLLM_COMPACTION_AUTO_COMPACT_METHOD": "h2o+"})
     with pytest.raises(ValueError, match="--auto-compact-min-layer-share.*less than or equal to 1"):

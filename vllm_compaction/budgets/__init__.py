@@ -9,6 +9,7 @@ import torch
 
 from vllm_compaction.budgets.allocate import (
     cap_and_fill,
+    check_budget_options,
     global_budgets,
     pyramid_budgets,
     shares_to_budgets,
@@ -21,6 +22,7 @@ __all__ = [
     "BUDGET_MODES",
     "Schedule",
     "cap_and_fill",
+    "check_budget_options",
     "global_budgets",
     "load_schedule",
     "packaged_schedule",
@@ -52,8 +54,7 @@ def resolve_budgets(
     ``scores`` is called only by ``global`` (it costs an off-policy query pass), and only
     ``global`` takes ``min_layer_share``.
     """
-    if min_layer_share and mode != "global":
-        raise ValueError(f"min_layer_share applies to budgets='global' only, not {mode!r}")
+    check_budget_options(mode, min_layer_share=min_layer_share)
     if mode == "uniform":
         budgets = uniform_budgets(ratio, n, layers, num_heads)
     elif mode == "global":

@@ -52,6 +52,21 @@ def uniform_budgets(ratio: float, n: int, layers: torch.Tensor, num_heads: int) 
     return cap_and_fill(_round_to_total(weights, total), n, layers)
 
 
+def check_budget_options(mode: str, *, min_layer_share: float | None = None) -> None:
+    """ValueError with one sentence unless the options suit budgets ``mode``.
+
+    The one place the rule lives: ``min_layer_share`` is a number in ``[0, 1]``, and anything
+    but 0 needs ``global`` budgets (the other modes have no global ranking to put a floor under).
+    """
+    if min_layer_share is None:
+        return
+    if isinstance(min_layer_share, bool) or not isinstance(min_layer_share, (int, float)) \
+            or not 0.0 <= min_layer_share <= 1.0:
+        raise ValueError(f"min_layer_share must be a number in [0, 1], got {min_layer_share!r}")
+    if min_layer_share and mode != "global":
+        raise ValueError(f"min_layer_share applies to global budgets only, not {mode!r}")
+
+
 def global_budgets(scores: list[torch.Tensor | None], ratio: float, n: int, *,
                    min_layer_share: float = 0.0) -> torch.Tensor:
     """KVzip's global selection: rank every (layer, head, key) score together, keep the top.
@@ -64,9 +79,7 @@ def global_budgets(scores: list[torch.Tensor | None], ratio: float, n: int, *,
             rest is ranked globally. Max attention gives the lower layers, whose attention is
             local and broad, few slots, and the question's tokens read the prefix through them.
     """
-    if isinstance(min_layer_share, bool) or not isinstance(min_layer_share, (int, float)) \
-            or not 0.0 <= min_layer_share <= 1.0:
-        raise ValueError(f"min_layer_share must be a number in [0, 1], got {min_layer_share!r}")
+    check_budget_options("global", min_layer_share=min_layer_share)
     layers = torch.tensor([s is not None for s in scores])
     num_heads = next(s.shape[0] for s in scores if s is not None)
     total = total_budget(ratio, n, layers, num_heads)

@@ -43,12 +43,14 @@ def check_queries(queries: str) -> str:
 
 def check_layer_share(method: str, min_layer_share: float | None) -> None:
     """ValueError unless ``min_layer_share`` is unset, 0, or used with a global-budget method."""
+    from vllm_compaction.budgets import check_budget_options
     from vllm_compaction.pipeline import RECIPES
 
-    if min_layer_share and RECIPES[method].budgets != "global":
-        raise ValueError(f"min_layer_share applies to methods with global budgets "
-                         f"({', '.join(m for m, r in RECIPES.items() if r.budgets == 'global')}), "
-                         f"not {method!r}")
+    try:
+        check_budget_options(RECIPES[method].budgets, min_layer_share=min_layer_share)
+    except ValueError as error:  # name the methods: API users choose a method, not a budget mode
+        global_methods = ", ".join(m for m, r in RECIPES.items() if r.budgets == "global")
+        raise ValueError(f"{error} (method {method!r}; methods with global budgets: {global_methods})") from None
 
 
 #: A compaction method name, checked against ``pipeline.RECIPES`` (requests and server flags).
