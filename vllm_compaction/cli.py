@@ -155,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--ratio", type=float)
     comp.add_argument("--target-tokens", type=int)
     comp.add_argument("--method", default="am-omp-fast")
-    comp.add_argument("--queries", help="query source override, e.g. repeat-prefill or a+b")
+    comp.add_argument("--queries", help="query source override, e.g. repeat-prefill, a+b, or a+b*4 "
+                      "(b's queries count 4 times in the fits)")
     comp.add_argument("--budgets", help="uniform | global | pyramid | schedule | FILE.json")
     comp.add_argument("--keep-last-tokens", type=int, default=0)
     comp.add_argument("--min-layer-share", type=float,

@@ -34,6 +34,34 @@ def test_collector_records_only_marked_rows_and_caps(tiny_llama):
         QueryCollector(tiny_llama, spec, plan, cap=0)
 
 
+def test_a_weight_counts_a_continuations_rows_as_if_it_ran_that_many_times(tiny_llama):
+    """``weights=[1, 3]`` gives the same rows (order aside) as running the second continuation
+    three times, on-policy layers included, and a capped mixture draws from the repeated rows."""
+    spec = _spec(tiny_llama)
+    conts = [[1, 2, 3, 4], [5, 6, 7]]
+    weighted = QueryCollector(tiny_llama, spec, QueryPlan(conts, [1, 0], weights=[1, 3]))
+    repeated = QueryCollector(tiny_llama, spec, QueryPlan([conts[0]] + [conts[1]] * 3, [1, 0, 0, 0]))
+
+    def drop_last(layer, queries):  # an on-policy swap, so later layers differ from off-policy
+        p = spec.kv.exact_prefix()[layer]
+        return type(p)(p.keys[:, :-5], p.values[:, :-5], p.bias[:, :-5], p.positions[:, :-5])
+
+    for on_layer in (None, drop_last):
+        ours = weighted.run(spec.kv.exact_prefix(), on_layer=on_layer)
+        theirs = repeated.run(spec.kv.exact_prefix(), on_layer=on_layer)
+        for a, b in zip(ours, theirs):
+            assert a.shape == b.shape == (2, (3 + 3 * 3) * 2, 16)
+            torch.testing.assert_close(a.sort(dim=1).values, b.sort(dim=1).values, rtol=0, atol=1e-6)
+    scored = weighted.run_scored(spec.kv.exact_prefix())[1]  # a max: repeats change nothing
+    plain = QueryCollector(tiny_llama, spec, QueryPlan(conts, [1, 0])).run_scored(spec.kv.exact_prefix())[1]
+    for a, b in zip(scored, plain):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="weights"):
+        QueryPlan(conts, [0, 0], weights=[1, 0])
+    with pytest.raises(ValueError, match="context-prefill"):
+        QueryPlan(prefix_queries=True).weighted(2)
+
+
 def test_probe_scores_are_weights_of_the_full_softmax_of_each_probe(tiny_llama):
     """``run_scored``: every prefix key's largest weight, over the recorded rows of the packed
     probes, in the softmax each probe row has when it runs alone after the whole prefix."""
@@ -93,6 +121,12 @@ def test_parse_sources_mixture_and_errors():
     assert names == ["self-study", "repeat-prefill", "quote-prefill"]
     with pytest.raises(ValueError, match="unknown query source"):
         parse_sources("repeat-prefill+telepathy")
+    weighted = parse_sources("repeat-prefill+surprise-quote*4")
+    assert [s.name for s in weighted] == ["repeat-prefill", "surprise-quote*4"] and weighted[1].weight == 4
+    assert parse_sources("surprise-quote*1")[0].name == "surprise-quote"
+    for bad in ("surprise-quote*0", "surprise-quote*", "surprise-quote*two", "surprise-quote*17"):
+        with pytest.raises(ValueError, match="weight is an integer"):
+            parse_sources(bad)
 
 
 @pytest.mark.slow

@@ -21,6 +21,10 @@ from vllm_compaction.service.protocol import CompactRequest, normalize_messages
     ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "nope"}, "queries"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill+nope"}, "joined by '+'"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill+repeat-prefill"}, "each once"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill+repeat-prefill*2"}, "each once"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "surprise-quote*0"}, "weight is an integer"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "context-prefill*2"}, "sources that run probes"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "mix*2"}, "sources that run probes"),
     ({"model": "m", "prompt": "x", "messages": [], "ratio": 0.5}, "not both"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "keep_last_tokens": -1}, "greater than or equal to 0"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "surprise": 1}, "Extra inputs"),
@@ -42,6 +46,9 @@ def test_compact_request_defaults_and_query_names():
     mixed = req.model_copy(update={"queries": "repeat-prefill+surprise-quote"})
     assert mixed.query_source() == "repeat-prefill+surprise-quote"
     assert req.model_copy(update={"queries": "mix+repeat-prefill"}).query_source() == "self-study+repeat-prefill"
+    weighted = CompactRequest.model_validate({"model": "m", "prompt": "x", "ratio": 0.5,
+                                              "queries": "repeat-prefill+surprise-quote*4"})
+    assert weighted.query_source() == "repeat-prefill+surprise-quote*4"  # the pipeline parses the weight
 
 
 def test_normalize_messages():

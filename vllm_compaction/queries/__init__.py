@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vllm_compaction.queries.base import PrefixSpec, QueryPlan, QuerySource
 from vllm_compaction.queries.collect import DEFAULT_QUERY_CAP, QueryCollector
 from vllm_compaction.queries.context_prefill import ContextPrefill
@@ -18,7 +20,9 @@ __all__ = [
     "QueryCollector",
     "QueryPlan",
     "QuerySource",
+    "Weighted",
     "parse_sources",
+    "split_weight",
 ]
 
 QUERY_SOURCES: dict[str, type] = {
@@ -27,12 +31,42 @@ QUERY_SOURCES: dict[str, type] = {
 }
 
 
+MAX_SOURCE_WEIGHT = 16
+
+
+def split_weight(part: str) -> tuple[str, int]:
+    """``"surprise-quote*4"`` -> ``("surprise-quote", 4)``; no ``*`` means weight 1."""
+    name, star, weight = part.strip().partition("*")
+    if not star:
+        return name.strip(), 1
+    if not weight.strip().isdigit() or not 1 <= int(weight) <= MAX_SOURCE_WEIGHT:
+        raise ValueError(f"a query source's weight is an integer from 1 to {MAX_SOURCE_WEIGHT} "
+                         f"after '*', got {part.strip()!r}")
+    return name.strip(), int(weight)
+
+
+@dataclass(frozen=True)
+class Weighted:
+    """A source whose recorded queries each count ``weight`` times (``name*weight`` in a spec)."""
+
+    source: QuerySource
+    weight: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.source.name}*{self.weight}"
+
+    def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
+        return self.source.plan(adapter, prefix).weighted(self.weight)
+
+
 def parse_sources(spec: str) -> list[QuerySource]:
-    """``"self-study+repeat-prefill"`` -> source instances (a ``+`` joins a mixture)."""
-    names = [part.strip() for part in spec.split("+") if part.strip()]
-    if not names:
+    """``"repeat-prefill+surprise-quote*4"`` -> source instances (a ``+`` joins a mixture; a
+    ``*k`` counts that source's queries k times in the fits)."""
+    parts = [split_weight(part) for part in spec.split("+") if part.strip()]
+    if not parts:
         raise ValueError("empty query source; choose from " + ", ".join(QUERY_SOURCES))
-    unknown = [n for n in names if n not in QUERY_SOURCES]
+    unknown = [n for n, _ in parts if n not in QUERY_SOURCES]
     if unknown:
         raise ValueError(f"unknown query source {unknown[0]!r}; choose from {', '.join(QUERY_SOURCES)}")
-    return [QUERY_SOURCES[n]() for n in names]
+    return [QUERY_SOURCES[n]() if w == 1 else Weighted(QUERY_SOURCES[n](), w) for n, w in parts]

@@ -8,6 +8,7 @@ which is what lets on-policy compaction happen layer by layer inside that single
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -50,27 +51,43 @@ class QueryPlan:
         continuations: token sequences run after the prefix (positions T, T+1, ...), each
             attending to the prefix and to itself only.
         record_from: per continuation, the offset from which its queries are recorded.
+        weights: per continuation, how many times each recorded query counts (default 1):
+            a row counted ``w`` times weighs ``w`` in the least-squares fits of beta and values
+            and in the rms key scores, exactly as if the continuation had run ``w`` times.
         prefix_queries: include the prefix's own queries (context-prefill).
         random_vectors: random query vectors per KV head, scaled to the head's query norm.
-        weight: relative share of this source when a mixture is capped.
     """
 
     continuations: list[list[int]] = field(default_factory=list)
     record_from: list[int] = field(default_factory=list)
+    weights: list[int] | None = None
     prefix_queries: bool = False
     random_vectors: int = 0
 
     def __post_init__(self) -> None:
         if len(self.record_from) != len(self.continuations):
             raise ValueError("record_from needs one offset per continuation")
+        if self.weights is None:
+            self.weights = [1] * len(self.continuations)
+        if len(self.weights) != len(self.continuations) or any(
+                isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in self.weights):
+            raise ValueError("weights needs one integer >= 1 per continuation")
 
     def merge(self, other: "QueryPlan") -> "QueryPlan":
         return QueryPlan(
             continuations=self.continuations + other.continuations,
             record_from=self.record_from + other.record_from,
+            weights=self.weights + other.weights,
             prefix_queries=self.prefix_queries or other.prefix_queries,
             random_vectors=self.random_vectors + other.random_vectors,
         )
+
+    def weighted(self, weight: int) -> "QueryPlan":
+        """This plan with every continuation's weight multiplied by ``weight``."""
+        if self.prefix_queries or self.random_vectors:
+            raise ValueError("a weight applies to sources that run continuations, not to "
+                             "context-prefill or random-vectors")
+        return dataclasses.replace(self, weights=[w * weight for w in self.weights])
 
 
 class QuerySource(Protocol):

@@ -33,16 +33,19 @@ class QueryCollector:
         if cap <= 0:
             raise ValueError(f"the per-head query cap must be positive, got {cap}")
         self.adapter, self.prefix, self.plan, self.cap, self.seed = adapter, prefix, plan, cap, seed
-        ids, positions, segments, record = [], [], [], []
-        for seg, (cont, start) in enumerate(zip(plan.continuations, plan.record_from)):
+        ids, positions, segments, repeats = [], [], [], []
+        for seg, (cont, start, weight) in enumerate(zip(plan.continuations, plan.record_from, plan.weights)):
             ids += cont
             positions += range(prefix.length, prefix.length + len(cont))
             segments += [seg] * len(cont)
-            record += [i >= start for i in range(len(cont))]
+            repeats += [weight if i >= start else 0 for i in range(len(cont))]
         self.ids = torch.tensor(ids, dtype=torch.long)
         self.positions = torch.tensor(positions, dtype=torch.long)
         self.segments = torch.tensor(segments, dtype=torch.long)
-        self.record = torch.tensor(record, dtype=torch.bool)
+        # how many rows each continuation token's queries become (0: not recorded); a weight is
+        # a repeat of rows, not a second run: the run's queries would be identical
+        self.repeats = torch.tensor(repeats, dtype=torch.long)
+        self.record = self.repeats > 0
 
     @property
     def num_continuation_tokens(self) -> int:
@@ -70,10 +73,12 @@ class QueryCollector:
         return parts
 
     def _recorded(self, pooled: torch.Tensor) -> torch.Tensor:
-        """``[H, G*L, d]`` pooled run queries -> ``[H, G*m, d]`` rows marked for recording."""
+        """``[H, G*L, d]`` pooled run queries -> ``[H, G*m, d]`` recorded rows, each repeated
+        by its continuation's weight."""
         h, gl, d = pooled.shape
-        length = self.record.numel()
-        grouped = pooled.reshape(h, gl // length, length, d)[:, :, self.record]
+        length = self.repeats.numel()
+        # a repeat count of 0 drops the row
+        grouped = pooled.reshape(h, gl // length, length, d).repeat_interleave(self.repeats, dim=2)
         return grouped.reshape(h, -1, d).float()
 
     def combine(self, layer: int, pooled: torch.Tensor | None) -> torch.Tensor:

@@ -18,9 +18,10 @@ __all__ = [
 ]
 
 QUERY_SOURCES = ("repeat-prefill", "surprise-quote", "quote-prefill", "context-prefill", "self-study", "mix")
-"""The query sources the API accepts, alone or joined by ``+`` (``repeat-prefill+surprise-quote``);
-``mix`` is self-study plus repeat-prefill."""
+"""The query sources the API accepts, alone or joined by ``+`` (``repeat-prefill+surprise-quote``),
+each optionally weighted (``surprise-quote*4``); ``mix`` is self-study plus repeat-prefill."""
 _QUERY_ALIASES = {"mix": "self-study+repeat-prefill"}
+_UNWEIGHTED = ("context-prefill", "mix")  # the prefix's own queries; an alias (weight its parts)
 
 
 def check_method(method: str) -> str:
@@ -33,11 +34,18 @@ def check_method(method: str) -> str:
 
 
 def check_queries(queries: str) -> str:
-    """``queries`` unchanged if it names API query sources, alone or joined by '+' (each once)."""
-    parts = queries.split("+")
-    if any(p not in QUERY_SOURCES for p in parts) or len(set(parts)) != len(parts):
+    """``queries`` unchanged if it names API query sources, alone or joined by '+' (each once),
+    each optionally weighted as ``name*k`` (its queries count k times in the fits)."""
+    from vllm_compaction.queries import split_weight
+
+    parts = [split_weight(p) for p in queries.split("+")]  # ValueError for a bad weight
+    names = [name for name, _ in parts]
+    if any(n not in QUERY_SOURCES for n in names) or len(set(names)) != len(names):
         raise ValueError(f"queries must be one of {', '.join(QUERY_SOURCES)} or several joined by '+' "
-                         f"(each once), got {queries!r}")
+                         f"(each once, optionally weighted as name*k), got {queries!r}")
+    static = [n for n, w in parts if w > 1 and n in _UNWEIGHTED]
+    if static:
+        raise ValueError(f"a weight (*k) applies to sources that run probes, not to {static[0]!r}")
     return queries
 
 
