@@ -127,6 +127,9 @@ def test_parse_sources_mixture_and_errors():
     for bad in ("surprise-quote*0", "surprise-quote*", "surprise-quote*two", "surprise-quote*17"):
         with pytest.raises(ValueError, match="weight is an integer"):
             parse_sources(bad)
+    for static in ("context-prefill*2", "repeat-prefill+random-vectors*3"):  # refused when parsed
+        with pytest.raises(ValueError, match="sources that run probes"):
+            parse_sources(static)
 
 
 @pytest.mark.slow

@@ -69,4 +69,7 @@ def parse_sources(spec: str) -> list[QuerySource]:
     unknown = [n for n, _ in parts if n not in QUERY_SOURCES]
     if unknown:
         raise ValueError(f"unknown query source {unknown[0]!r}; choose from {', '.join(QUERY_SOURCES)}")
+    static = [n for n, w in parts if w > 1 and not getattr(QUERY_SOURCES[n], "runs_probes", True)]
+    if static:
+        raise ValueError(f"a weight (*k) applies to sources that run probes, not to {static[0]!r}")
     return [QUERY_SOURCES[n]() if w == 1 else Weighted(QUERY_SOURCES[n](), w) for n, w in parts]

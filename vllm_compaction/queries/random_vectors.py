@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from vllm_compaction.queries.base import PrefixSpec, QueryPlan
 
@@ -12,6 +13,7 @@ __all__ = ["RandomVectors"]
 @dataclass
 class RandomVectors:
     name: str = "random-vectors"
+    runs_probes: ClassVar[bool] = False  # its queries need no run, so they take no weight
     count: int = 4096
 
     def __post_init__(self) -> None:

@@ -21,7 +21,6 @@ QUERY_SOURCES = ("repeat-prefill", "surprise-quote", "quote-prefill", "context-p
 """The query sources the API accepts, alone or joined by ``+`` (``repeat-prefill+surprise-quote``),
 each optionally weighted (``surprise-quote*4``); ``mix`` is self-study plus repeat-prefill."""
 _QUERY_ALIASES = {"mix": "self-study+repeat-prefill"}
-_UNWEIGHTED = ("context-prefill", "mix")  # the prefix's own queries; an alias (weight its parts)
 
 
 def check_method(method: str) -> str:
@@ -36,16 +35,18 @@ def check_method(method: str) -> str:
 def check_queries(queries: str) -> str:
     """``queries`` unchanged if it names API query sources, alone or joined by '+' (each once),
     each optionally weighted as ``name*k`` (its queries count k times in the fits)."""
-    from vllm_compaction.queries import split_weight
+    from vllm_compaction.queries import parse_sources, split_weight
 
     parts = [split_weight(p) for p in queries.split("+")]  # ValueError for a bad weight
     names = [name for name, _ in parts]
     if any(n not in QUERY_SOURCES for n in names) or len(set(names)) != len(names):
         raise ValueError(f"queries must be one of {', '.join(QUERY_SOURCES)} or several joined by '+' "
                          f"(each once, optionally weighted as name*k), got {queries!r}")
-    static = [n for n, w in parts if w > 1 and n in _UNWEIGHTED]
-    if static:
-        raise ValueError(f"a weight (*k) applies to sources that run probes, not to {static[0]!r}")
+    aliases = [n for n, w in parts if w > 1 and n in _QUERY_ALIASES]
+    if aliases:
+        raise ValueError(f"a weight (*k) applies to sources that run probes, not to the alias {aliases[0]!r}; "
+                         f"weight its parts ({_QUERY_ALIASES[aliases[0]]})")
+    parse_sources(expand_queries(queries))  # the library's own refusals (a weight on context-prefill)
     return queries
 
 
