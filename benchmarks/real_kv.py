@@ -46,6 +46,7 @@ def main() -> None:
         "keys": [kv.keys[i][:, mask].contiguous() for i in layers],
         "values": [kv.values[i][:, mask].contiguous() for i in layers],
         "queries": [queries[i].contiguous() for i in layers],
+        "query_weights": [prepared.collector.weights(i) for i in layers],  # None unless a source is weighted
         "queries_s": seconds / (adapter.num_layers * adapter.num_kv_heads),
         "meta": {"model": args.model, "tokens": int(mask.sum()), "layers": layers, "queries": args.queries,
                  "scales": [adapter.layer_scales()[i] for i in layers]},

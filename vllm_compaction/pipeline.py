@@ -310,7 +310,7 @@ def compact_prepared(
         for chunk, budgets_of_chunk in zip(chunks, chunk_budgets):
             parts.append(compact_heads(keys[:, chunk], values[:, chunk], layer_queries, budgets_of_chunk[layer],
                                        method=recipe.math, scale=scales[layer], positions=positions[chunk],
-                                       **options))
+                                       query_weights=prepared.collector.weights(layer), **options))
         compacted[layer] = CompactedHeads.concat_slots(parts)
         fit_time[0] += time.perf_counter() - start
         k, beta, v, idx = compacted[layer].padded()

@@ -171,6 +171,25 @@ def test_heads_of_very_different_budgets_are_not_padded_together():
     _assert_heads_equal(together, _stack(alone))
 
 
+@pytest.mark.parametrize("method", AM_PRESETS + ["h2o+", "kvzip"])
+def test_query_weights_equal_repeating_the_rows(method):
+    """Integer ``query_weights`` give what repeating each query that many times gives: the same
+    kept keys, beta and values (the scores, the NNLS, OMP and the value fit all weigh rows);
+    per-head weights too, and a common factor changes nothing."""
+    keys, values, queries = _inputs(8)
+    gen = torch.Generator().manual_seed(8)
+    weights = torch.randint(1, 5, (H, N), generator=gen)
+    budgets = [6, 12, T, 20]
+    repeated = [compact_heads(keys[h : h + 1], values[h : h + 1], queries[h : h + 1].repeat_interleave(weights[h], 1),
+                              [t], method=method) for h, t in enumerate(budgets)]
+    weighted = compact_heads(keys, values, queries, budgets, method=method, query_weights=weights.float())
+    _assert_heads_equal(weighted, _stack(repeated), tol=2e-3)
+    scaled = compact_heads(keys, values, queries, budgets, method=method, query_weights=3.0 * weights)
+    _assert_heads_equal(weighted, scaled)
+    ones = compact_heads(keys, values, queries, budgets, method=method, query_weights=torch.ones(N))
+    _assert_heads_equal(ones, compact_heads(keys, values, queries, budgets, method=method))
+
+
 def test_timings_are_reported():
     keys, values, queries = _inputs(5)
     timings: dict[str, float] = {}
@@ -201,6 +220,10 @@ BAD_CALLS = {
     "beta_bounds reversed": (dict(method="am-highest-attn", beta_bounds="3:-3"), "beta_bounds"),
     "beta_bounds not numbers": (dict(method="am-highest-attn", beta_bounds="low:high"), "beta_bounds"),
     "beta_bounds three": (dict(method="am-highest-attn", beta_bounds=(1, 2, 3)), "beta_bounds"),
+    "query_weights shape": (dict(query_weights=torch.ones(N + 1)), "query_weights"),
+    "query_weights zero": (dict(query_weights=torch.zeros(N)), "positive"),
+    "query_weights nan": (dict(query_weights=torch.full((H, N), float("nan"))), "positive"),
+    "query_weights bool": (dict(query_weights=torch.ones(N, dtype=torch.bool)), "query_weights"),
 }
 
 

@@ -44,6 +44,7 @@ AGGREGATIONS = ("rms", "mean", "max")
 #: Bytes of logits per head held at once by the query-chunked passes (fits in L2/L3).
 CHUNK_BYTES_PER_HEAD = 2 << 20
 LN_2 = math.log(2.0)
+TINY = torch.finfo(torch.float32).tiny
 LOG2_E = 1.0 / LN_2
 #: Fewest query rows per block when ``row_split`` cuts a head's chunk for thread balance.
 MIN_SPLIT_ROWS = 64
@@ -106,6 +107,23 @@ class ReferenceAttention:
         """``[H, n]`` log of the (unshifted) attention mass."""
         return self.shift + self.mass.log()
 
+    def weighted_rows(self, row_scale: torch.Tensor) -> ReferenceAttention:
+        """The same statistics with query ``i`` counted ``w_i = row_scale_i^2`` times by every
+        least-squares fit over the shifted features and mass (the beta fit, OMP).
+
+        A query's shift is arbitrary (its row of the fits is only defined up to it), so
+        lowering it by ``log row_scale_i`` scales the row's shifted features and mass by
+        ``row_scale_i``, which weighs its squared residual by ``w_i``: the same normal equations
+        as ``w_i`` copies of the row. ``row_scale [H, n]`` in ``(0, 1]`` keeps the features in
+        ``[0, 1]`` (OMP's half-precision range). The kept feature matrix is scaled in place;
+        outputs and scores are shared (the value fit normalises its rows, so it takes the
+        scale itself, and the scores were weighted in the pass).
+        """
+        if self.features is not None:
+            self.features.mul_(row_scale[:, None, :].to(self.features.dtype))
+        return ReferenceAttention(shift=self.shift - row_scale.log(), mass=self.mass * row_scale,
+                                  output=self.output, scores=self.scores, features=self.features)
+
 
 def row_split(num_heads: int, rows: int, device: torch.device | str = "cpu") -> int:
     """Blocks to cut each head's rows into, so that a GEMM batched over heads has a multiple of
@@ -157,6 +175,7 @@ def reference_attention(
     scale: float,
     aggregation: str | None = None,
     keep_features: bool = False,
+    query_weights: torch.Tensor | None = None,
 ) -> ReferenceAttention:
     """One chunked pass of the original attention: mass, outputs, key scores, features.
 
@@ -175,6 +194,9 @@ def reference_attention(
         ``softmax(l)`` over queries into per-key scores, or ``None`` to skip scoring.
     keep_features : keep the whole shifted-feature matrix, key-major ``[H, T, n]`` in
         ``FEATURE_DTYPE``.
+    query_weights : ``[H, n]`` positive weight of each query in the ``rms`` and ``mean``
+        scores (a weighted mean over queries, as if query ``i`` were there ``w_i`` times);
+        ``None`` weighs every query 1. A ``max`` ignores them.
     """
     if aggregation is not None and aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
@@ -191,6 +213,7 @@ def reference_attention(
     # keys and values repeated once per row block: tiny next to the logits
     kt_rep = repeat_heads(kt, split)
     v_rep = repeat_heads(values, split) if values is not None else None
+    weighted = query_weights is not None and aggregation in ("rms", "mean")
     acc = keys.new_zeros(h, split, t)  # score accumulators, one per row block
     scratch = keys.new_empty(h * rows * t)
     for sl in chunks:
@@ -207,14 +230,17 @@ def reference_attention(
             torch.maximum(acc[:, :1], p.mul_(inv_m).amax(1, keepdim=True), out=acc[:, :1])
         elif aggregation is not None:
             weight, p = (inv_m, p) if aggregation == "mean" else (inv_m.square(), p.square_())
+            if weighted:
+                weight = weight * query_weights[:, sl, None]
             blocks = split if c % split == 0 else 1  # the per-block GEMVs are balanced too
             acc_view = acc.view(h * split, 1, t) if blocks > 1 else acc[:, :1]
             acc_view.baddbmm_(weight.reshape(h * blocks, 1, c // blocks), p.view(h * blocks, c // blocks, t))
     scores = acc.sum(1)
+    count = query_weights.sum(1, keepdim=True).float().clamp_min(TINY) if weighted else max(n, 1)
     if aggregation == "rms":
-        scores = scores.div_(max(n, 1)).sqrt_()
+        scores = scores.div_(count).sqrt_()
     elif aggregation == "mean":
-        scores = scores.div_(max(n, 1))
+        scores = scores.div_(count)
     return ReferenceAttention(
         shift=shift, mass=mass, output=output, scores=scores if aggregation else None, features=features
     )

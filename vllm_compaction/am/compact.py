@@ -47,6 +47,21 @@ def _check_inputs(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
         raise ValueError(f"queries must be [H, n, d] matching keys {tuple(keys.shape)}, got {tuple(queries.shape)}")
 
 
+def _check_query_weights(weights: torch.Tensor | None, queries: torch.Tensor) -> torch.Tensor | None:
+    """``[H, n]`` float32 weights scaled to a largest weight of 1 per head (a common factor
+    changes no fit), or ``None``."""
+    if weights is None:
+        return None
+    h, n, _ = queries.shape
+    w = torch.as_tensor(weights, device=queries.device)
+    if w.shape not in ((n,), (h, n)) or w.dtype == torch.bool or w.is_complex():
+        raise ValueError(f"query_weights must be [n={n}] or [H={h}, n={n}] numbers, got {tuple(w.shape)} {w.dtype}")
+    w = w.float().expand(h, n)
+    if n and not (torch.isfinite(w).all() and (w > 0).all()):
+        raise ValueError("query_weights must be finite and positive")
+    return w / w.amax(-1, keepdim=True) if n else w
+
+
 def _check_budgets(budget: int | Sequence[int] | torch.Tensor, num_heads: int, total: int) -> torch.Tensor:
     """``[H]`` int64 CPU budgets, each in ``[0, T]``."""
     if isinstance(budget, bool) or (isinstance(budget, float) and not budget.is_integer()):
@@ -113,9 +128,11 @@ def _compact_group(
     scale: float,
     memory_limit: int,
     clock: dict[str, float],
+    weights: torch.Tensor | None,
 ) -> Selection:
     """Compact fp32 heads with ``0 < t_h < T``: kept indices with their fitted (or selector-
-    given, or zero) ``beta`` and values, padded to the group's ``t_max``."""
+    given, or zero) ``beta`` and values, padded to the group's ``t_max``. ``weights [H, n]``
+    (largest 1) count each query that many times in the scores and every fit."""
     start = time.perf_counter()
     ref = None
     if plan.needs_reference:
@@ -126,7 +143,11 @@ def _compact_group(
             scale=scale,
             aggregation=plan.selector.score_aggregation,
             keep_features=plan.selector.needs_features,
+            query_weights=weights,
         )
+    row_scale = None if weights is None or ref is None else weights.sqrt()
+    if row_scale is not None:
+        ref = ref.weighted_rows(row_scale)
     clock["reference_s"] += (mark := time.perf_counter()) - start
     sel = plan.selector.select(SelectionProblem(keys, values, queries, scale, budgets, ref))
     if ref is not None:
@@ -149,7 +170,8 @@ def _compact_group(
     if plan.fit.values == "direct" or plan.fit.value_anchor:
         original = values.gather(1, sel.indices[..., None].expand(h, t_max, values.shape[-1]))
     if plan.fit.values == "lstsq":
-        fitted = fit_values(features, beta, ref.output, valid, anchor=original, anchor_weight=plan.fit.value_anchor)
+        fitted = fit_values(features, beta, ref.output, valid, anchor=original, anchor_weight=plan.fit.value_anchor,
+                            row_scale=row_scale)
     elif plan.fit.values == "selector":
         fitted = sel.values
     else:
@@ -182,6 +204,7 @@ def compact_heads(
     positions: torch.Tensor | None = None,
     memory_limit: int = DEFAULT_MEMORY_LIMIT,
     timings: dict[str, float] | None = None,
+    query_weights: torch.Tensor | None = None,
     **options: Any,
 ) -> CompactedHeads:
     """Compact ``H`` KV heads to ``t_h`` slots each by Attention Matching or a baseline.
@@ -200,6 +223,9 @@ def compact_heads(
     positions : ``[T]`` int64 original positions reported as ``indices`` (default ``0..T-1``).
     memory_limit : bytes allowed for large intermediates (query chunking, head groups).
     timings : a dict to fill with the wall-clock seconds of each stage (``STAGES``).
+    query_weights : ``[n]`` or ``[H, n]`` positive weights: query ``i`` counts ``w_i`` times
+        in the key scores (rms, mean), the beta fit, OMP and the value fit, exactly as if its
+        row were repeated ``w_i`` times (integer weights), at the cost of one row.
     **options : overrides of the preset: selector fields (``aggregation``, ``pool_kernel``,
         ``keys_per_step``, ``refit_interval``, ``seed``, ``keep``, ``sigma``...), fit fields
         (``beta``, ``beta_bounds``, ``beta_iters``, ``values``) or ``selector``.
@@ -212,6 +238,7 @@ def compact_heads(
     _check_inputs(keys, values, queries)
     h, total, d = keys.shape
     budgets = _check_budgets(budget, h, total)
+    weights = _check_query_weights(query_weights, queries)
     pos = _check_positions(positions, total, keys.device)
     plan = resolve_method(method, options)
     scale = resolve_scale(scale, d)
@@ -234,7 +261,7 @@ def compact_heads(
     for group in _head_groups(work.to(dev), budgets, per_head, memory_limit):
         fitted = _compact_group(
             keys[group].float(), values[group].float(), queries[group].float(),
-            lengths[group], plan, scale, memory_limit, clock,
+            lengths[group], plan, scale, memory_limit, clock, None if weights is None else weights[group],
         )  # fmt: skip
         width = fitted.indices.shape[1]
         idx[group, :width], beta[group, :width] = fitted.indices, fitted.beta

@@ -281,8 +281,13 @@ def fit_beta(
 
 
 def fit_values(features: SelectedFeatures, beta: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, *,
-               anchor: torch.Tensor | None = None, anchor_weight: float = 0.0) -> torch.Tensor:
+               anchor: torch.Tensor | None = None, anchor_weight: float = 0.0,
+               row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Least-squares values for kept keys with biases ``beta [H, t]`` onto ``targets [H, n, d]``.
+
+    ``row_scale [H, n]`` weighs query ``i``'s squared error by ``row_scale_i^2`` (its rows of
+    ``X`` and ``Y`` are scaled after ``X`` is normalised; the features' own row scale cancels
+    in that normalisation).
 
     With ``anchor [H, t, d]`` (the kept keys' original values) and ``anchor_weight = lam > 0``
     the fit is ``min ||X C - Y||^2 + lam * g ||C - anchor||^2``, ``g`` the mean diagonal of
@@ -299,7 +304,11 @@ def fit_values(features: SelectedFeatures, beta: torch.Tensor, targets: torch.Te
         total = x.sum(-1, keepdim=True)
         # a row with no feature left (every kept key > ~100 nats below the max) weighs nothing
         x.div_(torch.where(total > 0, total, torch.inf))
-        sums.add(x, targets[:, sl].to(GRAM_DTYPE))
+        y = targets[:, sl].to(GRAM_DTYPE)
+        if row_scale is not None:
+            scale = row_scale[:, sl, None].to(GRAM_DTYPE)
+            x, y = x.mul_(scale), y * scale
+        sums.add(x, y)
     gram, rhs = sums.sums()
     if anchor is not None and anchor_weight > 0:
         diag = torch.where(valid, gram.diagonal(dim1=1, dim2=2), 0.0)

@@ -53,7 +53,9 @@ class QueryPlan:
         record_from: per continuation, the offset from which its queries are recorded.
         weights: per continuation, how many times each recorded query counts (default 1):
             a row counted ``w`` times weighs ``w`` in the least-squares fits of beta and values
-            and in the rms key scores, exactly as if the continuation had run ``w`` times.
+            (and OMP) and in the rms key scores, exactly as if the continuation had run ``w``
+            times. The row is recorded once; ``QueryCollector.weights`` hands the weight to
+            ``compact_heads(query_weights=)``.
         prefix_queries: include the prefix's own queries (context-prefill).
         random_vectors: random query vectors per KV head, scaled to the head's query norm.
     """

@@ -33,19 +33,20 @@ class QueryCollector:
         if cap <= 0:
             raise ValueError(f"the per-head query cap must be positive, got {cap}")
         self.adapter, self.prefix, self.plan, self.cap, self.seed = adapter, prefix, plan, cap, seed
-        ids, positions, segments, repeats = [], [], [], []
+        ids, positions, segments, token_weights = [], [], [], []
         for seg, (cont, start, weight) in enumerate(zip(plan.continuations, plan.record_from, plan.weights)):
             ids += cont
             positions += range(prefix.length, prefix.length + len(cont))
             segments += [seg] * len(cont)
-            repeats += [weight if i >= start else 0 for i in range(len(cont))]
+            token_weights += [weight if i >= start else 0 for i in range(len(cont))]
         self.ids = torch.tensor(ids, dtype=torch.long)
         self.positions = torch.tensor(positions, dtype=torch.long)
         self.segments = torch.tensor(segments, dtype=torch.long)
-        # how many rows each continuation token's queries become (0: not recorded); a weight is
-        # a repeat of rows, not a second run: the run's queries would be identical
-        self.repeats = torch.tensor(repeats, dtype=torch.long)
-        self.record = self.repeats > 0
+        # how many times each continuation token's queries count in the fits (0: not recorded);
+        # a weight is carried to the fits (``weights``), not a second run: its queries would be
+        # identical
+        self.token_weights = torch.tensor(token_weights, dtype=torch.long)
+        self.record = self.token_weights > 0
 
     @property
     def num_continuation_tokens(self) -> int:
@@ -73,24 +74,42 @@ class QueryCollector:
         return parts
 
     def _recorded(self, pooled: torch.Tensor) -> torch.Tensor:
-        """``[H, G*L, d]`` pooled run queries -> ``[H, G*m, d]`` recorded rows, each repeated
-        by its continuation's weight."""
+        """``[H, G*L, d]`` pooled run queries -> ``[H, G*m, d]`` recorded rows (GQA group
+        outer, token inner)."""
         h, gl, d = pooled.shape
-        length = self.repeats.numel()
-        # a repeat count of 0 drops the row
-        grouped = pooled.reshape(h, gl // length, length, d).repeat_interleave(self.repeats, dim=2)
-        return grouped.reshape(h, -1, d).float()
+        length = self.record.numel()
+        return pooled.reshape(h, gl // length, length, d)[:, :, self.record].reshape(h, -1, d).float()
+
+    def _capped(self, layer: int, rows: int) -> torch.Tensor | None:
+        """Sorted indices of the ``cap`` rows a layer keeps out of ``rows`` (uniform, seeded by
+        the layer), or ``None`` when all fit."""
+        if rows <= self.cap:
+            return None
+        gen = torch.Generator().manual_seed(self.seed * 1000 + layer)
+        return torch.randperm(rows, generator=gen)[: self.cap].sort().values
 
     def combine(self, layer: int, pooled: torch.Tensor | None) -> torch.Tensor:
         parts = self._static(layer) + ([self._recorded(pooled)] if pooled is not None else [])
         if not parts:
             raise ValueError("the query plan produced no reference queries")
         queries = torch.cat(parts, dim=1)
-        if queries.shape[1] > self.cap:
-            gen = torch.Generator().manual_seed(self.seed * 1000 + layer)
-            keep = torch.randperm(queries.shape[1], generator=gen)[: self.cap].sort().values
-            queries = queries[:, keep]
-        return queries
+        keep = self._capped(layer, queries.shape[1])
+        return queries if keep is None else queries[:, keep]
+
+    def weights(self, layer: int) -> torch.Tensor | None:
+        """``[n]`` float32 weight of each of ``layer``'s reference queries (``combine``'s rows):
+        how many times the fits count it, the weight of its source. ``None`` when every row
+        counts once."""
+        if not (self.token_weights > 1).any():
+            return None
+        static = self.plan.random_vectors or 0
+        if self.plan.prefix_queries:
+            static += self.prefix.kv.queries[layer].shape[1]
+        group = self.adapter.num_q_heads // self.adapter.num_kv_heads
+        recorded = self.token_weights[self.record].repeat(group)  # the rows' order in _recorded
+        rows = torch.cat([torch.ones(static, dtype=torch.long), recorded]).float()
+        keep = self._capped(layer, rows.numel())
+        return rows if keep is None else rows[keep]
 
     def run(self, prefix: list[PrefixLayer | None], on_layer: OnLayer | None = None) -> list[torch.Tensor]:
         """Each layer's reference queries; ``on_layer`` may swap in that layer's compacted prefix."""
