@@ -307,10 +307,11 @@ def compact_prepared(
             return None
         start = time.perf_counter()
         parts = [CompactedHeads.exact(keys[:, ~mask], values[:, ~mask], positions[~mask])]
+        query_weights = prepared.collector.weights(layer)
         for chunk, budgets_of_chunk in zip(chunks, chunk_budgets):
             parts.append(compact_heads(keys[:, chunk], values[:, chunk], layer_queries, budgets_of_chunk[layer],
                                        method=recipe.math, scale=scales[layer], positions=positions[chunk],
-                                       query_weights=prepared.collector.weights(layer), **options))
+                                       query_weights=query_weights, **options))
         compacted[layer] = CompactedHeads.concat_slots(parts)
         fit_time[0] += time.perf_counter() - start
         k, beta, v, idx = compacted[layer].padded()
