@@ -338,7 +338,7 @@ def attention_output_and_mass(
             logits += bias
         p, s = _shifted_exp_(logits)
         m = p.sum(-1, keepdim=True)
-        output[:, sl] = torch.bmm(p, v) / m.clamp_min(torch.finfo(torch.float32).tiny)
+        output[:, sl] = torch.bmm(p, v) / m.clamp_min(TINY)
         log_mass[:, sl] = (s + m.log())[..., 0]
     return AttentionResult(output, log_mass)
 

@@ -240,11 +240,12 @@ def _compact_grid(adapter: ModelAdapter, ctx: LossContext, ratios: list[float], 
         keys, values = kv.keys[layer], kv.values[layer]
         exact = CompactedHeads.exact(keys[:, ~mask], values[:, ~mask], positions[~mask])
         grid[layer] = []
+        query_weights = prepared.collector.weights(layer)
         for i, ratio in enumerate(ratios):
             budget = base_budgets[layer] if i == base_index else min(n, round(ratio * n))
             heads = compact_heads(keys[:, mask], values[:, mask], layer_queries, budget, method=recipe.math,
                                   scale=scales[layer], positions=positions[mask],
-                                  query_weights=prepared.collector.weights(layer), **options)
+                                  query_weights=query_weights, **options)
             grid[layer].append(CompactedHeads.concat_slots([exact, heads]))
         base[layer] = _prefix_layer(grid[layer][base_index])
         return base[layer]
