@@ -24,6 +24,7 @@ import json
 import logging
 import statistics
 import time
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable
@@ -225,7 +226,10 @@ def plot(result: dict, path: Path) -> None:
     # the legend goes under the plots (with many methods it would hide the curves): one column
     # per task's width, and the figure grows by its height
     legend_cols = max(1, len(tasks))
-    legend_rows = -(-(len(result["methods"]) + 2) // legend_cols)
+    # a method string with options is longer than a column: break it after its commas
+    labels = {m: "\n".join(textwrap.wrap(m.replace(",", ", "), 60)) for m in result["methods"]}
+    lines = sum(label.count("\n") + 1 for label in labels.values())
+    legend_rows = -(-(lines + 2) // legend_cols)
     legend_h = 0.14 * legend_rows + 0.15
     fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 7.5 + legend_h), squeeze=False)
     near_10 = min(result["ratios"], key=lambda r: abs(r - 0.1))
@@ -235,10 +239,10 @@ def plot(result: dict, path: Path) -> None:
         for method in result["methods"]:
             per_ratio = summary[method]
             xs = sorted(float(r) for r in per_ratio)
-            top.plot(xs, [_fraction(per_ratio[str(x)]["score"]) for x in xs], marker="o", label=method)
+            top.plot(xs, [_fraction(per_ratio[str(x)]["score"]) for x in xs], marker="o", label=labels[method])
             if str(near_10) in per_ratio:
                 at = per_ratio[str(near_10)]
-                bottom.scatter([at["compaction_s"]], [_fraction(at["score"])], label=method)
+                bottom.scatter([at["compaction_s"]], [_fraction(at["score"])], label=labels[method])
         for name, style in (("full-context", "--"), ("no-context", ":")):
             top.axhline(_fraction(summary[name]), color="k", linestyle=style, label=name)
             bottom.axhline(_fraction(summary[name]), color="k", linestyle=style)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_compaction.pipeline import compact_prefix, compact_prepared, prepare_prefix
+from vllm_compaction.pipeline import PreparedPrefix, compact_prefix, compact_prepared, prepare_prefix
+from vllm_compaction.queries import QueryCollector, QueryPlan
+from vllm_compaction.queries.base import PrefixSpec
 from vllm_compaction.reference import ReferenceDecoder
 
 IDS = torch.randint(0, 128, (60,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -59,6 +61,41 @@ def test_probe_softmax_without_probes_scores_over_the_prefix(tiny_llama):
     by_probe = compact_prepared(prepared, ratio=0.2, method="kvzip", score_softmax="probe")
     assert torch.equal(by_prefix.head_lengths, by_probe.head_lengths)
     assert by_probe.options["score_softmax"] == "probe"
+    assert by_probe.options["score_aggregation"] == "max"  # the probe pass's scores take no weight
+
+
+def test_weighted_max_ranks_keys_by_each_sources_share_of_the_largest_weight(tiny_llama):
+    """``score_aggregation="weighted-max"`` (the default): a key's global score is its largest
+    attention weight with every query's weight scaled by its source's weight over the largest;
+    without weighted sources it is KVzip's max."""
+    spec = PrefixSpec(torch.tensor(IDS), MASK, tiny_llama.prefill(IDS))
+
+    def prepared_with(weights):
+        plan = QueryPlan([[1, 2, 3, 4], [5, 6, 7]], [0, 0], prefix_queries=True, weights=weights)
+        return PreparedPrefix(tiny_llama, spec, "context-prefill", QueryCollector(tiny_llama, spec, plan), {})
+
+    prepared = prepared_with([1, 3])
+    scale, layer = tiny_llama.layer_scales()[1], 1
+    queries, keys = prepared.off_policy_queries()[layer], prepared.spec.kv.keys[layer]
+    weights = prepared.collector.weights(layer)
+    assert weights is not None and set(weights.tolist()) == {1.0, 3.0}
+    a = torch.softmax(scale * queries.double() @ keys.double().transpose(1, 2), -1)
+    want = (a * (weights.double() / 3.0)[None, :, None]).amax(1)
+    got = prepared.key_scores(layer, scale, "prefix", "weighted-max")
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(got, prepared.key_scores(layer, scale, "prefix", "max"))
+    # the default under the prefix softmax: a weighted source counts in the ranking too
+    default = compact_prepared(prepared, ratio=0.2, method="kvzip")
+    weighted_max = compact_prepared(prepared, ratio=0.2, method="kvzip", score_aggregation="weighted-max")
+    plain_max = compact_prepared(prepared, ratio=0.2, method="kvzip", score_aggregation="max")
+    assert default.options["score_aggregation"] == "weighted-max"
+    assert torch.equal(default.head_lengths, weighted_max.head_lengths)
+    assert plain_max.options["score_aggregation"] == "max"
+    assert int(plain_max.head_lengths.sum()) == int(weighted_max.head_lengths.sum())
+    assert not torch.equal(plain_max.head_lengths, weighted_max.head_lengths)
+    unweighted = prepared_with(None)
+    torch.testing.assert_close(unweighted.key_scores(layer, scale, "prefix", "weighted-max"),
+                               unweighted.key_scores(layer, scale, "prefix", "max"))
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -69,6 +106,8 @@ def test_probe_softmax_without_probes_scores_over_the_prefix(tiny_llama):
     (dict(ratio=0.1, queries="nope"), "unknown query source"),
     (dict(ratio=0.1, budgets="nope"), "unknown budgets"),
     (dict(ratio=0.1, score_softmax="nope"), "score_softmax"),
+    (dict(ratio=0.1, score_aggregation="mean"), "score_aggregation"),
+    (dict(ratio=0.1, score_aggregation="weighted-max", score_softmax="probe"), "needs score_softmax='prefix'"),
 ])
 def test_bad_arguments_are_refused(tiny_llama, kwargs, match):
     kwargs.setdefault("queries", "context-prefill")

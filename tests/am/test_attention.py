@@ -48,6 +48,22 @@ def test_scores_aggregate_softmax_weights(aggregation):
     torch.testing.assert_close(score_keys(k, q, aggregation=aggregation).double(), want, rtol=1e-5, atol=1e-7)
 
 
+def test_weighted_max_scales_each_querys_weights_by_its_share_of_the_largest_weight():
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(3, 700, 8, generator=gen), torch.randn(3, 40, 8, generator=gen)
+    w = torch.rand(3, 700, generator=gen) * 4 + 0.5
+    a = torch.softmax(q.double() @ k.double().transpose(1, 2) / math.sqrt(8), -1)
+    want = (a * (w.double() / w.double().amax(1, keepdim=True))[..., None]).amax(1)
+    got = score_keys(k, q, aggregation="weighted-max", query_weights=w)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(got.double(), a.amax(1))  # the weights changed the ranking scores
+    # a common weight, or none, is KVzip's max; a plain max ignores weights (a repeat changes no max)
+    plain = score_keys(k, q, aggregation="max")
+    torch.testing.assert_close(score_keys(k, q, aggregation="weighted-max", query_weights=torch.full((700,), 3.0)), plain)
+    torch.testing.assert_close(score_keys(k, q, aggregation="weighted-max"), plain)
+    torch.testing.assert_close(score_keys(k, q, aggregation="max", query_weights=w), plain)
+
+
 def test_pooling_is_a_centred_running_max():
     scores = torch.tensor([[0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
     assert max_pool_scores(scores, 3).tolist() == [[5.0, 5.0, 5.0, 0.0, 0.0, 1.0, 1.0]]
@@ -75,6 +91,9 @@ def test_score_keys_rejects_bad_input():
         score_keys(torch.randn(2, 5, 4), torch.randn(2, 5, 4), aggregation="median")
     with pytest.raises(ValueError, match="pool_kernel"):
         score_keys(torch.randn(2, 5, 4), torch.randn(2, 5, 4), pool_kernel=4)
+    with pytest.raises(ValueError, match="query_weights"):
+        score_keys(torch.randn(2, 5, 4), torch.randn(2, 5, 4), aggregation="weighted-max",
+                   query_weights=torch.zeros(5))
 
 
 @settings(max_examples=30, deadline=None)

@@ -24,6 +24,7 @@ from vllm_compaction.am.heads import CompactedHeads
 
 __all__ = [
     "AGGREGATIONS",
+    "check_query_weights",
     "AttentionResult",
     "OutputError",
     "ReferenceAttention",
@@ -40,7 +41,11 @@ __all__ = [
     "score_keys",
 ]
 
-AGGREGATIONS = ("rms", "mean", "max")
+#: How attention weights over the reference queries become one score per key. ``weighted-max``
+#: is ``max_i (w_i / max w) a_ij``: a query of weight ``w_i`` counts as an attention weight
+#: ``w_i / max w`` times its own, so a low-weight source cannot dominate a ranking by its peaks
+#: (a repeat of the context attends sharply to every key it copies); unweighted it is ``max``.
+AGGREGATIONS = ("rms", "mean", "max", "weighted-max")
 #: Bytes of logits per head held at once by the query-chunked passes (fits in L2/L3).
 CHUNK_BYTES_PER_HEAD = 2 << 20
 LN_2 = math.log(2.0)
@@ -61,6 +66,21 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a finite positive number, got {scale}")
     return float(scale)
+
+
+def check_query_weights(weights: torch.Tensor | None, queries: torch.Tensor) -> torch.Tensor | None:
+    """``[H, n]`` float32 weights scaled to a largest weight of 1 per head (a common factor
+    changes no fit), or ``None``."""
+    if weights is None:
+        return None
+    h, n, _ = queries.shape
+    w = torch.as_tensor(weights, device=queries.device)
+    if w.shape not in ((n,), (h, n)) or w.dtype == torch.bool or w.is_complex():
+        raise ValueError(f"query_weights must be [n={n}] or [H={h}, n={n}] numbers, got {tuple(w.shape)} {w.dtype}")
+    w = w.float().expand(h, n)
+    if n and not (torch.isfinite(w).all() and (w > 0).all()):
+        raise ValueError("query_weights must be finite and positive")
+    return w / w.amax(-1, keepdim=True) if n else w
 
 
 def query_chunks(n: int, row_bytes: int, budget_bytes: int) -> list[slice]:
@@ -190,13 +210,14 @@ def reference_attention(
     values : ``[H, T, d]`` float32 values, or ``None`` to skip the outputs.
     queries : ``[H, n, d]`` float32 reference queries.
     scale : softmax scale.
-    aggregation : ``"rms" | "mean" | "max"`` aggregation of the attention weights
-        ``softmax(l)`` over queries into per-key scores, or ``None`` to skip scoring.
+    aggregation : ``"rms" | "mean" | "max" | "weighted-max"`` aggregation of the attention
+        weights ``softmax(l)`` over queries into per-key scores, or ``None`` to skip scoring.
     keep_features : keep the whole shifted-feature matrix, key-major ``[H, T, n]`` in
         ``FEATURE_DTYPE``.
     query_weights : ``[H, n]`` positive weight of each query in the ``rms`` and ``mean``
-        scores (a weighted mean over queries, as if query ``i`` were there ``w_i`` times);
-        ``None`` weighs every query 1. A ``max`` ignores them.
+        scores (a weighted mean over queries, as if query ``i`` were there ``w_i`` times) and
+        the ``weighted-max`` (scaled by the head's largest weight); ``None`` weighs every query
+        1. A ``max`` ignores them, as a repeated row leaves a max unchanged.
     """
     if aggregation is not None and aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
@@ -214,6 +235,9 @@ def reference_attention(
     kt_rep = repeat_heads(kt, split)
     v_rep = repeat_heads(values, split) if values is not None else None
     weighted = query_weights is not None and aggregation in ("rms", "mean")
+    max_weights = None
+    if query_weights is not None and aggregation == "weighted-max":
+        max_weights = query_weights / query_weights.amax(-1, keepdim=True).clamp_min(TINY)
     acc = keys.new_zeros(h, split, t)  # score accumulators, one per row block
     scratch = keys.new_empty(h * rows * t)
     for sl in chunks:
@@ -226,8 +250,9 @@ def reference_attention(
         inv_m = m.reciprocal()  # [H, c, 1]
         if output is not None:
             torch.mul(bmm_row_split(p, v_rep, split), inv_m, out=output[:, sl])
-        if aggregation == "max":
-            torch.maximum(acc[:, :1], p.mul_(inv_m).amax(1, keepdim=True), out=acc[:, :1])
+        if aggregation in ("max", "weighted-max"):
+            p.mul_(inv_m if max_weights is None else inv_m * max_weights[:, sl, None])
+            torch.maximum(acc[:, :1], p.amax(1, keepdim=True), out=acc[:, :1])
         elif aggregation is not None:
             weight, p = (inv_m, p) if aggregation == "mean" else (inv_m.square(), p.square_())
             if weighted:
@@ -260,6 +285,7 @@ def score_keys(
     scale: float | None = None,
     aggregation: str = "rms",
     pool_kernel: int | None = None,
+    query_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-key importance: attention weights aggregated over queries, optionally max-pooled.
 
@@ -268,8 +294,10 @@ def score_keys(
     keys : ``[H, T, d]`` post-RoPE keys (any float dtype).
     queries : ``[H, n, d]`` reference queries (all query heads of a GQA group pooled).
     scale : softmax scale, default ``1/sqrt(d)``.
-    aggregation : ``"rms"`` (AM), ``"mean"`` (H2O, SnapKV) or ``"max"`` (KVzip).
+    aggregation : ``"rms"`` (AM), ``"mean"`` (H2O, SnapKV), ``"max"`` (KVzip) or
+        ``"weighted-max"`` (KVzip's max with each query's attention scaled by its weight).
     pool_kernel : odd max-pooling kernel along T (SnapKV uses 7), or ``None``.
+    query_weights : ``[n]`` or ``[H, n]`` positive weights of the queries (``reference_attention``).
 
     Returns
     -------
@@ -284,8 +312,10 @@ def score_keys(
         raise ValueError("scoring keys needs at least one query per head")
     if pool_kernel is not None and (pool_kernel < 1 or pool_kernel % 2 == 0):
         raise ValueError(f"pool_kernel must be a positive odd integer, got {pool_kernel}")
+    weights = check_query_weights(query_weights, queries)
     ref = reference_attention(
-        keys.float(), None, queries.float(), scale=resolve_scale(scale, keys.shape[-1]), aggregation=aggregation
+        keys.float(), None, queries.float(), scale=resolve_scale(scale, keys.shape[-1]), aggregation=aggregation,
+        query_weights=weights,
     )
     scores: torch.Tensor = ref.scores  # type: ignore[assignment]  # set since aggregation is given
     return max_pool_scores(scores, pool_kernel)

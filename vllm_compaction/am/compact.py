@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vllm_compaction.am.attention import FEATURE_DTYPE, reference_attention, resolve_scale
+from vllm_compaction.am.attention import FEATURE_DTYPE, check_query_weights, reference_attention, resolve_scale
 from vllm_compaction.am.fit import SelectedFeatures, fit_beta, fit_values
 from vllm_compaction.am.heads import CompactedHeads
 from vllm_compaction.am.presets import ResolvedMethod, resolve_method
@@ -45,21 +45,6 @@ def _check_inputs(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
         )
     if queries.shape[0] != keys.shape[0] or queries.shape[2] != keys.shape[2]:
         raise ValueError(f"queries must be [H, n, d] matching keys {tuple(keys.shape)}, got {tuple(queries.shape)}")
-
-
-def _check_query_weights(weights: torch.Tensor | None, queries: torch.Tensor) -> torch.Tensor | None:
-    """``[H, n]`` float32 weights scaled to a largest weight of 1 per head (a common factor
-    changes no fit), or ``None``."""
-    if weights is None:
-        return None
-    h, n, _ = queries.shape
-    w = torch.as_tensor(weights, device=queries.device)
-    if w.shape not in ((n,), (h, n)) or w.dtype == torch.bool or w.is_complex():
-        raise ValueError(f"query_weights must be [n={n}] or [H={h}, n={n}] numbers, got {tuple(w.shape)} {w.dtype}")
-    w = w.float().expand(h, n)
-    if n and not (torch.isfinite(w).all() and (w > 0).all()):
-        raise ValueError("query_weights must be finite and positive")
-    return w / w.amax(-1, keepdim=True) if n else w
 
 
 def _check_budgets(budget: int | Sequence[int] | torch.Tensor, num_heads: int, total: int) -> torch.Tensor:
@@ -238,7 +223,7 @@ def compact_heads(
     _check_inputs(keys, values, queries)
     h, total, d = keys.shape
     budgets = _check_budgets(budget, h, total)
-    weights = _check_query_weights(query_weights, queries)
+    weights = check_query_weights(query_weights, queries)
     pos = _check_positions(positions, total, keys.device)
     plan = resolve_method(method, options)
     scale = resolve_scale(scale, d)

@@ -62,7 +62,7 @@ class Selection:
 class Selector(Protocol):
     """Chooses ``budgets[h]`` keys per head.
 
-    Class attributes declare the inputs: ``score_aggregation`` (``"rms" | "mean" | "max"`` or
+    Class attributes declare the inputs: ``score_aggregation`` (an ``AGGREGATIONS`` name or
     ``None``) asks for ``reference.scores``; ``needs_features`` for ``reference.features``;
     ``needs_reference`` for any reference pass at all. ``provides_beta`` / ``provides_values``
     say whether ``select`` also returns fitted biases / built values.
@@ -104,7 +104,7 @@ class SelectorBase:
 
 class ScoredSelector(SelectorBase):
     """A selector driven by ``reference.scores`` aggregated by its ``aggregation`` field
-    (``"rms" | "mean" | "max"``), which ``_check_aggregation`` validates."""
+    (``"rms" | "mean" | "max" | "weighted-max"``), which ``_check_aggregation`` validates."""
 
     needs_reference: ClassVar[bool] = True
     aggregation: str

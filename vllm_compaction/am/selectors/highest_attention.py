@@ -22,7 +22,7 @@ class HighestAttentionSelector(ScoredSelector):
     """Top-``t_h`` keys by aggregated attention weight.
 
     Attributes:
-        aggregation: ``"rms" | "mean" | "max"`` over the reference queries.
+        aggregation: ``"rms" | "mean" | "max" | "weighted-max"`` over the reference queries.
         pool_kernel: odd max-pooling kernel along T applied to the scores, or ``None``.
     """
 

@@ -29,7 +29,7 @@ class KVMergerSelector(ScoredSelector):
     Attributes:
         sigma: width of the Gaussian kernel on the distance between unit-normalised keys
             (distances lie in ``[0, 2]``).
-        aggregation: attention aggregation (``"rms" | "mean" | "max"``) that picks the anchor.
+        aggregation: attention aggregation (an ``AGGREGATIONS`` name) that picks the anchor.
     """
 
     name: ClassVar[str] = "kvmerger"
