@@ -38,7 +38,8 @@ def test_collector_records_only_marked_rows_and_caps(tiny_llama):
 def test_a_weight_counts_a_continuations_rows_as_if_it_ran_that_many_times(tiny_llama):
     """``weights=[1, 3]`` records each row once and weighs the second continuation's rows 3;
     compacting with them gives what running that continuation three times gives (on-policy
-    layers included), and a capped layer keeps its rows' weights."""
+    layers included; the global ranking by plain max), and a capped layer keeps its rows'
+    weights."""
     spec = _spec(tiny_llama)
     conts = [[1, 2, 3, 4], [5, 6, 7]]
     group = tiny_llama.num_q_heads // tiny_llama.num_kv_heads
@@ -61,10 +62,12 @@ def test_a_weight_counts_a_continuations_rows_as_if_it_ran_that_many_times(tiny_
     long = [list(range(1, 25)), list(range(30, 50))]
     plans = (QueryPlan(long, [0, 0], weights=[1, 3]), QueryPlan([long[0]] + [long[1]] * 3, [0] * 4),
              QueryPlan([long[1]] * 3 + [long[0]], [0] * 4))
-    # on-policy: later layers' queries see the earlier layers compacted
+    # on-policy: later layers' queries see the earlier layers compacted. The global ranking
+    # takes the plain max: a repeated row leaves a max unchanged, while the default weighted
+    # max counts a weight there too (tests/test_pipeline.py checks that ranking)
     ours, theirs, reordered = (
         compact_prepared(PreparedPrefix(tiny_llama, spec, "repeat-prefill", QueryCollector(tiny_llama, spec, plan), {}),
-                         ratio=0.1, method="am-highest-attn-fast").layers for plan in plans)
+                         ratio=0.1, method="am-highest-attn-fast", score_aggregation="max").layers for plan in plans)
     for a, b, c in zip(ours, theirs, reordered):
         assert torch.equal(a.indices, b.indices) and torch.equal(b.indices, c.indices)
         for field in ("beta", "values"):
