@@ -44,7 +44,7 @@ DEFAULT_SCORE_SOFTMAX = "prefix"
 #: How global budgets aggregate a key's attention over the reference queries: KVzip's ``max``,
 #: or ``weighted-max``, where each query's weight scales its attention (``score_keys``). The
 #: default is ``weighted-max`` under the ``prefix`` softmax, which is ``max`` for unweighted
-#: queries: a source weighted ``*k`` counts k times in the ranking as in every fit (measured on
+#: queries: a source weighted ``*k`` weighs in the ranking as it does in every fit (measured on
 #: 48 needles: 46/41/37 at 10/5/2% against 46/40/32 with ``max``).
 SCORE_AGGREGATIONS = ("max", "weighted-max")
 RECIPES: dict[str, Recipe] = {
