@@ -107,6 +107,7 @@ def test_weighted_max_ranks_keys_by_each_sources_share_of_the_largest_weight(tin
     (dict(ratio=0.1, budgets="nope"), "unknown budgets"),
     (dict(ratio=0.1, score_softmax="nope"), "score_softmax"),
     (dict(ratio=0.1, score_aggregation="mean"), "score_aggregation"),
+    (dict(ratio=0.1, score_aggregation=""), "score_aggregation"),
     (dict(ratio=0.1, score_aggregation="weighted-max", score_softmax="probe"), "needs score_softmax='prefix'"),
 ])
 def test_bad_arguments_are_refused(tiny_llama, kwargs, match):

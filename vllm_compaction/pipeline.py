@@ -211,7 +211,7 @@ class PreparedPrefix:
             self.timings["queries_s"] = time.perf_counter() - start
         return self._probe_scores
 
-    def key_scores(self, layer: int, scale: float, softmax: str, aggregation: str = "max") -> torch.Tensor:
+    def key_scores(self, layer: int, scale: float, softmax: str, aggregation: str) -> torch.Tensor:
         """``[H, T]`` KVzip importance of every prefix key of ``layer``: its largest attention
         weight under the reference queries. ``softmax="prefix"`` renormalises each query over
         the prefix keys; ``"probe"`` takes the weight of the probe's real pass, whose softmax also
@@ -290,8 +290,9 @@ def compact_prepared(
     budget_options = {k: options.pop(k) for k in ("max_head_ratio", "min_head_slots", "min_layer_share")
                       if k in options}
     score_softmax = options.pop("score_softmax", DEFAULT_SCORE_SOFTMAX)
-    score_aggregation = options.pop("score_aggregation", None) or (
-        "weighted-max" if score_softmax == "prefix" else "max")
+    score_aggregation = options.pop("score_aggregation", None)
+    if score_aggregation is None:  # an explicit value, even an empty one, is checked below
+        score_aggregation = "weighted-max" if score_softmax == "prefix" else "max"
     _check_score_softmax(score_softmax)
     _check_score_aggregation(score_aggregation, score_softmax)
     n = prepared.num_content
