@@ -233,16 +233,20 @@ def plot(result: dict, path: Path) -> None:
     legend_h = 0.14 * legend_rows + 0.15
     fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 7.5 + legend_h), squeeze=False)
     near_10 = min(result["ratios"], key=lambda r: abs(r - 0.1))
+    # the default cycle repeats after 10 colours: a combined table has more methods than that
+    palette = plt.cm.tab10.colors if len(result["methods"]) <= 10 else plt.cm.tab20.colors
+    palette = [palette[i % len(palette)] for i in range(len(result["methods"]))]
     for col, task in enumerate(tasks):
         summary = result["summary"][task]
         top, bottom = axes[0][col], axes[1][col]
-        for method in result["methods"]:
+        for method, color in zip(result["methods"], palette):
             per_ratio = summary[method]
             xs = sorted(float(r) for r in per_ratio)
-            top.plot(xs, [_fraction(per_ratio[str(x)]["score"]) for x in xs], marker="o", label=labels[method])
+            top.plot(xs, [_fraction(per_ratio[str(x)]["score"]) for x in xs], marker="o", color=color,
+                     label=labels[method])
             if str(near_10) in per_ratio:
                 at = per_ratio[str(near_10)]
-                bottom.scatter([at["compaction_s"]], [_fraction(at["score"])], label=labels[method])
+                bottom.scatter([at["compaction_s"]], [_fraction(at["score"])], color=color, label=labels[method])
         for name, style in (("full-context", "--"), ("no-context", ":")):
             top.axhline(_fraction(summary[name]), color="k", linestyle=style, label=name)
             bottom.axhline(_fraction(summary[name]), color="k", linestyle=style)

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from vllm_compaction.pipeline import PreparedPrefix, compact_prefix, compact_prepared, prepare_prefix
+from vllm_compaction.pipeline import (
+    DEFAULT_SCORE_WEIGHT_POWER,
+    PreparedPrefix,
+    compact_prefix,
+    compact_prepared,
+    prepare_prefix,
+)
 from vllm_compaction.queries import QueryCollector, QueryPlan
 from vllm_compaction.queries.base import PrefixSpec
 from vllm_compaction.reference import ReferenceDecoder
@@ -64,24 +72,31 @@ def test_probe_softmax_without_probes_scores_over_the_prefix(tiny_llama):
     assert by_probe.options["score_aggregation"] == "max"  # the probe pass's scores take no weight
 
 
+def _prepared_with_weights(adapter, weights):
+    """Prefix queries plus two probes weighted ``weights`` (``None``: unweighted)."""
+    spec = PrefixSpec(torch.tensor(IDS), MASK, adapter.prefill(IDS))
+    plan = QueryPlan([[1, 2, 3, 4], [5, 6, 7]], [0, 0], prefix_queries=True, weights=weights)
+    return PreparedPrefix(adapter, spec, "context-prefill", QueryCollector(adapter, spec, plan), {})
+
+
+def _attention_over_prefix(prepared, layer, scale):
+    """``[H, n, T]`` float64 softmax of the layer's reference queries over the prefix keys."""
+    queries, keys = prepared.off_policy_queries()[layer], prepared.spec.kv.keys[layer]
+    return torch.softmax(scale * queries.double() @ keys.double().transpose(1, 2), -1)
+
+
 def test_weighted_max_ranks_keys_by_each_sources_share_of_the_largest_weight(tiny_llama):
     """``score_aggregation="weighted-max"`` (the default): a key's global score is its largest
-    attention weight with every query's weight scaled by its source's weight over the largest;
-    without weighted sources it is KVzip's max."""
-    spec = PrefixSpec(torch.tensor(IDS), MASK, tiny_llama.prefill(IDS))
-
-    def prepared_with(weights):
-        plan = QueryPlan([[1, 2, 3, 4], [5, 6, 7]], [0, 0], prefix_queries=True, weights=weights)
-        return PreparedPrefix(tiny_llama, spec, "context-prefill", QueryCollector(tiny_llama, spec, plan), {})
-
+    attention weight with every query's weight scaled by its source's weight over the largest
+    (``score_weight_power=1``); without weighted sources it is KVzip's max."""
+    prepared_with = functools.partial(_prepared_with_weights, tiny_llama)
     prepared = prepared_with([1, 3])
     scale, layer = tiny_llama.layer_scales()[1], 1
-    queries, keys = prepared.off_policy_queries()[layer], prepared.spec.kv.keys[layer]
     weights = prepared.collector.weights(layer)
     assert weights is not None and set(weights.tolist()) == {1.0, 3.0}
-    a = torch.softmax(scale * queries.double() @ keys.double().transpose(1, 2), -1)
+    a = _attention_over_prefix(prepared, layer, scale)
     want = (a * (weights.double() / 3.0)[None, :, None]).amax(1)
-    got = prepared.key_scores(layer, scale, "prefix", "weighted-max")
+    got = prepared.key_scores(layer, scale, "prefix", "weighted-max", 1.0)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
     assert not torch.allclose(got, prepared.key_scores(layer, scale, "prefix", "max"))
     # the default under the prefix softmax: a weighted source counts in the ranking too
@@ -98,6 +113,32 @@ def test_weighted_max_ranks_keys_by_each_sources_share_of_the_largest_weight(tin
                                unweighted.key_scores(layer, scale, "prefix", "max"))
 
 
+def test_score_weight_power_raises_the_ranking_weights(tiny_llama):
+    """``score_weight_power=p`` ranks by ``max_i (w_i / max w)^p a_ij``: 1 counts the weights
+    as the fits do, 0 is the plain max."""
+    prepared = _prepared_with_weights(tiny_llama, [1, 3])
+    scale, layer = tiny_llama.layer_scales()[1], 1
+    weights = prepared.collector.weights(layer).double()
+    a = _attention_over_prefix(prepared, layer, scale)
+    for power in (0.0, 0.5, 2.0):
+        want = (a * ((weights / 3.0) ** power)[None, :, None]).amax(1)
+        got = prepared.key_scores(layer, scale, "prefix", "weighted-max", power)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(prepared.key_scores(layer, scale, "prefix", "weighted-max", 0.0),
+                               prepared.key_scores(layer, scale, "prefix", "max"))
+    default = compact_prepared(prepared, ratio=0.2, method="kvzip")
+    assert default.options["score_weight_power"] == DEFAULT_SCORE_WEIGHT_POWER
+    squared = compact_prepared(prepared, ratio=0.2, method="kvzip", score_weight_power=2)
+    assert squared.options["score_weight_power"] == 2.0
+    # power 0 reaches the budgets as the plain max; a power of 2 ranks otherwise at the same total
+    flat = compact_prepared(prepared, ratio=0.2, method="kvzip", score_weight_power=0)
+    plain_max = compact_prepared(prepared, ratio=0.2, method="kvzip", score_aggregation="max")
+    assert plain_max.options["score_weight_power"] is None  # no weight to raise
+    assert torch.equal(flat.head_lengths, plain_max.head_lengths)
+    assert int(squared.head_lengths.sum()) == int(flat.head_lengths.sum())
+    assert not torch.equal(squared.head_lengths, flat.head_lengths)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(ratio=0.0), "ratio"),
     (dict(ratio=1.5), "ratio"),
@@ -109,6 +150,11 @@ def test_weighted_max_ranks_keys_by_each_sources_share_of_the_largest_weight(tin
     (dict(ratio=0.1, score_aggregation="mean"), "score_aggregation"),
     (dict(ratio=0.1, score_aggregation=""), "score_aggregation"),
     (dict(ratio=0.1, score_aggregation="weighted-max", score_softmax="probe"), "needs score_softmax='prefix'"),
+    (dict(ratio=0.1, score_weight_power=-1), "score_weight_power must be"),
+    (dict(ratio=0.1, score_weight_power=float("nan")), "score_weight_power must be"),
+    (dict(ratio=0.1, score_weight_power="2"), "score_weight_power must be"),
+    (dict(ratio=0.1, score_weight_power=True), "score_weight_power must be"),
+    (dict(ratio=0.1, score_aggregation="max", score_weight_power=2), "needs score_aggregation='weighted-max'"),
 ])
 def test_bad_arguments_are_refused(tiny_llama, kwargs, match):
     kwargs.setdefault("queries", "context-prefill")
