@@ -98,7 +98,7 @@ def test_weighted_max_ranks_keys_by_each_sources_share_of_the_largest_weight(tin
     want = (a * (weights.double() / 3.0)[None, :, None]).amax(1)
     got = prepared.key_scores(layer, scale, "prefix", "weighted-max", 1.0)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
-    assert not torch.allclose(got, prepared.key_scores(layer, scale, "prefix", "max"))
+    assert not torch.allclose(got, prepared.key_scores(layer, scale, "prefix", "max", None))
     # the default under the prefix softmax: a weighted source counts in the ranking too
     default = compact_prepared(prepared, ratio=0.2, method="kvzip")
     weighted_max = compact_prepared(prepared, ratio=0.2, method="kvzip", score_aggregation="weighted-max")
@@ -109,8 +109,9 @@ def test_weighted_max_ranks_keys_by_each_sources_share_of_the_largest_weight(tin
     assert int(plain_max.head_lengths.sum()) == int(weighted_max.head_lengths.sum())
     assert not torch.equal(plain_max.head_lengths, weighted_max.head_lengths)
     unweighted = prepared_with(None)
-    torch.testing.assert_close(unweighted.key_scores(layer, scale, "prefix", "weighted-max"),
-                               unweighted.key_scores(layer, scale, "prefix", "max"))
+    torch.testing.assert_close(
+        unweighted.key_scores(layer, scale, "prefix", "weighted-max", DEFAULT_SCORE_WEIGHT_POWER),
+        unweighted.key_scores(layer, scale, "prefix", "max", None))
 
 
 def test_score_weight_power_raises_the_ranking_weights(tiny_llama):
@@ -125,7 +126,7 @@ def test_score_weight_power_raises_the_ranking_weights(tiny_llama):
         got = prepared.key_scores(layer, scale, "prefix", "weighted-max", power)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(prepared.key_scores(layer, scale, "prefix", "weighted-max", 0.0),
-                               prepared.key_scores(layer, scale, "prefix", "max"))
+                               prepared.key_scores(layer, scale, "prefix", "max", None))
     default = compact_prepared(prepared, ratio=0.2, method="kvzip")
     assert default.options["score_weight_power"] == DEFAULT_SCORE_WEIGHT_POWER
     squared = compact_prepared(prepared, ratio=0.2, method="kvzip", score_weight_power=2)

@@ -183,10 +183,11 @@ def _check_score_aggregation(aggregation: str, softmax: str) -> None:
         raise ValueError("score_aggregation='weighted-max' needs score_softmax='prefix'")
 
 
-def _check_score_weight_power(power: float | None, aggregation: str) -> float:
-    """The resolved power of the ranking weights (``DEFAULT_SCORE_WEIGHT_POWER`` when ``None``)."""
+def _check_score_weight_power(power: float | None, aggregation: str) -> float | None:
+    """The resolved power of the ranking weights: ``DEFAULT_SCORE_WEIGHT_POWER`` when ``None``
+    under ``weighted-max``; ``None`` under ``max``, which has no weight to raise."""
     if power is None:
-        return DEFAULT_SCORE_WEIGHT_POWER
+        return DEFAULT_SCORE_WEIGHT_POWER if aggregation == "weighted-max" else None
     if aggregation != "weighted-max":
         # the plain max uses no weight, so a power would be silently ignored
         raise ValueError(f"score_weight_power needs score_aggregation='weighted-max', got {aggregation!r}")
@@ -231,14 +232,15 @@ class PreparedPrefix:
         return self._probe_scores
 
     def key_scores(self, layer: int, scale: float, softmax: str, aggregation: str,
-                   weight_power: float = DEFAULT_SCORE_WEIGHT_POWER) -> torch.Tensor:
+                   weight_power: float | None) -> torch.Tensor:
         """``[H, T]`` KVzip importance of every prefix key of ``layer``: its largest attention
         weight under the reference queries. ``softmax="prefix"`` renormalises each query over
         the prefix keys; ``"probe"`` takes the weight of the probe's real pass, whose softmax also
         covers the probe's own tokens (KVzip's score); queries without a probe (prefix queries,
         random vectors) are scored over the prefix either way. ``aggregation="weighted-max"``
         scales each query's weights by its source's weight (``QueryCollector.weights``) raised
-        to ``weight_power``, over the largest one, before the max (``"prefix"`` only)."""
+        to ``weight_power``, over the largest one, before the max (``"prefix"`` only; ``None``
+        under ``max``)."""
         _check_score_aggregation(aggregation, softmax)
         keys = self.spec.kv.keys[layer]
         if softmax == "prefix":
@@ -391,7 +393,7 @@ def compact_prepared(
         ratio=ratio,
         options={**options, **budget_options, "score_softmax": score_softmax,
                  "score_aggregation": score_aggregation,
-                 "score_weight_power": score_weight_power if score_aggregation == "weighted-max" else None,
+                 "score_weight_power": score_weight_power,
                  "chunk_tokens": chunk_tokens, "query_cap": prepared.collector.cap,
                  "seed": prepared.collector.seed, "on_policy": recipe.on_policy},
         query_source=recipe.queries,
