@@ -144,6 +144,16 @@ def test_parse_sources_mixture_and_errors():
     weighted = parse_sources("repeat-prefill+surprise-quote*4")
     assert [s.name for s in weighted] == ["repeat-prefill", "surprise-quote*4"] and weighted[1].weight == 4
     assert parse_sources("surprise-quote*1")[0].name == "surprise-quote"
+    spaced = parse_sources("repeat-prefill+surprise-quote/80*4")[1]  # one probe per 80 tokens, weighted 4
+    assert spaced.weight == 4 and spaced.source.tokens_per_span == 80
+    assert parse_sources("surprise-quote/80")[0].tokens_per_span == 80
+    assert parse_sources("surprise-quote")[0].tokens_per_span == SurpriseQuote().tokens_per_span
+    for bad in ("surprise-quote/0", "surprise-quote/", "surprise-quote/x*4", "surprise-quote/-3"):
+        with pytest.raises(ValueError, match="spacing is a whole number"):
+            parse_sources(bad)
+    for unspaced in ("repeat-prefill/80", "surprise-quote+context-prefill/5"):
+        with pytest.raises(ValueError, match="sources that probe spans"):
+            parse_sources(unspaced)
     for bad in ("surprise-quote*0", "surprise-quote*", "surprise-quote*two", "surprise-quote*17"):
         with pytest.raises(ValueError, match="weight is an integer"):
             parse_sources(bad)
@@ -234,3 +244,7 @@ def test_real_surprise_quote_probes_the_needle(smollm2):
     turns = [smollm2.tokenizer.decode(c) for c in plan.continuations]
     assert all(t.count(source.instruction.split('"')[0]) == 1 for t in turns)
     assert any(inst.value in t.split("assistant")[-1] for t in turns)  # answered, not only quoted
+    # '/80' probes twice as densely, and the greedy span choice keeps every sparser probe
+    dense = parse_sources("surprise-quote/80")[0].plan(smollm2, spec).continuations
+    assert len(dense) == round(len(content) / 80) > len(plan.continuations)
+    assert {tuple(c) for c in plan.continuations} <= {tuple(c) for c in dense}

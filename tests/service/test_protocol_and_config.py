@@ -24,6 +24,9 @@ from vllm_compaction.service.protocol import CompactRequest, normalize_messages
     ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill+repeat-prefill*2"}, "each once"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "surprise-quote*0"}, "weight is an integer"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "context-prefill*2"}, "sources that run probes"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "surprise-quote/0*4"}, "spacing is a whole number"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill/80"}, "sources that probe spans"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "surprise-quote+surprise-quote/80"}, "each once"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "mix*2"}, "sources that run probes"),
     ({"model": "m", "prompt": "x", "messages": [], "ratio": 0.5}, "not both"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "keep_last_tokens": -1}, "greater than or equal to 0"),
@@ -49,6 +52,9 @@ def test_compact_request_defaults_and_query_names():
     weighted = CompactRequest.model_validate({"model": "m", "prompt": "x", "ratio": 0.5,
                                               "queries": "repeat-prefill+surprise-quote*4"})
     assert weighted.query_source() == "repeat-prefill+surprise-quote*4"  # the pipeline parses the weight
+    spaced = CompactRequest.model_validate({"model": "m", "prompt": "x", "ratio": 0.5,
+                                            "queries": "repeat-prefill+surprise-quote/80*4"})
+    assert spaced.query_source() == "repeat-prefill+surprise-quote/80*4"  # and the spacing
 
 
 def test_normalize_messages():

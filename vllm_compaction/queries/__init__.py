@@ -22,6 +22,7 @@ __all__ = [
     "QuerySource",
     "Weighted",
     "parse_sources",
+    "split_spacing",
     "split_weight",
 ]
 
@@ -45,6 +46,18 @@ def split_weight(part: str) -> tuple[str, int]:
     return name.strip(), int(weight)
 
 
+def split_spacing(name: str) -> tuple[str, int | None]:
+    """``"surprise-quote/80"`` -> ``("surprise-quote", 80)``: one probe per 80 content tokens
+    (``tokens_per_span``); no ``/`` means the source's own default (``None``)."""
+    base, slash, per = name.strip().partition("/")
+    if not slash:
+        return base.strip(), None
+    if not per.strip().isdigit() or int(per) < 1:
+        raise ValueError(f"a query source's spacing is a whole number of content tokens >= 1 after '/', "
+                         f"got {name.strip()!r}")
+    return base.strip(), int(per)
+
+
 @dataclass(frozen=True)
 class Weighted:
     """A source whose recorded queries each count ``weight`` times (``name*weight`` in a spec)."""
@@ -61,15 +74,21 @@ class Weighted:
 
 
 def parse_sources(spec: str) -> list[QuerySource]:
-    """``"repeat-prefill+surprise-quote*4"`` -> source instances (a ``+`` joins a mixture; a
-    ``*k`` counts that source's queries k times in the fits)."""
-    parts = [split_weight(part) for part in spec.split("+") if part.strip()]
+    """``"repeat-prefill+surprise-quote/80*4"`` -> source instances (a ``+`` joins a mixture; a
+    ``/n`` spaces a span-probing source's probes one per n content tokens; a ``*k`` counts that
+    source's queries k times in the fits)."""
+    parts = [(*split_spacing(name), w) for name, w in (split_weight(part) for part in spec.split("+") if part.strip())]
     if not parts:
         raise ValueError("empty query source; choose from " + ", ".join(QUERY_SOURCES))
-    unknown = [n for n, _ in parts if n not in QUERY_SOURCES]
+    unknown = [n for n, _, _ in parts if n not in QUERY_SOURCES]
     if unknown:
         raise ValueError(f"unknown query source {unknown[0]!r}; choose from {', '.join(QUERY_SOURCES)}")
-    static = [n for n, w in parts if w > 1 and not getattr(QUERY_SOURCES[n], "runs_probes", True)]
+    static = [n for n, _, w in parts if w > 1 and not getattr(QUERY_SOURCES[n], "runs_probes", True)]
     if static:
         raise ValueError(f"a weight (*k) applies to sources that run probes, not to {static[0]!r}")
-    return [QUERY_SOURCES[n]() if w == 1 else Weighted(QUERY_SOURCES[n](), w) for n, w in parts]
+    unspaced = [n for n, per, _ in parts if per is not None and "tokens_per_span" not in
+                getattr(QUERY_SOURCES[n], "__dataclass_fields__", {})]
+    if unspaced:
+        raise ValueError(f"a spacing (/n) applies to sources that probe spans (surprise-quote), not to {unspaced[0]!r}")
+    sources = [QUERY_SOURCES[n]() if per is None else QUERY_SOURCES[n](tokens_per_span=per) for n, per, _ in parts]
+    return [source if w == 1 else Weighted(source, w) for source, (_, _, w) in zip(sources, parts)]

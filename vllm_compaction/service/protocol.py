@@ -19,7 +19,8 @@ __all__ = [
 
 QUERY_SOURCES = ("repeat-prefill", "surprise-quote", "quote-prefill", "context-prefill", "self-study", "mix")
 """The query sources the API accepts, alone or joined by ``+`` (``repeat-prefill+surprise-quote``),
-each optionally weighted (``surprise-quote*4``); ``mix`` is self-study plus repeat-prefill."""
+each optionally weighted (``surprise-quote*4``) and, for surprise-quote, spaced (``surprise-quote/80``:
+one probe per 80 content tokens); ``mix`` is self-study plus repeat-prefill."""
 _QUERY_ALIASES = {"mix": "self-study+repeat-prefill"}
 
 
@@ -35,10 +36,10 @@ def check_method(method: str) -> str:
 def check_queries(queries: str) -> str:
     """``queries`` unchanged if it names API query sources, alone or joined by '+' (each once),
     each optionally weighted as ``name*k`` (its queries count k times in the fits)."""
-    from vllm_compaction.queries import parse_sources, split_weight
+    from vllm_compaction.queries import parse_sources, split_spacing, split_weight
 
     parts = [split_weight(p) for p in queries.split("+")]  # ValueError for a bad weight
-    names = [name for name, _ in parts]
+    names = [split_spacing(name)[0] for name, _ in parts]  # ValueError for a bad spacing
     if any(n not in QUERY_SOURCES for n in names) or len(set(names)) != len(names):
         raise ValueError(f"queries must be one of {', '.join(QUERY_SOURCES)} or several joined by '+' "
                          f"(each once, optionally weighted as name*k), got {queries!r}")
