@@ -28,6 +28,7 @@ from vllm_compaction.service.protocol import CompactRequest, normalize_messages
     ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill/80"}, "sources that probe spans"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "surprise-quote+surprise-quote/80"}, "each once"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "mix*2"}, "sources that run probes"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "mix/80"}, "not to the alias 'mix'"),
     ({"model": "m", "prompt": "x", "messages": [], "ratio": 0.5}, "not both"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "keep_last_tokens": -1}, "greater than or equal to 0"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "surprise": 1}, "Extra inputs"),

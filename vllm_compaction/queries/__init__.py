@@ -22,7 +22,7 @@ __all__ = [
     "QuerySource",
     "Weighted",
     "parse_sources",
-    "split_spacing",
+    "split_source",
     "split_weight",
 ]
 
@@ -46,16 +46,18 @@ def split_weight(part: str) -> tuple[str, int]:
     return name.strip(), int(weight)
 
 
-def split_spacing(name: str) -> tuple[str, int | None]:
-    """``"surprise-quote/80"`` -> ``("surprise-quote", 80)``: one probe per 80 content tokens
-    (``tokens_per_span``); no ``/`` means the source's own default (``None``)."""
-    base, slash, per = name.strip().partition("/")
+def split_source(part: str) -> tuple[str, int | None, int]:
+    """``"surprise-quote/80*4"`` -> ``("surprise-quote", 80, 4)``: the name, the spacing (one probe
+    per 80 content tokens, ``tokens_per_span``; ``None`` without ``/``: the source's default)
+    and the weight (``split_weight``)."""
+    name, weight = split_weight(part)
+    base, slash, per = name.partition("/")
     if not slash:
-        return base.strip(), None
+        return base.strip(), None, weight
     if not per.strip().isdigit() or int(per) < 1:
         raise ValueError(f"a query source's spacing is a whole number of content tokens >= 1 after '/', "
-                         f"got {name.strip()!r}")
-    return base.strip(), int(per)
+                         f"got {part.strip()!r}")
+    return base.strip(), int(per), weight
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ def parse_sources(spec: str) -> list[QuerySource]:
     """``"repeat-prefill+surprise-quote/80*4"`` -> source instances (a ``+`` joins a mixture; a
     ``/n`` spaces a span-probing source's probes one per n content tokens; a ``*k`` counts that
     source's queries k times in the fits)."""
-    parts = [(*split_spacing(name), w) for name, w in (split_weight(part) for part in spec.split("+") if part.strip())]
+    parts = [split_source(part) for part in spec.split("+") if part.strip()]
     if not parts:
         raise ValueError("empty query source; choose from " + ", ".join(QUERY_SOURCES))
     unknown = [n for n, _, _ in parts if n not in QUERY_SOURCES]
@@ -86,8 +88,7 @@ def parse_sources(spec: str) -> list[QuerySource]:
     static = [n for n, _, w in parts if w > 1 and not getattr(QUERY_SOURCES[n], "runs_probes", True)]
     if static:
         raise ValueError(f"a weight (*k) applies to sources that run probes, not to {static[0]!r}")
-    unspaced = [n for n, per, _ in parts if per is not None and "tokens_per_span" not in
-                getattr(QUERY_SOURCES[n], "__dataclass_fields__", {})]
+    unspaced = [n for n, per, _ in parts if per is not None and not hasattr(QUERY_SOURCES[n], "tokens_per_span")]
     if unspaced:
         raise ValueError(f"a spacing (/n) applies to sources that probe spans (surprise-quote), not to {unspaced[0]!r}")
     sources = [QUERY_SOURCES[n]() if per is None else QUERY_SOURCES[n](tokens_per_span=per) for n, per, _ in parts]

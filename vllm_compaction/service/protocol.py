@@ -36,17 +36,17 @@ def check_method(method: str) -> str:
 def check_queries(queries: str) -> str:
     """``queries`` unchanged if it names API query sources, alone or joined by '+' (each once),
     each optionally weighted as ``name*k`` (its queries count k times in the fits)."""
-    from vllm_compaction.queries import parse_sources, split_spacing, split_weight
+    from vllm_compaction.queries import parse_sources, split_source
 
-    parts = [split_weight(p) for p in queries.split("+")]  # ValueError for a bad weight
-    names = [split_spacing(name)[0] for name, _ in parts]  # ValueError for a bad spacing
+    parts = [split_source(p) for p in queries.split("+")]  # ValueError for a bad weight or spacing
+    names = [name for name, _, _ in parts]
     if any(n not in QUERY_SOURCES for n in names) or len(set(names)) != len(names):
         raise ValueError(f"queries must be one of {', '.join(QUERY_SOURCES)} or several joined by '+' "
                          f"(each once, optionally weighted as name*k), got {queries!r}")
-    aliases = [n for n, w in parts if w > 1 and n in _QUERY_ALIASES]
+    aliases = [n for n, per, w in parts if (w > 1 or per is not None) and n in _QUERY_ALIASES]
     if aliases:
-        raise ValueError(f"a weight (*k) applies to sources that run probes, not to the alias {aliases[0]!r}; "
-                         f"weight its parts ({_QUERY_ALIASES[aliases[0]]})")
+        raise ValueError(f"a weight (*k) or spacing (/n) applies to sources that run probes, not to the alias "
+                         f"{aliases[0]!r}; weight or space its parts ({_QUERY_ALIASES[aliases[0]]})")
     parse_sources(expand_queries(queries))  # the library's own refusals (a weight on context-prefill)
     return queries
 
