@@ -80,6 +80,7 @@ def run(args: argparse.Namespace, on_instance: Callable[[dict], None] | None = N
     from vllm_compaction.eval.variants import parse_variants
     from vllm_compaction.models import load_adapter
     from vllm_compaction.pipeline import RECIPES, compact_prepared, prepare_prefix
+    from vllm_compaction.queries import resolve_spacing
     from vllm_compaction.reference import ReferenceDecoder
 
     try:
@@ -124,11 +125,12 @@ def run(args: argparse.Namespace, on_instance: Callable[[dict], None] | None = N
             prepared = {}  # one prefill + query plan per query source, shared by methods and ratios
             for variant in variants:
                 kwargs = variant.kwargs()
-                queries = kwargs.pop("queries", None) or RECIPES[variant.method].queries
-                if queries not in prepared:
-                    prepared[queries] = prepare_prefix(adapter, prompt.prefix_ids, prompt.compact_mask,
-                                                       queries=queries, seed=seed)
+                requested = kwargs.pop("queries", None) or RECIPES[variant.method].queries
                 for ratio in ratios:
+                    queries = resolve_spacing(requested, ratio)  # '/auto' plans per ratio
+                    if queries not in prepared:
+                        prepared[queries] = prepare_prefix(adapter, prompt.prefix_ids, prompt.compact_mask,
+                                                           queries=queries, seed=seed)
                     start = time.perf_counter()
                     cache = compact_prepared(prepared[queries], ratio=ratio, **kwargs)
                     seconds = time.perf_counter() - start

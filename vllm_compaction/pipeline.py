@@ -21,7 +21,7 @@ from vllm_compaction.am import CompactedHeads, compact_heads, score_keys
 from vllm_compaction.budgets import resolve_budgets
 from vllm_compaction.cache import CompactedCache
 from vllm_compaction.models import ModelAdapter, PrefixLayer, load_adapter
-from vllm_compaction.queries import PrefixSpec, QueryCollector, parse_sources
+from vllm_compaction.queries import PrefixSpec, QueryCollector, parse_sources, resolve_spacing
 
 __all__ = ["PreparedPrefix", "Recipe", "RECIPES", "compact", "compact_prefix", "compact_prepared", "prepare_prefix"]
 
@@ -289,6 +289,11 @@ def compact_prefix(
 ) -> CompactedCache:
     """Compact the tokens of ``token_ids [T]`` selected by ``compact_mask [T]`` (see ``compact``)."""
     recipe = _recipe(method, queries, None, None)
+    content = int(torch.as_tensor(compact_mask, dtype=torch.bool).sum())
+    if content:  # else prepare_prefix says there is nothing to compact
+        # a '/auto' probe spacing follows the ratio: plan the probes for this one
+        ratio = _resolve_ratio(kwargs.get("ratio"), kwargs.get("target_tokens"), content)
+        recipe = replace(recipe, queries=resolve_spacing(recipe.queries, ratio))
     prepared = prepare_prefix(adapter, token_ids, compact_mask, queries=recipe.queries,
                               query_cap=query_cap, seed=seed)
     return compact_prepared(prepared, method=method, **kwargs)

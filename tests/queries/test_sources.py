@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from vllm_compaction.eval.niah import make_needle, needle_prompt
-from vllm_compaction.pipeline import PreparedPrefix, compact_prepared
-from vllm_compaction.queries import QueryCollector, QueryPlan, parse_sources
+from vllm_compaction.pipeline import PreparedPrefix, compact_prefix, compact_prepared
+from vllm_compaction.queries import QueryCollector, QueryPlan, auto_spacing, parse_sources, resolve_spacing
 from vllm_compaction.queries.base import PrefixSpec
 from vllm_compaction.queries.quote_prefill import QuotePrefill
 from vllm_compaction.queries.repeat_prefill import REPEAT_INSTRUCTION
@@ -148,10 +148,10 @@ def test_parse_sources_mixture_and_errors():
     assert spaced.weight == 4 and spaced.source.tokens_per_span == 80
     assert parse_sources("surprise-quote/80")[0].tokens_per_span == 80
     assert parse_sources("surprise-quote")[0].tokens_per_span == SurpriseQuote().tokens_per_span
-    for bad in ("surprise-quote/0", "surprise-quote/", "surprise-quote/x*4", "surprise-quote/-3"):
+    for bad in ("surprise-quote/0", "surprise-quote/", "surprise-quote/x*4", "surprise-quote/-3", "surprise-quote/Auto"):
         with pytest.raises(ValueError, match="spacing is a whole number"):
             parse_sources(bad)
-    for unspaced in ("repeat-prefill/80", "surprise-quote+context-prefill/5"):
+    for unspaced in ("repeat-prefill/80", "surprise-quote+context-prefill/5", "repeat-prefill/auto"):
         with pytest.raises(ValueError, match="sources that probe spans"):
             parse_sources(unspaced)
     for bad in ("surprise-quote*0", "surprise-quote*", "surprise-quote*two", "surprise-quote*17"):
@@ -160,6 +160,42 @@ def test_parse_sources_mixture_and_errors():
     for static in ("context-prefill*2", "repeat-prefill+random-vectors*3"):  # refused when parsed
         with pytest.raises(ValueError, match="sources that run probes"):
             parse_sources(static)
+
+
+def test_auto_spacing_follows_the_ratio():
+    # about 4 slots per head for each probe, between the two measured spacings (80 and 160)
+    assert [auto_spacing(r) for r in (1.0, 0.1, 0.05, 0.03, 0.025, 0.02, 0.01)] == [80, 80, 80, 133, 160, 160, 160]
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="ratio must be in"):
+            auto_spacing(bad)
+    assert resolve_spacing("repeat-prefill+surprise-quote/auto*4", 0.1) == "repeat-prefill+surprise-quote/80*4"
+    assert resolve_spacing("surprise-quote/auto+repeat-prefill", 0.02) == "surprise-quote/160+repeat-prefill"
+    for unchanged in ("repeat-prefill+surprise-quote/80*4", "repeat-prefill"):
+        assert resolve_spacing(unchanged, 0.02) == unchanged
+    # a prepared prefix is planned for one spacing: '/auto' is resolved for a ratio first
+    with pytest.raises(ValueError, match="takes the spacing from the compaction ratio"):
+        parse_sources("repeat-prefill+surprise-quote/auto*4")
+    assert parse_sources(resolve_spacing("surprise-quote/auto*4", 0.05))[0].source.tokens_per_span == 80
+
+
+@pytest.mark.slow
+def test_real_auto_spacing_is_resolved_by_compact(smollm2):
+    """``compact`` plans '/auto' probes for its own ratio (or target_tokens): the cache is the
+    one the explicit spacing gives, and records the spacing it used."""
+    prompt = needle_prompt(smollm2, make_needle(smollm2.tokenizer, 600, seed=3))
+    ids, mask = prompt.prefix_ids, prompt.compact_mask
+    content = int(mask.sum())
+
+    def run(queries, **budget):
+        return compact_prefix(smollm2, ids, mask, method="kvzip", queries=queries, **budget)
+
+    auto, dense = run("surprise-quote/auto", ratio=0.1), run("surprise-quote/80", ratio=0.1)
+    assert auto.query_source == "surprise-quote/80"
+    assert all(torch.equal(a.indices, b.indices) for a, b in zip(auto.layers, dense.layers))
+    assert run("surprise-quote/auto", ratio=0.02).query_source == "surprise-quote/160"
+    target = round(0.03 * content)  # a ratio between the two spacings: 4 / ratio tokens per probe
+    assert 80 < auto_spacing(target / content) < 160
+    assert run("surprise-quote/auto", target_tokens=target).query_source == f"surprise-quote/{auto_spacing(target / content)}"
 
 
 @pytest.mark.slow

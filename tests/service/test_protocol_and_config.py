@@ -29,6 +29,8 @@ from vllm_compaction.service.protocol import CompactRequest, normalize_messages
     ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "surprise-quote+surprise-quote/80"}, "each once"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "mix*2"}, "sources that run probes"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "mix/80"}, "not to the alias 'mix'"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill/auto"}, "sources that probe spans"),
+    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "surprise-quote/autox"}, "or 'auto'"),
     ({"model": "m", "prompt": "x", "messages": [], "ratio": 0.5}, "not both"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "keep_last_tokens": -1}, "greater than or equal to 0"),
     ({"model": "m", "prompt": "x", "ratio": 0.5, "surprise": 1}, "Extra inputs"),
@@ -56,6 +58,9 @@ def test_compact_request_defaults_and_query_names():
     spaced = CompactRequest.model_validate({"model": "m", "prompt": "x", "ratio": 0.5,
                                             "queries": "repeat-prefill+surprise-quote/80*4"})
     assert spaced.query_source() == "repeat-prefill+surprise-quote/80*4"  # and the spacing
+    auto = CompactRequest.model_validate({"model": "m", "prompt": "x", "ratio": 0.05,
+                                          "queries": "repeat-prefill+surprise-quote/auto*4"})
+    assert auto.query_source() == "repeat-prefill+surprise-quote/auto*4"  # compact() resolves it by the ratio
 
 
 def test_normalize_messages():

@@ -20,8 +20,11 @@ __all__ = [
     "QueryCollector",
     "QueryPlan",
     "QuerySource",
+    "AUTO_SPACING",
     "Weighted",
+    "auto_spacing",
     "parse_sources",
+    "resolve_spacing",
     "split_source",
     "split_weight",
 ]
@@ -46,18 +49,57 @@ def split_weight(part: str) -> tuple[str, int]:
     return name.strip(), int(weight)
 
 
-def split_source(part: str) -> tuple[str, int | None, int]:
+AUTO_SPACING = "auto"
+"""``surprise-quote/auto``: the probes' spacing follows the compaction ratio (``auto_spacing``)."""
+
+#: ``/auto`` spaces the probes so that each has about this many slots per head of the budget ...
+PROBE_SLOTS = 4
+#: ... within the two spacings measured on 48 needles (README "Probe spacing tied to the budget").
+AUTO_SPACING_RANGE = (80, 160)
+
+
+def auto_spacing(ratio: float) -> int:
+    """Content tokens per probe for ``/auto`` at ``ratio``: ``PROBE_SLOTS / ratio`` (a probe per
+    as many tokens as hold about 4 slots per head), clamped to ``AUTO_SPACING_RANGE``: 80 at 5%
+    and above, 133 at 3%, 160 at 2.5% and below. Dense probes won 10% and 5% on 48 needles and
+    lost 2%, where 26 probes share about 40 slots per head."""
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    low, high = AUTO_SPACING_RANGE
+    return min(high, max(low, round(PROBE_SLOTS / ratio)))
+
+
+def split_source(part: str) -> tuple[str, int | str | None, int]:
     """``"surprise-quote/80*4"`` -> ``("surprise-quote", 80, 4)``: the name, the spacing (one probe
-    per 80 content tokens, ``tokens_per_span``; ``None`` without ``/``: the source's default)
-    and the weight (``split_weight``)."""
+    per 80 content tokens, ``tokens_per_span``; ``AUTO_SPACING`` for ``/auto``, set by the ratio in
+    ``resolve_spacing``; ``None`` without ``/``: the source's default) and the weight
+    (``split_weight``)."""
     name, weight = split_weight(part)
     base, slash, per = name.partition("/")
     if not slash:
         return base.strip(), None, weight
+    if per.strip() == AUTO_SPACING:
+        return base.strip(), AUTO_SPACING, weight
     if not per.strip().isdigit() or int(per) < 1:
-        raise ValueError(f"a query source's spacing is a whole number of content tokens >= 1 after '/', "
-                         f"got {part.strip()!r}")
+        raise ValueError(f"a query source's spacing is a whole number of content tokens >= 1 or 'auto' "
+                         f"after '/', got {part.strip()!r}")
     return base.strip(), int(per), weight
+
+
+def resolve_spacing(spec: str, ratio: float) -> str:
+    """``spec`` with every ``/auto`` replaced by the spacing for ``ratio`` (``auto_spacing``):
+    ``"repeat-prefill+surprise-quote/auto*4"`` -> ``"repeat-prefill+surprise-quote/80*4"`` at 0.1.
+    A spec without ``/auto`` comes back unchanged; other parts are not checked here."""
+    parts = spec.split("+")
+    if not any(split_source(part)[1] == AUTO_SPACING for part in parts):
+        return spec
+    resolved = []
+    for part in parts:
+        name, per, weight = split_source(part)
+        if per == AUTO_SPACING:
+            part = f"{name}/{auto_spacing(ratio)}" + (f"*{weight}" if weight > 1 else "")
+        resolved.append(part)
+    return "+".join(resolved)
 
 
 @dataclass(frozen=True)
@@ -77,8 +119,9 @@ class Weighted:
 
 def parse_sources(spec: str) -> list[QuerySource]:
     """``"repeat-prefill+surprise-quote/80*4"`` -> source instances (a ``+`` joins a mixture; a
-    ``/n`` spaces a span-probing source's probes one per n content tokens; a ``*k`` counts that
-    source's queries k times in the fits)."""
+    ``/n`` spaces a span-probing source's probes one per n content tokens, ``/auto`` must be
+    resolved for a ratio first, ``resolve_spacing``; a ``*k`` counts that source's queries k times
+    in the fits)."""
     parts = [split_source(part) for part in spec.split("+") if part.strip()]
     if not parts:
         raise ValueError("empty query source; choose from " + ", ".join(QUERY_SOURCES))
@@ -91,5 +134,9 @@ def parse_sources(spec: str) -> list[QuerySource]:
     unspaced = [n for n, per, _ in parts if per is not None and not hasattr(QUERY_SOURCES[n], "tokens_per_span")]
     if unspaced:
         raise ValueError(f"a spacing (/n) applies to sources that probe spans (surprise-quote), not to {unspaced[0]!r}")
+    if any(per == AUTO_SPACING for _, per, _ in parts):
+        # compact() knows its ratio and resolves it; a prepared prefix is planned for one spacing
+        raise ValueError(f"'/{AUTO_SPACING}' takes the spacing from the compaction ratio: compact() resolves it, "
+                         f"elsewhere call resolve_spacing(spec, ratio) first; got {spec!r}")
     sources = [QUERY_SOURCES[n]() if per is None else QUERY_SOURCES[n](tokens_per_span=per) for n, per, _ in parts]
     return [source if w == 1 else Weighted(source, w) for source, (_, _, w) in zip(sources, parts)]

@@ -20,7 +20,8 @@ __all__ = [
 QUERY_SOURCES = ("repeat-prefill", "surprise-quote", "quote-prefill", "context-prefill", "self-study", "mix")
 """The query sources the API accepts, alone or joined by ``+`` (``repeat-prefill+surprise-quote``),
 each optionally weighted (``surprise-quote*4``) and, for surprise-quote, spaced (``surprise-quote/80``:
-one probe per 80 content tokens); ``mix`` is self-study plus repeat-prefill."""
+one probe per 80 content tokens; ``surprise-quote/auto``: by the ratio); ``mix`` is self-study plus
+repeat-prefill."""
 _QUERY_ALIASES = {"mix": "self-study+repeat-prefill"}
 
 
@@ -36,7 +37,7 @@ def check_method(method: str) -> str:
 def check_queries(queries: str) -> str:
     """``queries`` unchanged if it names API query sources, alone or joined by '+' (each once),
     each optionally weighted as ``name*k`` (its queries count k times in the fits)."""
-    from vllm_compaction.queries import parse_sources, split_source
+    from vllm_compaction.queries import parse_sources, resolve_spacing, split_source
 
     parts = [split_source(p) for p in queries.split("+")]  # ValueError for a bad weight or spacing
     names = [name for name, _, _ in parts]
@@ -47,7 +48,8 @@ def check_queries(queries: str) -> str:
     if aliases:
         raise ValueError(f"a weight (*k) or spacing (/n) applies to sources that run probes, not to the alias "
                          f"{aliases[0]!r}; weight or space its parts ({_QUERY_ALIASES[aliases[0]]})")
-    parse_sources(expand_queries(queries))  # the library's own refusals (a weight on context-prefill)
+    # the library's own refusals (a weight on context-prefill); any ratio checks an '/auto'
+    parse_sources(resolve_spacing(expand_queries(queries), 0.1))
     return queries
 
 
