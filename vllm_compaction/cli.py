@@ -156,7 +156,9 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--target-tokens", type=int)
     comp.add_argument("--method", default="am-omp-fast")
     comp.add_argument("--queries", help="query source override, e.g. repeat-prefill, a+b, or a+b*4 "
-                      "(b's queries count 4 times in the fits)")
+                      "(b's queries count 4 times in the fits); surprise-quote/80 probes one span per 80 "
+                      "content tokens, surprise-quote/auto by the ratio (80 at 5%% and above, 160 at 2.5%% "
+                      "and below)")
     comp.add_argument("--budgets", help="uniform | global | pyramid | schedule | FILE.json")
     comp.add_argument("--keep-last-tokens", type=int, default=0)
     comp.add_argument("--min-layer-share", type=float,

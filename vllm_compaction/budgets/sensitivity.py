@@ -224,9 +224,11 @@ def _compact_grid(adapter: ModelAdapter, ctx: LossContext, ratios: list[float], 
     """All-base prefix per layer, and per compactable layer its compaction at every ratio
     (template slots exact), all fitted to the queries of the base-ratio pass."""
     from vllm_compaction.pipeline import RECIPES
+    from vllm_compaction.queries import resolve_spacing
 
     recipe = RECIPES[method]
-    prepared = _prepare(adapter, ctx, queries or recipe.queries, seed)
+    # one query pass serves every ratio of the grid: '/auto' probes are spaced for the base ratio
+    prepared = _prepare(adapter, ctx, resolve_spacing(queries or recipe.queries, ratios[base_index]), seed)
     kv, mask, n = prepared.spec.kv, prepared.spec.compact_mask, prepared.num_content
     layers = torch.tensor(adapter.compactable_layers)
     base_budgets = uniform_budgets(ratios[base_index], n, layers, adapter.num_kv_heads)

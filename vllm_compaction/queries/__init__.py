@@ -90,11 +90,8 @@ def resolve_spacing(spec: str, ratio: float) -> str:
     """``spec`` with every ``/auto`` replaced by the spacing for ``ratio`` (``auto_spacing``):
     ``"repeat-prefill+surprise-quote/auto*4"`` -> ``"repeat-prefill+surprise-quote/80*4"`` at 0.1.
     A spec without ``/auto`` comes back unchanged; other parts are not checked here."""
-    parts = spec.split("+")
-    if not any(split_source(part)[1] == AUTO_SPACING for part in parts):
-        return spec
     resolved = []
-    for part in parts:
+    for part in spec.split("+"):
         name, per, weight = split_source(part)
         if per == AUTO_SPACING:
             part = f"{name}/{auto_spacing(ratio)}" + (f"*{weight}" if weight > 1 else "")
