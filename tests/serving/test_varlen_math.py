@@ -12,13 +12,15 @@ from vllm_compaction.am.heads import CompactedHeads
 from vllm_compaction.cache import CacheError, PagedPacking
 from vllm_compaction.vllm.bias import augment_kv, augment_query
 from vllm_compaction.vllm.layout import PackedPrefix, pack_layers
-from vllm_compaction.vllm.paged_prefix import PagedPrefixPages
+from vllm_compaction.vllm.paged_prefix import (BATCHED_PREFIX_QUERY_ROWS, BatchSplit, PackedRequest,
+                                                PagedPrefixPages, attend_prefixes)
 from vllm_compaction.vllm.varlen_attention import (
     masked_attention,
     merge_by_lse,
     merge_two_calls,
     merge_with_prefix,
     prefix_attention,
+    prefixes_attention,
     sink_for,
 )
 
@@ -117,6 +119,70 @@ def test_pages_refuse_another_geometry():
         view.write(_packed(LENGTHS, 64, 32)[0], [0, 1, 2, 3])
     with pytest.raises(CacheError, match="no packed-prefix header"):
         view.packing_at(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefixes_attention_equals_one_prefix_at_a_time(dtype):
+    """Several requests' prefixes of different lengths (empty heads, one request with no rows at
+    all), padded together, give each request what :func:`prefix_attention` gives it alone."""
+    torch.manual_seed(3)
+    d, num_q, scale = 64, 9, 64 ** -0.5
+    lengths = [torch.tensor(x) for x in ([0, 37, 300], [5, 0, 1], [0, 0, 0], [120, 64, 2])]
+    prefixes = [(torch.randn(int(n.sum()), d).to(dtype), torch.rand(int(n.sum())) * 6 - 3,
+                 torch.randn(int(n.sum()), d).to(dtype)) for n in lengths]
+    cu = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)]) for n in lengths])
+    width = max(int(n.sum()) for n in lengths)
+
+    def padded(i):
+        return torch.stack([torch.nn.functional.pad(p[i], (0, 0, 0, width - p[i].shape[0])) if p[i].dim() == 2
+                            else torch.nn.functional.pad(p[i], (0, width - p[i].shape[0])) for p in prefixes])
+
+    query = (torch.randn(len(lengths), 3, num_q, d) * 2).to(dtype)
+    out, lse = prefixes_attention(query, padded(0), padded(1), padded(2), cu, scale)
+    for r, (keys, beta, values) in enumerate(prefixes):
+        want_out, want_lse = prefix_attention(query[r], keys, beta, values, cu[r], scale)
+        assert torch.allclose(out[r], want_out, atol=1e-5, rtol=1e-5)
+        assert torch.equal(torch.isinf(lse[r]), torch.isinf(want_lse))
+        assert torch.allclose(lse[r][torch.isfinite(lse[r])], want_lse[torch.isfinite(want_lse)], atol=1e-5)
+    assert bool((out[2] == 0).all()) and bool(torch.isinf(lse[2]).all())  # no rows: no mass
+    # every prefix empty in a layer
+    empty = torch.zeros(2, 0, d)
+    out, lse = prefixes_attention(query[:2], empty, torch.zeros(2, 0), empty, torch.zeros(2, 4, dtype=torch.long), scale)
+    assert bool((out == 0).all()) and bool(torch.isinf(lse).all())
+
+
+def test_attend_prefixes_batches_decode_rows_over_different_prefixes():
+    """A step with decode rows on three different prefixes, two sessions on one of them and a
+    long prefill chunk on a fourth: the batched call and the chunk's own call give each token
+    exactly what attending its prefix alone gives."""
+    torch.manual_seed(4)
+    d, block_size, num_q, scale = 64, 32, 9, 64 ** -0.5
+    pages = [torch.zeros(24, 3, block_size, 2 * d) for _ in range(3)]
+    view = cpu_pages(pages, d)
+    geometries = [LENGTHS, LENGTHS.flip(0), torch.tensor([[3, 0, 9], [1, 1, 1], [0, 0, 0]]), LENGTHS // 2]
+    requests_rows = [[1], [1], [1, 1], [BATCHED_PREFIX_QUERY_ROWS + 4]]  # query rows per request, per prefix
+    requests, offset, next_block = [], 0, 0
+    for lengths, counts in zip(geometries, requests_rows):
+        prefix, _ = _packed(lengths, d, block_size)
+        blocks = torch.arange(next_block, next_block + prefix.packing.num_blocks)
+        next_block += prefix.packing.num_blocks
+        view.write(prefix, blocks.tolist())
+        for count in counts:
+            requests.append(PackedRequest(torch.arange(offset, offset + count), blocks, view.packing_at(int(blocks[0]))))
+            offset += count
+    split = BatchSplit(plain_rows=[], plain_tokens=torch.zeros(0, dtype=torch.long), packed_rows=list(range(len(requests))),
+                       packed_tokens=torch.arange(offset), block_table=torch.zeros(0), seq_lens=torch.zeros(0),
+                       query_start_loc=torch.zeros(0), requests=requests)
+    assert sorted(tokens.numel() for tokens, _ in split.prefix_groups()) == [1, 1, 2, BATCHED_PREFIX_QUERY_ROWS + 4]
+    query = torch.randn(offset, num_q, d) * 2
+    for layer in range(3):
+        out, lse = attend_prefixes(query, split, view, layer, scale)
+        for request in requests:
+            keys, beta, values = view.layer_rows(request.packing, layer, request.blocks)
+            want_out, want_lse = prefix_attention(query[request.tokens], keys, beta, values,
+                                                  request.packing.cu_seqlens(layer), scale)
+            assert torch.allclose(out[request.tokens], want_out, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(lse[request.tokens], want_lse, atol=1e-5)  # -inf where the head is empty
 
 
 def packed_from_heads(heads: CompactedHeads, block_size: int) -> PackedPrefix:

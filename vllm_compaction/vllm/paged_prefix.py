@@ -25,7 +25,7 @@ import torch
 
 from vllm_compaction.cache import CacheError, PagedPacking
 from vllm_compaction.vllm.layout import PackedPrefix
-from vllm_compaction.vllm.varlen_attention import prefix_attention
+from vllm_compaction.vllm.varlen_attention import prefix_attention, prefixes_attention
 
 __all__ = ["BatchSplit", "PackedRequest", "PagedPrefixPages", "attend_prefixes", "split_batch"]
 
@@ -111,31 +111,66 @@ class PagedPrefixPages:
         except ValueError as exc:
             raise CacheError(f"block {first_block}: {exc}") from None
 
-    def layer_rows(self, packing: PagedPacking, layer: int, block_ids: torch.Tensor
+    def layer_rows(self, packing: PagedPacking, layer: int, block_ids: torch.Tensor,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s rows of the prefix in ``block_ids``: keys ``[N, d]``, beta ``[N]``
-        (fp32), values ``[N, d]``, head after head (``packing.cu_seqlens(layer)``)."""
+        (fp32), values ``[N, d]``, head after head (``packing.cu_seqlens(layer)``). ``out``: key
+        and value buffers ``[N, D]`` (contiguous rows) to copy the rows into instead of new ones."""
         d = self.head_size
         count = int(packing.layer_offsets[layer + 1] - packing.layer_offsets[layer])
         if not count:
             empty = self._keys[0].new_zeros(0, d)
             return empty, empty.new_zeros(0, dtype=torch.float32), empty
         spans = packing.layer_spans(layer)
-        keys = self._gather(self._keys, spans, block_ids)
-        values = self._gather(self._values, spans, block_ids)
+        keys = self._gather(self._keys, spans, block_ids, None if out is None else out[0])
+        values = self._gather(self._values, spans, block_ids, None if out is None else out[1])
         beta_spans, skip = packing.beta_spans(layer)
         beta_rows = self._gather(self._keys, beta_spans, block_ids)[:, :d].contiguous()
         betas = beta_rows.view(torch.uint8).view(beta_rows.shape[0], -1)[:, : 2 * d].contiguous().view(torch.float32)
         return keys[:, :d], betas.reshape(-1)[skip : skip + count], values[:, :d]
 
-    def _gather(self, pages: list[torch.Tensor], spans, block_ids: torch.Tensor) -> torch.Tensor:
-        """The rows of ``spans`` (a region's rows run lane after lane), copying only their lanes."""
-        parts, size = [], self.block_size
+    def layers_rows(self, packings: Sequence[PagedPacking], layer: int, block_ids: Sequence[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s rows of several prefixes, each padded to the longest: keys and values
+        ``[R, N, d]`` (zero padding), beta ``[R, N]`` (fp32) and ``cu_seqlens [R, H + 1]``, the
+        rows of prefix ``r``'s head ``h`` being ``cu_seqlens[r, h]:cu_seqlens[r, h + 1]``."""
+        cu_seqlens = torch.stack([packing.cu_seqlens(layer) for packing in packings])
+        counts = cu_seqlens[:, -1].tolist()
+        rows = max(counts)
+        keys = self._keys[0].new_empty(len(packings), rows, self.width)
+        values = self._values[0].new_empty(len(packings), rows, self.width)
+        beta = torch.zeros(len(packings), rows, dtype=torch.float32, device=keys.device)
+        for r, (packing, blocks, count) in enumerate(zip(packings, block_ids, counts)):
+            keys[r, count:] = 0  # padding: finite, and masked out by the caller
+            values[r, count:] = 0
+            if count:
+                _, beta[r, :count], _ = self.layer_rows(packing, layer, blocks, out=(keys[r, :count], values[r, :count]))
+        return keys[..., : self.head_size], beta, values[..., : self.head_size], cu_seqlens.to(keys.device)
+
+    def _gather(self, pages: list[torch.Tensor], spans, block_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows of ``spans`` (a region's rows run lane after lane) into ``out`` or a new
+        ``[rows, D]`` tensor, copied once from the pages: whole lanes at once, partial lanes at
+        the ends."""
+        size = self.block_size
+        if out is None:
+            out = pages[0].new_empty(sum(span.stop - span.start for span in spans), self.width)
+        row = 0
         for span in spans:
-            first, last = span.start // size, -(-span.stop // size)
-            lanes = pages[span.layer][int(block_ids[span.block]), first:last].reshape(-1, self.width)
-            parts.append(lanes[span.start - first * size : span.stop - first * size])
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            block = pages[span.layer][int(block_ids[span.block])]  # [H, block_size, D]
+            start = span.start
+            while start < span.stop:
+                lane, slot = divmod(start, size)
+                whole = (span.stop - start) // size if slot == 0 else 0
+                if whole:
+                    take = whole * size
+                    out[row : row + take].view(whole, size, -1).copy_(block[lane : lane + whole])
+                else:
+                    take = min(size - slot, span.stop - start)
+                    out[row : row + take].copy_(block[lane, slot : slot + take])
+                row, start = row + take, start + take
+        return out
 
 
 # ---------------------------------------------------------------------- a step's batch
@@ -225,19 +260,44 @@ def split_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
         query_start_loc=_sub_starts(query_start_loc, packed_rows), requests=requests)
 
 
+#: Prefix groups with at most this many query rows (decode steps, short chunks) are attended in
+#: one call over all their prefixes (:func:`.varlen_attention.prefixes_attention`); longer
+#: prefill chunks get a call of their own, where padding the queries to a common length would cost.
+BATCHED_PREFIX_QUERY_ROWS = 16
+
+
 def attend_prefixes(query: torch.Tensor, split: BatchSplit, pages: PagedPrefixPages, layer: int,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the packed requests' queries ``[m, Hq, d]`` (``split.packed_tokens`` order)
     over their prefixes in ``layer``: fp32 ``out [m, Hq, d]`` and ``lse [m, Hq]``.
 
-    Requests on the same prefix blocks (sessions on one cached prefix) are one call: the layer's
-    rows are read once and their queries share the GEMMs.
+    Requests on the same prefix blocks (sessions on one cached prefix) are one group: the layer's
+    rows are read once and their queries share the GEMMs. Groups with few query rows (decode
+    steps of sessions on different prefixes) are attended together in one batched call.
     """
     m, num_q_heads, d = query.shape
     out = torch.empty(m, num_q_heads, d, dtype=torch.float32, device=query.device)
     lse = torch.empty(m, num_q_heads, dtype=torch.float32, device=query.device)
-    for tokens, request in split.prefix_groups():
+    groups = split.prefix_groups()
+    small = [g for g in groups if g[0].numel() <= BATCHED_PREFIX_QUERY_ROWS]
+    alone = groups if len(small) < 2 else [g for g in groups if g[0].numel() > BATCHED_PREFIX_QUERY_ROWS]
+    for tokens, request in alone:
         keys, beta, values = pages.layer_rows(request.packing, layer, request.blocks)
         out[tokens], lse[tokens] = prefix_attention(query[tokens], keys, beta, values,
                                                     request.packing.cu_seqlens(layer).to(keys.device), scale)
+    if len(small) >= 2:
+        _attend_together(query, small, pages, layer, scale, out, lse)
     return out, lse
+
+
+def _attend_together(query: torch.Tensor, groups: list[tuple[torch.Tensor, PackedRequest]], pages: PagedPrefixPages,
+                     layer: int, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """One :func:`prefixes_attention` call for ``groups``: their rows padded to the longest prefix,
+    their query rows to the largest group (padding query rows repeat a real one and are dropped)."""
+    keys, beta, values, cu_seqlens = pages.layers_rows([request.packing for _, request in groups], layer,
+                                                       [request.blocks for _, request in groups])
+    width = max(tokens.numel() for tokens, _ in groups)
+    index = torch.stack([torch.cat([tokens, tokens[-1:].expand(width - tokens.numel())]) for tokens, _ in groups])
+    real = torch.stack([torch.arange(width, device=index.device) < tokens.numel() for tokens, _ in groups])
+    part_out, part_lse = prefixes_attention(query[index], keys, beta, values, cu_seqlens, scale)
+    out[index[real]], lse[index[real]] = part_out[real], part_lse[real]

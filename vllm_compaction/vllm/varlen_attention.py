@@ -37,7 +37,8 @@ import torch
 
 from vllm_compaction.vllm.bias import VALUE_ONES_COORD
 
-__all__ = ["masked_attention", "merge_by_lse", "merge_two_calls", "merge_with_prefix", "prefix_attention", "sink_for"]
+__all__ = ["masked_attention", "merge_by_lse", "merge_two_calls", "merge_with_prefix", "prefix_attention",
+           "prefixes_attention", "sink_for"]
 
 
 def prefix_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor,
@@ -80,6 +81,48 @@ def prefix_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor
     out = out.permute(0, 2, 1, 3).reshape(n, num_q_heads, d)
     lse = lse.permute(0, 2, 1).reshape(n, num_q_heads)
     return out, lse
+
+
+def prefixes_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor,
+                       cu_seqlens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``R`` requests over ``R`` different varlen prefixes in one batched call.
+
+    ``query [R, n, Hq, d]``; ``keys``/``values [R, N, d]`` and ``beta [R, N]``: request ``r``'s
+    prefix rows, head after head, padded to the longest prefix's ``N`` rows; ``cu_seqlens
+    [R, H+1]``: head ``h`` of request ``r`` is rows ``cu_seqlens[r, h]:cu_seqlens[r, h+1]``, rows
+    past ``cu_seqlens[r, H]`` are padding. Query head ``j`` reads the rows of KV head
+    ``j // (Hq / H)``. Returns fp32 ``out [R, n, Hq, d]`` (0 for an empty head) and ``lse
+    [R, n, Hq]`` (``-inf`` there), as :func:`prefix_attention` gives for each request alone.
+
+    Decode steps of sessions on different compacted prefixes each bring one query row: one call
+    per prefix would be a few tiny GEMMs and some twenty small ops per request and layer, which
+    is what bounds their decode speed on a CPU. Here the GEMMs are batched over requests; the
+    price is the padding of ``N`` (caches of one geometry have about the same row count) and
+    scoring every query head against every row of its request (the other heads' rows are masked
+    before the softmax), as :func:`prefix_attention` also does.
+    """
+    num_reqs, n, num_q_heads, d = query.shape
+    num_kv_heads = cu_seqlens.shape[1] - 1
+    group = num_q_heads // num_kv_heads
+    if keys.shape[1] == 0:  # every prefix is empty in this layer
+        return (query.new_zeros(query.shape, dtype=torch.float32),
+                query.new_full(query.shape[:3], float("-inf"), dtype=torch.float32))
+    rows = torch.arange(keys.shape[1], device=keys.device).expand(num_reqs, -1).contiguous()
+    # the head each row belongs to; padding rows land past the last head and match no query head
+    head_of_row = torch.searchsorted(cu_seqlens[:, 1:].to(torch.int64).contiguous(), rows, right=True)  # [R, N]
+    scores = torch.einsum("rnqd,rkd->rqnk", query.float(), keys.float()) * scale + beta.float()[:, None, None, :]
+    kv_head = torch.arange(num_q_heads, device=keys.device) // group  # [Hq]
+    mine = head_of_row[:, None, :] == kv_head[None, :, None]  # [R, Hq, N]
+    scores = scores.masked_fill(~mine[:, :, None, :], float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)  # [R, Hq, n, 1]
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # empty heads: no rows anyway
+    weights = torch.exp(scores - top)
+    mass = weights.sum(dim=-1)  # [R, Hq, n]
+    out = torch.einsum("rqnk,rkd->rnqd", weights, values.float())
+    tiny = torch.finfo(torch.float32).tiny
+    out = out / mass.clamp_min(tiny).permute(0, 2, 1)[..., None]
+    lse = torch.where(mass > 0, top[..., 0] + torch.log(mass.clamp_min(tiny)), torch.full_like(mass, float("-inf")))
+    return out, lse.permute(0, 2, 1)
 
 
 def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, last_key: torch.Tensor,
