@@ -113,11 +113,12 @@ def run(args: argparse.Namespace, on_instance: Callable[[dict], None] | None = N
                 baselines += kept["baselines"]
                 rows += kept["rows"]
                 continue
+            answer_tokens = inst.answer_tokens or args.max_new_tokens  # free-form tasks answer at length
             full_kv = adapter.prefill(prompt.prefix_ids, capture_queries=False)
-            full = decoder.generate(full_kv, prompt.continuation_ids, max_new_tokens=args.max_new_tokens)
+            full = decoder.generate(full_kv, prompt.continuation_ids, max_new_tokens=answer_tokens)
             template_only = [t for t, m in zip(prompt.prefix_ids, prompt.compact_mask.tolist()) if not m]
             none = decoder.generate(adapter.prefill(template_only, capture_queries=False), prompt.continuation_ids,
-                                    max_new_tokens=args.max_new_tokens)
+                                    max_new_tokens=answer_tokens)
             for name, gen in (("full-context", full), ("no-context", none)):
                 baselines.append(dict(task=task, seed=seed, method=name, answer=gen.text, score=inst.score(gen.text),
                                       prompt=digest, prefix_tokens=len(prompt.prefix_ids)))
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace, on_instance: Callable[[dict], None] | None = N
                     start = time.perf_counter()
                     cache = compact_prepared(prepared[queries], ratio=ratio, **kwargs)
                     seconds = time.perf_counter() - start
-                    gen = decoder.generate(cache, prompt.continuation_ids, max_new_tokens=args.max_new_tokens)
+                    gen = decoder.generate(cache, prompt.continuation_ids, max_new_tokens=answer_tokens)
                     recon = reconstruction(decoder, full_kv, cache, prompt.continuation_ids, full.token_ids)
                     lengths = cache.head_lengths[cache.layer_compacted]
                     rows.append(dict(task=task, seed=seed, method=variant.label, ratio=ratio, prompt=digest,
@@ -191,22 +192,28 @@ def combine(results: list[dict]) -> dict:
                 baselines=first["baselines"], rows=rows, created=time.time())
 
 
+def _total(scores: list[float | None]) -> str | None:
+    """"hits/n", or None for a task that scores nothing (free-form answers)."""
+    if any(score is None for score in scores):
+        return None
+    return f"{sum(scores):g}/{len(scores)}"
+
+
 def summarize(rows: list[dict], baselines: list[dict]) -> dict:
-    """Per task: baselines' and each method x ratio's total score ("hits/n"), mean compaction
-    time, log-perplexity ratio (compacted / full) and KL."""
+    """Per task: baselines' and each method x ratio's total score ("hits/n"; None where the task
+    scores nothing), mean compaction time, log-perplexity ratio (compacted / full) and KL."""
     out: dict = defaultdict(dict)
     for b in baselines:
         out[b["task"]].setdefault(b["method"], []).append(b["score"])
     for task, methods in out.items():
         for name in list(methods):
-            scores = methods[name]
-            methods[name] = f"{sum(scores):g}/{len(scores)}"
+            methods[name] = _total(methods[name])
     groups: dict = defaultdict(list)
     for r in rows:
         groups[(r["task"], r["method"], r["ratio"])].append(r)
     for (task, method, ratio), group in groups.items():
         out[task].setdefault(method, {})[str(ratio)] = {
-            "score": f"{sum(r['score'] for r in group):g}/{len(group)}",
+            "score": _total([r["score"] for r in group]),
             "compaction_s": statistics.mean(r["compaction_s"] for r in group),
             "log_ppl_ratio": statistics.mean(r["log_ppl_compacted"] for r in group)
                              / max(1e-9, statistics.mean(r["log_ppl_full"] for r in group)),
@@ -241,24 +248,35 @@ def plot(result: dict, path: Path) -> None:
     for col, task in enumerate(tasks):
         summary = result["summary"][task]
         top, bottom = axes[0][col], axes[1][col]
+        # a task that scores nothing (free-form answers) is drawn by its reconstruction instead
+        scored = summary["full-context"] is not None
+        ylabel = "score" if scored else "log-ppl ratio (compacted / full)"
+
+        def value(cell: dict) -> float:
+            return _fraction(cell["score"]) if scored else cell["log_ppl_ratio"]
+
         for method, color in zip(result["methods"], palette):
             per_ratio = summary[method]
             xs = sorted(float(r) for r in per_ratio)
-            top.plot(xs, [_fraction(per_ratio[str(x)]["score"]) for x in xs], marker="o", color=color,
-                     label=labels[method])
+            top.plot(xs, [value(per_ratio[str(x)]) for x in xs], marker="o", color=color, label=labels[method])
             if str(near_10) in per_ratio:
                 at = per_ratio[str(near_10)]
-                bottom.scatter([at["compaction_s"]], [_fraction(at["score"])], color=color, label=labels[method])
-        for name, style in (("full-context", "--"), ("no-context", ":")):
-            top.axhline(_fraction(summary[name]), color="k", linestyle=style, label=name)
-            bottom.axhline(_fraction(summary[name]), color="k", linestyle=style)
+                bottom.scatter([at["compaction_s"]], [value(at)], color=color, label=labels[method])
+        references = ((("full-context", "--"), ("no-context", ":")) if scored else (("full-context", "--"),))
+        for name, style in references:
+            level = _fraction(summary[name]) if scored else 1.0  # the full cache's own ratio is 1
+            top.axhline(level, color="k", linestyle=style, label=name)
+            bottom.axhline(level, color="k", linestyle=style)
+        if not scored:
+            top.set_yscale("log")
+            bottom.set_yscale("log")
         top.set_xscale("log")
         top.set_xlabel("compaction ratio (slots / context tokens)")
-        top.set_ylabel("score")
+        top.set_ylabel(ylabel)
         top.set_title(f"{task} ({result['instances']} x {result['tokens']} tokens)")
         bottom.set_xscale("log")
         bottom.set_xlabel(f"compaction time at ratio {near_10} (s)")
-        bottom.set_ylabel("score")
+        bottom.set_ylabel(ylabel)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=legend_cols, fontsize=7)
     fig.suptitle(result["model"])
@@ -275,7 +293,8 @@ def parser(**defaults) -> argparse.ArgumentParser:
     p.add_argument("--instances", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokens", type=int, default=2000)
-    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=12,
+                   help="answer length of the scored tasks (essay-questions answers at length: 96)")
     p.add_argument("--quick", action="store_true", help="CI size: 2 instances of 600 tokens, ratio 0.2")
     p.add_argument("--out", default=str(RESULTS / "quality.json"))
     p.add_argument("--combine", nargs="+", metavar="RESULT.json",

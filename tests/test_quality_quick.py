@@ -102,3 +102,25 @@ def test_combine_merges_runs_over_the_same_instances_only():
                          ({**_result(["h2o+"]), "tokens": 1000}, "tokens")):
         with pytest.raises(SweepError, match=match):
             combine([_result(["kvzip"]), other])
+
+
+def test_free_form_task_is_not_scored_and_is_drawn_by_its_reconstruction(tokenizer, tmp_path):
+    from benchmarks.quality import combine, plot
+    from vllm_compaction.eval.tasks import ESSAY_ANSWER_TOKENS, ESSAY_QUESTIONS
+
+    inst = make_task("essay-questions", tokenizer, 600, seed=3)
+    assert not inst.scored and inst.score("anything at all") is None
+    assert inst.question in ESSAY_QUESTIONS and inst.answer_tokens == ESSAY_ANSWER_TOKENS > 12
+    assert make_task("niah", tokenizer, 600, seed=3).scored
+
+    def unscored(result):
+        for entry in result["baselines"] + result["rows"]:
+            entry.update(task="essay-questions", score=None)
+        return {**result, "tasks": ["essay-questions"]}
+
+    merged = combine([unscored(_result(["kvzip"], ratios=(0.1, 0.05))), unscored(_result(["h2o+"]))])
+    summary = merged["summary"]["essay-questions"]
+    assert summary["full-context"] is None and summary["no-context"] is None
+    assert summary["kvzip"]["0.1"]["score"] is None and summary["kvzip"]["0.1"]["log_ppl_ratio"] == pytest.approx(1.5)
+    plot(merged, tmp_path / "free_form.png")  # the reconstruction panels draw without a score
+    assert (tmp_path / "free_form.png").stat().st_size > 0

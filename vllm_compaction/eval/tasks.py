@@ -12,6 +12,10 @@ single-answer tasks 0 or 1). Same seed, same instance, for every method.
   plus a distractor chain; every variable of the chain is expected (RULER).
 - ``common-words``: a numbered word list in which ten words recur far more often; the ten are
   expected (RULER's common-words extraction).
+- ``essay-questions``: an open question about the essays (summarise them, explain their
+  argument, ...), answered freely at length. Nothing is expected, so nothing is scored: the task
+  measures reconstruction only, as the paper does on QuALITY, by the log-perplexity of the full
+  context's long answer under the compacted cache (``answer_tokens`` sets that answer's length).
 """
 
 from __future__ import annotations
@@ -37,9 +41,16 @@ class TaskInstance:
     question: str
     answer_prefix: str
     answers: tuple[str, ...]
+    #: tokens the answers get (None: the caller's default); free-form answers need more than a number
+    answer_tokens: int | None = None
 
-    def score(self, text: str) -> float:
-        return score_text(text, self.answers)
+    @property
+    def scored(self) -> bool:
+        """Whether the task expects answers to score; a free-form task measures reconstruction only."""
+        return bool(self.answers)
+
+    def score(self, text: str) -> float | None:
+        return score_text(text, self.answers) if self.scored else None
 
 
 def score_text(text: str, answers: tuple[str, ...]) -> float:
@@ -140,12 +151,30 @@ def _common_words(tokenizer, n_tokens: int, seed: int, top: int = 10) -> TaskIns
                         f"Answer: the {top} most common words in the list are", tuple(common))
 
 
+#: open questions about the context, each answered at length by the model (never scored)
+ESSAY_QUESTIONS = (
+    "Summarize the text above in a few sentences.",
+    "What is the main argument of the text above? Explain it with examples from the text.",
+    "What advice does the author of the text above give, and why?",
+    "Which ideas in the text above are the most surprising? Explain each one.",
+)
+ESSAY_ANSWER_TOKENS = 96
+
+
+def _essay_questions(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
+    rng = random.Random(seed)
+    return TaskInstance("essay-questions", seed, haystack_text(n_tokens, tokenizer, seed=seed),
+                        ESSAY_QUESTIONS[rng.randrange(len(ESSAY_QUESTIONS))], "", (),
+                        answer_tokens=ESSAY_ANSWER_TOKENS)
+
+
 TASKS: dict[str, Callable[..., TaskInstance]] = {
     "niah": _niah,
     "niah-multikey": _niah_multikey,
     "niah-multivalue": _niah_multivalue,
     "variable-tracking": _variable_tracking,
     "common-words": _common_words,
+    "essay-questions": _essay_questions,
 }
 
 
