@@ -294,6 +294,37 @@ def test_without_the_connector_the_backend_is_stock():
                          torch.zeros(1, HKV, D), torch.zeros(1, HKV, D), torch.zeros(1, HKV))
 
 
+def test_an_engine_built_after_a_widened_one_gets_stock_pages(compaction_config, tmp_path):
+    """The head-size record is process-wide: engines built one after another in one process
+    (benchmarks, tests) each get the pages their own layers use, not the previous engine's."""
+    from vllm_compaction.vllm import cpu_backend
+    from vllm_compaction.vllm.cpu_backend import CompactionCPUAttentionImpl
+
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
+    _impl(compaction_config)
+    assert CompactionTritonBackend.customize_spec(spec).head_size == AUG
+    assert _impl(VllmConfig()).augmented is None  # an engine without the connector, next
+    assert CompactionTritonBackend.customize_spec(spec) == spec
+
+    def cpu_impl(pages: str | None) -> CompactionCPUAttentionImpl:
+        config = (VllmConfig() if pages is None else
+                  VllmConfig(kv_transfer_config=KVTransferConfig(**kv_transfer_config(tmp_path, pages=pages))))
+        # the stock constructor reads the model's dtype (a CPU SDPA choice): no model here
+        object.__setattr__(config, "model_config", SimpleNamespace(dtype=torch.float32))
+        with set_current_vllm_config(config):
+            return CompactionCPUAttentionImpl(HQ, D, SCALE, HKV, None, None, "auto")
+
+    try:
+        for first, then in (("widened", "stock"), ("widened", None)):
+            assert cpu_impl(first).augmented is not None
+            assert CompactionCPUAttentionBackend.customize_spec(spec).head_size > D
+            assert cpu_impl(then).augmented is None
+            assert CompactionCPUAttentionBackend.customize_spec(spec) == CPUAttentionBackend.customize_spec(spec)
+    finally:
+        cpu_backend._AUGMENTED.clear()
+
+
 def test_attention_stays_out_of_full_cuda_graphs_only_with_compaction(compaction_config):
     from vllm.v1.attention.backend import AttentionCGSupport
 

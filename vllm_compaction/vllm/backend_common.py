@@ -141,6 +141,13 @@ class AugmentedHeadSizes:
                          self.backend, head_size, augmented)
         self._sizes[head_size] = augmented
 
+    def forget(self, head_size: int) -> None:
+        """Layers of ``head_size`` use stock-width pages. The record is process-wide and the spec
+        hook reads it when an engine allocates its pages, so every decoder layer states its page
+        width when it is built: an engine built after one with widened pages, in the same
+        process (benchmarks, tests, in-process engines), must not be given widened pages too."""
+        self._sizes.pop(head_size, None)
+
     def get(self, head_size: int) -> int | None:
         """The augmented size recorded for ``head_size``, or ``None``."""
         return self._sizes.get(head_size)

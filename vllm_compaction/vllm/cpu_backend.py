@@ -105,6 +105,8 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
                 raise ValueError("compacted prefixes on stock-width pages do not support ALiBi, attention "
                                  "softcapping or sinks yet; start the engine with pages='widened'")
             self.records_kv = kv_snapshots_enabled(config)
+        if self.attn_type == AttentionType.DECODER and self.augmented is None:
+            _AUGMENTED.forget(self.head_size)  # stock pages, whatever an earlier engine here used
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None) -> torch.Tensor:

@@ -291,10 +291,11 @@ class CompactionTritonImpl(TritonAttentionImpl):
         super().__init__(*args, **kwargs)
         self.augmented: int | None = None
         self.records_kv = False  # K/V writes shown to a KV snapshot (.snapshot)
-        if not compaction_enabled(get_current_vllm_config()):
-            return
         if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
             return  # no KV cache, nothing for a compacted prefix to live in
+        if not compaction_enabled(get_current_vllm_config()):
+            _AUGMENTED.forget(self.head_size)  # stock pages, whatever an earlier engine here used
+            return
         problems = self._unsupported_features()
         if page_width(get_current_vllm_config()) != "widened":
             problems.append("stock-width pages (pages='stock') are CPU-only; the Triton kernel reads beta "
