@@ -267,9 +267,6 @@ def plot(result: dict, path: Path) -> None:
             level = _fraction(summary[name]) if scored else 1.0  # the full cache's own ratio is 1
             top.axhline(level, color="k", linestyle=style, label=name)
             bottom.axhline(level, color="k", linestyle=style)
-        if not scored:
-            top.set_yscale("log")
-            bottom.set_yscale("log")
         top.set_xscale("log")
         top.set_xlabel("compaction ratio (slots / context tokens)")
         top.set_ylabel(ylabel)
