@@ -300,7 +300,6 @@ def test_an_engine_built_after_a_widened_one_gets_stock_pages(compaction_config,
     from vllm_compaction.vllm import cpu_backend
     from vllm_compaction.vllm.cpu_backend import CompactionCPUAttentionImpl
 
-
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
     _impl(compaction_config)
     assert CompactionTritonBackend.customize_spec(spec).head_size == AUG
