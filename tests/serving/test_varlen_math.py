@@ -121,10 +121,47 @@ def test_pages_refuse_another_geometry():
         view.packing_at(0)
 
 
+def prefix_reference(query, keys, beta, values, cu_seqlens, scale):
+    """Attention of ``query [n, Hq, d]`` over one varlen prefix, one head at a time in float64:
+    ``out [n, Hq, d]`` (0 for an empty head) and ``lse [n, Hq]`` (``-inf`` there)."""
+    n, num_q, d = query.shape
+    group = num_q // (cu_seqlens.numel() - 1)
+    out = torch.zeros(n, num_q, d, dtype=torch.float64)
+    lse = torch.full((n, num_q), float("-inf"), dtype=torch.float64)
+    for j in range(num_q):
+        rows = slice(int(cu_seqlens[j // group]), int(cu_seqlens[j // group + 1]))
+        if rows.stop > rows.start:
+            scores = query[:, j].double() @ keys[rows].double().T * scale + beta[rows].double()
+            out[:, j] = torch.softmax(scores, -1) @ values[rows].double()
+            lse[:, j] = torch.logsumexp(scores, -1)
+    return out, lse
+
+
+def assert_close_to_reference(out, lse, want_out, want_lse):
+    assert torch.allclose(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))  # -inf exactly where a head is empty
+    assert torch.allclose(lse.double()[torch.isfinite(lse)], want_lse[torch.isfinite(want_lse)], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefix_attention_equals_a_per_head_softmax(dtype):
+    """One prefix with an empty head, a one-row head and a long one; a prefill chunk of queries."""
+    torch.manual_seed(2)
+    d, num_q, scale = 64, 9, 64 ** -0.5
+    lengths = torch.tensor([0, 1, 300])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    keys, values = torch.randn(301, d).to(dtype), torch.randn(301, d).to(dtype)
+    beta = torch.rand(301) * 6 - 3
+    query = (torch.randn(20, num_q, d) * 2).to(dtype)
+    out, lse = prefix_attention(query, keys, beta, values, cu, scale)
+    assert out.dtype == lse.dtype == torch.float32
+    assert_close_to_reference(out, lse, *prefix_reference(query, keys, beta, values, cu, scale))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefixes_attention_equals_one_prefix_at_a_time(dtype):
     """Several requests' prefixes of different lengths (empty heads, one request with no rows at
-    all), padded together, give each request what :func:`prefix_attention` gives it alone."""
+    all), padded together, give each request its own prefix's attention."""
     torch.manual_seed(3)
     d, num_q, scale = 64, 9, 64 ** -0.5
     lengths = [torch.tensor(x) for x in ([0, 37, 300], [5, 0, 1], [0, 0, 0], [120, 64, 2])]
@@ -140,10 +177,7 @@ def test_prefixes_attention_equals_one_prefix_at_a_time(dtype):
     query = (torch.randn(len(lengths), 3, num_q, d) * 2).to(dtype)
     out, lse = prefixes_attention(query, padded(0), padded(1), padded(2), cu, scale)
     for r, (keys, beta, values) in enumerate(prefixes):
-        want_out, want_lse = prefix_attention(query[r], keys, beta, values, cu[r], scale)
-        assert torch.allclose(out[r], want_out, atol=1e-5, rtol=1e-5)
-        assert torch.equal(torch.isinf(lse[r]), torch.isinf(want_lse))
-        assert torch.allclose(lse[r][torch.isfinite(lse[r])], want_lse[torch.isfinite(want_lse)], atol=1e-5)
+        assert_close_to_reference(out[r], lse[r], *prefix_reference(query[r], keys, beta, values, cu[r], scale))
     assert bool((out[2] == 0).all()) and bool(torch.isinf(lse[2]).all())  # no rows: no mass
     # every prefix empty in a layer
     empty = torch.zeros(2, 0, d)
@@ -179,10 +213,9 @@ def test_attend_prefixes_batches_decode_rows_over_different_prefixes():
         out, lse = attend_prefixes(query, split, view, layer, scale)
         for request in requests:
             keys, beta, values = view.layer_rows(request.packing, layer, request.blocks)
-            want_out, want_lse = prefix_attention(query[request.tokens], keys, beta, values,
-                                                  request.packing.cu_seqlens(layer), scale)
-            assert torch.allclose(out[request.tokens], want_out, atol=1e-5, rtol=1e-5)
-            assert torch.allclose(lse[request.tokens], want_lse, atol=1e-5)  # -inf where the head is empty
+            assert_close_to_reference(out[request.tokens], lse[request.tokens],
+                                      *prefix_reference(query[request.tokens], keys, beta, values,
+                                                        request.packing.cu_seqlens(layer), scale))
 
 
 def packed_from_heads(heads: CompactedHeads, block_size: int) -> PackedPrefix:

@@ -43,44 +43,14 @@ __all__ = ["masked_attention", "merge_by_lse", "merge_two_calls", "merge_with_pr
 
 def prefix_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor,
                      cu_seqlens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``query [n, Hq, d]`` over varlen heads, batched over heads, never padded.
+    """Attention of ``query [n, Hq, d]`` over one varlen prefix: :func:`prefixes_attention` for one request.
 
     ``keys``/``values [N, d]``, ``beta [N]`` hold head ``h``'s rows at
     ``cu_seqlens[h]:cu_seqlens[h+1]``; query head ``j`` reads KV head ``j // (Hq / H)``.
     Returns fp32 ``out [n, Hq, d]`` (0 for an empty head) and ``lse [n, Hq]`` (``-inf`` there).
-
-    Two GEMMs over all ``N`` rows instead of a ``[H, max t_h]`` padding: heads are very uneven
-    (one may keep nearly every token while the others keep a few), and padding to the longest
-    would cost ``H * max(t_h)`` rows where the prefix has ``N``.
     """
-    n, num_q_heads, d = query.shape
-    num_kv_heads = cu_seqlens.numel() - 1
-    group = num_q_heads // num_kv_heads
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    head_of_row = torch.repeat_interleave(torch.arange(num_kv_heads, device=keys.device), lengths)  # [N]
-    rows = head_of_row.numel()
-    q = query.float()
-    # every query head against every row (one GEMM), then each row keeps its own group's heads
-    scores = torch.matmul(q, keys.float().T)  # [n, Hq, N]
-    own = head_of_row[None, :] * group + torch.arange(group, device=keys.device)[:, None]  # [group, N]
-    scores = scores.gather(1, own[None].expand(n, group, rows)) * scale + beta.float()  # [n, group, N]
-    index = head_of_row[None, None, :].expand(n, group, rows)
-    top = torch.full((n, group, num_kv_heads), float("-inf"), device=keys.device)
-    top = top.scatter_reduce(2, index, scores, reduce="amax", include_self=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # empty heads: no rows anyway
-    weights = torch.exp(scores - top.gather(2, index))  # [n, group, N]
-    mass = torch.zeros_like(top).scatter_add(2, index, weights)  # [n, group, H]
-    # per head: weights masked to its rows, times the values (one GEMM)
-    member = head_of_row[None, :] == torch.arange(num_kv_heads, device=keys.device)[:, None]  # [H, N]
-    per_head = weights[:, :, None, :] * member  # [n, group, H, N]
-    out = torch.matmul(per_head, values.float())  # [n, group, H, d]
-    out = out / mass.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-    lse = torch.where(mass > 0, top + torch.log(mass.clamp_min(torch.finfo(torch.float32).tiny)),
-                      torch.full_like(mass, float("-inf")))
-    # [n, group, H, ...] -> query-head order h * group + g
-    out = out.permute(0, 2, 1, 3).reshape(n, num_q_heads, d)
-    lse = lse.permute(0, 2, 1).reshape(n, num_q_heads)
-    return out, lse
+    out, lse = prefixes_attention(query[None], keys[None], beta[None], values[None], cu_seqlens[None], scale)
+    return out[0], lse[0]
 
 
 def prefixes_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor,
@@ -92,37 +62,52 @@ def prefixes_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tens
     [R, H+1]``: head ``h`` of request ``r`` is rows ``cu_seqlens[r, h]:cu_seqlens[r, h+1]``, rows
     past ``cu_seqlens[r, H]`` are padding. Query head ``j`` reads the rows of KV head
     ``j // (Hq / H)``. Returns fp32 ``out [R, n, Hq, d]`` (0 for an empty head) and ``lse
-    [R, n, Hq]`` (``-inf`` there), as :func:`prefix_attention` gives for each request alone.
+    [R, n, Hq]`` (``-inf`` there).
 
     Decode steps of sessions on different compacted prefixes each bring one query row: one call
     per prefix would be a few tiny GEMMs and some twenty small ops per request and layer, which
     is what bounds their decode speed on a CPU. Here the GEMMs are batched over requests; the
     price is the padding of ``N`` (caches of one geometry have about the same row count) and
-    scoring every query head against every row of its request (the other heads' rows are masked
-    before the softmax), as :func:`prefix_attention` also does.
+    scoring every query head against every row of its request. Within a request the rows are never padded per head: heads are very
+    uneven (one may keep nearly every token while the others keep a few), and a ``[H, max t_h]``
+    layout would cost ``H * max(t_h)`` rows where the prefix has ``N``.
     """
     num_reqs, n, num_q_heads, d = query.shape
     num_kv_heads = cu_seqlens.shape[1] - 1
     group = num_q_heads // num_kv_heads
-    if keys.shape[1] == 0:  # every prefix is empty in this layer
+    num_rows = keys.shape[1]
+    if num_rows == 0:  # every prefix is empty in this layer
         return (query.new_zeros(query.shape, dtype=torch.float32),
                 query.new_full(query.shape[:3], float("-inf"), dtype=torch.float32))
-    rows = torch.arange(keys.shape[1], device=keys.device).expand(num_reqs, -1).contiguous()
-    # the head each row belongs to; padding rows land past the last head and match no query head
+    device = keys.device
+    rows = torch.arange(num_rows, device=device).expand(num_reqs, -1).contiguous()
+    # the head each row belongs to; padding rows get head H, a bin of their own that is dropped
     head_of_row = torch.searchsorted(cu_seqlens[:, 1:].to(torch.int64).contiguous(), rows, right=True)  # [R, N]
-    scores = torch.einsum("rnqd,rkd->rqnk", query.float(), keys.float()) * scale + beta.float()[:, None, None, :]
-    kv_head = torch.arange(num_q_heads, device=keys.device) // group  # [Hq]
-    mine = head_of_row[:, None, :] == kv_head[None, :, None]  # [R, Hq, N]
-    scores = scores.masked_fill(~mine[:, :, None, :], float("-inf"))
-    top = scores.amax(dim=-1, keepdim=True)  # [R, Hq, n, 1]
+    # every query head against every row (one GEMM), then each row keeps its own group's heads:
+    # the softmax works on [n, group, N], not [n, Hq, N]
+    scores = torch.matmul(query.float(), keys.float().transpose(1, 2)[:, None])  # [R, n, Hq, N]
+    own = (head_of_row.clamp_max(num_kv_heads - 1)[:, None, :] * group
+           + torch.arange(group, device=device)[None, :, None])  # [R, group, N]
+    scores = scores.gather(2, own[:, None].expand(num_reqs, n, group, num_rows)) * scale + beta.float()[:, None, None, :]
+    index = head_of_row[:, None, None, :].expand(num_reqs, n, group, num_rows)
+    top = torch.full((num_reqs, n, group, num_kv_heads + 1), float("-inf"), device=device)
+    top = top.scatter_reduce(3, index, scores, reduce="amax", include_self=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # empty heads: no rows anyway
-    weights = torch.exp(scores - top)
-    mass = weights.sum(dim=-1)  # [R, Hq, n]
-    out = torch.einsum("rqnk,rkd->rnqd", weights, values.float())
+    weights = torch.exp(scores - top.gather(3, index))  # [R, n, group, N]
+    mass = torch.zeros_like(top).scatter_add(3, index, weights)[..., :num_kv_heads]  # [R, n, group, H]
+    # per head: the weights masked to its rows, times the values (one GEMM per request)
+    member = (head_of_row[:, None, :] == torch.arange(num_kv_heads, device=device)[None, :, None]).float()  # [R, H, N]
+    per_head = weights[:, :, :, None, :] * member[:, None, None]  # [R, n, group, H, N]
+    out = torch.matmul(per_head.view(num_reqs, n * group * num_kv_heads, num_rows), values.float())
+    out = out.view(num_reqs, n, group, num_kv_heads, d)
     tiny = torch.finfo(torch.float32).tiny
-    out = out / mass.clamp_min(tiny).permute(0, 2, 1)[..., None]
-    lse = torch.where(mass > 0, top[..., 0] + torch.log(mass.clamp_min(tiny)), torch.full_like(mass, float("-inf")))
-    return out, lse.permute(0, 2, 1)
+    out = out / mass.clamp_min(tiny)[..., None]
+    lse = torch.where(mass > 0, top[..., :num_kv_heads] + torch.log(mass.clamp_min(tiny)),
+                      torch.full_like(mass, float("-inf")))
+    # [R, n, group, H, ...] -> query-head order h * group + g
+    out = out.permute(0, 1, 3, 2, 4).reshape(num_reqs, n, num_q_heads, d)
+    lse = lse.permute(0, 1, 3, 2).reshape(num_reqs, n, num_q_heads)
+    return out, lse
 
 
 def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, last_key: torch.Tensor,
