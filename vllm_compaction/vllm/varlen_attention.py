@@ -68,9 +68,10 @@ def prefixes_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tens
     per prefix would be a few tiny GEMMs and some twenty small ops per request and layer, which
     is what bounds their decode speed on a CPU. Here the GEMMs are batched over requests; the
     price is the padding of ``N`` (caches of one geometry have about the same row count) and
-    scoring every query head against every row of its request. Within a request the rows are never padded per head: heads are very
-    uneven (one may keep nearly every token while the others keep a few), and a ``[H, max t_h]``
-    layout would cost ``H * max(t_h)`` rows where the prefix has ``N``.
+    scoring every query head against every row of its request. Within a request the rows are
+    never padded per head: heads are very uneven (one may keep nearly every token while the
+    others keep a few), and a ``[H, max t_h]`` layout would cost ``H * max(t_h)`` rows where the
+    prefix has ``N``.
     """
     num_reqs, n, num_q_heads, d = query.shape
     num_kv_heads = cu_seqlens.shape[1] - 1
