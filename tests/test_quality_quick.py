@@ -26,6 +26,22 @@ def test_tasks_are_seeded_and_hold_their_answers(tokenizer, task):
     assert 450 < len(tokenizer(a.context, add_special_tokens=False)["input_ids"]) <= 620
 
 
+def test_niah_ruler_keeps_its_instruction_exact_before_the_same_context(smollm2):
+    """The RULER instruction joins the chat-template header (51 tokens, measured-findings.md's
+    prompt), never the compacted span; the context and its compacted tokens are niah's."""
+    from vllm_compaction.eval.niah import INSTRUCTION
+    from vllm_compaction.eval.tasks import task_prompt
+
+    bare, ruler = make_task("niah", smollm2.tokenizer, 600, seed=3), make_task("niah-ruler", smollm2.tokenizer, 600, seed=3)
+    assert ruler.instruction == INSTRUCTION and (ruler.context, ruler.answers) == (bare.context, bare.answers)
+    p_bare, p_ruler = task_prompt(smollm2, bare), task_prompt(smollm2, ruler)
+    header = int(p_ruler.compact_mask.int().argmax())
+    assert header == 51 and not p_ruler.compact_mask[:header].any() and p_ruler.compact_mask[header:].all()
+    assert p_ruler.prefix_ids[header:] == [i for i, m in zip(p_bare.prefix_ids, p_bare.compact_mask) if m]
+    assert INSTRUCTION.strip() in smollm2.tokenizer.decode(p_ruler.prefix_ids[:header])
+    assert p_ruler.continuation_ids == p_bare.continuation_ids
+
+
 def test_scoring_is_whole_word():
     assert score_text("room 42.", ("42",)) == 1.0 and score_text("room 423", ("42",)) == 0.0
     assert score_text("ABCDE and FGHIJ", ("ABCDE", "FGHIJ", "KLMNO")) == pytest.approx(2 / 3)

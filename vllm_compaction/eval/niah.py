@@ -15,11 +15,15 @@ import torch
 
 from vllm_compaction.corpus import haystack_text
 
-__all__ = ["NeedleInstance", "NeedlePrompt", "context_prompt", "insert_sentences", "make_needle", "needle_prompt", "score_answer"]
+__all__ = ["INSTRUCTION", "NeedleInstance", "NeedlePrompt", "context_prompt", "insert_sentences", "make_needle", "needle_prompt", "score_answer"]
 
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
 ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
+#: RULER's instruction before the haystack (uncompacted, like the chat-template header); with it the
+#: SmolLM2 prompt's header is the 51 tokens of ``measured-findings.md``
+INSTRUCTION = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+               "I will quiz you about the numbers afterwards.\n")
 KEYS = ("bright-river", "silent-harbor", "amber-forest", "crimson-valley", "hollow-meadow",
          "frozen-canyon", "golden-orchard", "misty-lagoon", "quiet-summit", "rapid-delta",
          "scarlet-dune", "velvet-grove")
@@ -74,14 +78,15 @@ def needle_prompt(adapter, instance: NeedleInstance) -> NeedlePrompt:
                           ANSWER_PREFIX.format(key=instance.key))
 
 
-def context_prompt(adapter, context: str, question: str, answer_prefix: str) -> NeedlePrompt:
-    """One user turn ``context + question``, the assistant header and ``answer_prefix``, split
-    at the end of ``context``: the prefix's context tokens are the ones to compact."""
-    messages = [{"role": "user", "content": context + "\n\n" + question}]
+def context_prompt(adapter, context: str, question: str, answer_prefix: str, instruction: str = "") -> NeedlePrompt:
+    """One user turn ``instruction + context + question``, the assistant header and
+    ``answer_prefix``, split at the end of ``context``: the prefix's context tokens are the ones to
+    compact (the instruction before them stays exact, as the chat-template header does)."""
+    messages = [{"role": "user", "content": instruction + context + "\n\n" + question}]
     # the chat template, or for a base model (Gemma-3-270M) plain text after a BOS
     text = adapter.render(messages, add_generation_prompt=True) + answer_prefix
     enc = adapter.tokenizer(text, add_special_tokens=not adapter.has_chat_template, return_offsets_mapping=True)
-    start = text.index(context)
+    start = text.index(instruction + context) + len(instruction)
     end = start + len(context)
     offsets = enc["offset_mapping"]
     split = next(i for i, (a, _) in enumerate(offsets) if a >= end)

@@ -6,6 +6,9 @@ answers. ``score`` is the fraction of expected answers the model's text names (w
 single-answer tasks 0 or 1). Same seed, same instance, for every method.
 
 - ``niah``: one 7-digit needle at a seeded depth (see :mod:`vllm_compaction.eval.niah`).
+- ``niah-ruler``: the same instance after RULER's instruction ("Some special magic numbers are
+  hidden within the following text. Make sure to memorize it. ..."), kept exact before the
+  context: the prompt of ``measured-findings.md`` and of issue 2's targets (51-token header).
 - ``niah-multikey``: four needles with different keys; the question names one (distractors).
 - ``niah-multivalue``: three needles with the same key; all three values are expected.
 - ``variable-tracking``: ``VAR A = 12345`` then a chain ``VAR B = VAR A`` ... hidden in the text,
@@ -27,8 +30,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from vllm_compaction.corpus import haystack_text
-from vllm_compaction.eval.niah import (ANSWER_PREFIX, KEYS, NEEDLE, QUESTION, NeedlePrompt, context_prompt,
-                                       insert_sentences, make_needle)
+from vllm_compaction.eval.niah import (ANSWER_PREFIX, INSTRUCTION, KEYS, NEEDLE, QUESTION, NeedlePrompt,
+                                       context_prompt, insert_sentences, make_needle)
 
 __all__ = ["TaskInstance", "TASKS", "make_task", "task_prompt", "score_text"]
 
@@ -43,6 +46,8 @@ class TaskInstance:
     answers: tuple[str, ...]
     #: tokens the answers get (None: the caller's default); free-form answers need more than a number
     answer_tokens: int | None = None
+    #: text before the context in the same user turn, never compacted (RULER's task instruction)
+    instruction: str = ""
 
     @property
     def scored(self) -> bool:
@@ -72,6 +77,12 @@ def _niah(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
     inst = make_needle(tokenizer, n_tokens, seed=seed)
     return TaskInstance("niah", seed, inst.context, QUESTION.format(key=inst.key),
                         ANSWER_PREFIX.format(key=inst.key), (inst.value,))
+
+
+def _niah_ruler(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
+    inst = make_needle(tokenizer, n_tokens, seed=seed)
+    return TaskInstance("niah-ruler", seed, inst.context, QUESTION.format(key=inst.key),
+                        ANSWER_PREFIX.format(key=inst.key), (inst.value,), instruction=INSTRUCTION)
 
 
 def _niah_multikey(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
@@ -170,6 +181,7 @@ def _essay_questions(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
 
 TASKS: dict[str, Callable[..., TaskInstance]] = {
     "niah": _niah,
+    "niah-ruler": _niah_ruler,
     "niah-multikey": _niah_multikey,
     "niah-multivalue": _niah_multivalue,
     "variable-tracking": _variable_tracking,
@@ -186,4 +198,5 @@ def make_task(task: str, tokenizer, n_tokens: int = 2000, *, seed: int) -> TaskI
 
 def task_prompt(adapter, instance: TaskInstance) -> NeedlePrompt:
     """Split the chat prompt of an instance at the end of its context (the compacted span)."""
-    return context_prompt(adapter, instance.context, instance.question, instance.answer_prefix)
+    return context_prompt(adapter, instance.context, instance.question, instance.answer_prefix,
+                          instance.instruction)
