@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 import re
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from vllm_compaction.corpus import haystack_text
@@ -80,9 +80,7 @@ def _niah(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
 
 
 def _niah_ruler(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
-    inst = make_needle(tokenizer, n_tokens, seed=seed)
-    return TaskInstance("niah-ruler", seed, inst.context, QUESTION.format(key=inst.key),
-                        ANSWER_PREFIX.format(key=inst.key), (inst.value,), instruction=INSTRUCTION)
+    return replace(_niah(tokenizer, n_tokens, seed), task="niah-ruler", instruction=INSTRUCTION)
 
 
 def _niah_multikey(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
