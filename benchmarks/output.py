@@ -32,3 +32,18 @@ def save_result(result: dict[str, Any], out: str | Path,
     if plot is not None:
         plot(result, out.with_suffix(".png"))
     return out
+
+
+def log_scale(ax, which: str = "x") -> None:
+    """Put axis ``which`` ("x" or "y") of matplotlib ``ax`` on a log scale labelled at 1, 2, 5 per decade.
+
+    Matplotlib labels the minor ticks of a log axis that spans less than about a decade (ratios
+    0.02-0.1, times 2-60 s), and those labels overlap; plain numbers at 1, 2 and 5 stay readable.
+    """
+    from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+    getattr(ax, f"set_{which}scale")("log")
+    axis = getattr(ax, f"{which}axis")
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FormatStrFormatter("%g"))
+    axis.set_minor_formatter(NullFormatter())

@@ -31,7 +31,7 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
-from benchmarks.output import pyplot, save_result
+from benchmarks.output import log_scale, pyplot, save_result
 
 logger = logging.getLogger("benchmarks.quality")
 
@@ -267,11 +267,11 @@ def plot(result: dict, path: Path) -> None:
             level = _fraction(summary[name]) if scored else 1.0  # the full cache's own ratio is 1
             top.axhline(level, color="k", linestyle=style, label=name)
             bottom.axhline(level, color="k", linestyle=style)
-        top.set_xscale("log")
+        log_scale(top)
         top.set_xlabel("compaction ratio (slots / context tokens)")
         top.set_ylabel(ylabel)
         top.set_title(f"{task} ({result['instances']} x {result['tokens']} tokens)")
-        bottom.set_xscale("log")
+        log_scale(bottom)
         bottom.set_xlabel(f"compaction time at ratio {near_10} (s)")
         bottom.set_ylabel(ylabel)
     handles, labels = axes[0][0].get_legend_handles_labels()
@@ -279,6 +279,7 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(result["model"])
     fig.tight_layout(rect=(0, legend_h / (7.5 + legend_h), 1, 1))
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def parser(**defaults) -> argparse.ArgumentParser:
