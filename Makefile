@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.vllm-compaction-installed
 CLI := $(VENV)/bin/vllm-compaction
 
-.PHONY: setup model demo test test-fast bench clean
+.PHONY: setup model demo test test-fast bench gpu-check clean
 
 setup: $(STAMP) model
 
@@ -40,6 +40,11 @@ bench: setup
 	$(PYTHON) -m benchmarks.serving
 	$(PYTHON) -m benchmarks.quality
 	$(PYTHON) -m benchmarks.agent_session
+
+# On a GPU machine (no venv, no registry needed: torch, triton and transformers are enough)
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) -m benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -43,7 +43,7 @@ OMP_FAST = {"am-highest-attn": None, "am-omp-fast": (4, 2)}
 def _rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (half-split convention) of ``x [H, L, d]`` at ``positions [L]``."""
     d = x.shape[-1]
-    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
     ang = positions.float()[:, None] * inv_freq[None, :]  # [L, d/2]
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
@@ -61,26 +61,29 @@ def synthesize_layer(
     anywhere) with a target logit ~ U(0.4, 1.2) x 9 and at the sink with ~ U(0.5, 1.2) x 11
     (per-head sharpness varies), plus noise. On average ~40% of the attention mass lands on the
     sink and the effective support (exp entropy) is ~100-200 keys of 2,000.
+    Everything is drawn on the generator's device.
     """
     h, t, n, d = heads, length, num_queries, dim
-    randn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    dev = gen.device
+    randn = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+    rand = lambda *s: torch.rand(*s, generator=gen, device=dev)  # noqa: E731
     scale = 1.0 / math.sqrt(d)
     topics = randn(h, 48, d)
-    seg = torch.cumsum((torch.rand(t, generator=gen) < 1 / 40).long(), 0) % 48  # [T] topic id
+    seg = torch.cumsum((rand(t) < 1 / 40).long(), 0) % 48  # [T] topic id
     raw = 0.6 * randn(h, 1, d) + 0.9 * topics[:, seg] + 0.55 * randn(h, t, d)
-    raw[:, torch.randint(1, t, (3,), generator=gen)] *= 2.0  # outliers
-    keys = _rope(raw, torch.arange(t))
+    raw[:, torch.randint(1, t, (3,), generator=gen, device=dev)] *= 2.0  # outliers
+    keys = _rope(raw, torch.arange(t, device=dev))
     sink = randn(h, d)
     keys[:, 0] = sink / sink.norm(dim=-1, keepdim=True) * keys[:, 1:].norm(dim=-1).mean(-1, keepdim=True) * 1.5
     values = topics[:, seg] @ randn(h, d, d) / math.sqrt(d) + 0.3 * randn(h, t, d)
     values[:, 0] *= 0.1  # sinks carry little value
-    recent = (t - 1 - (torch.rand(n, generator=gen) ** 3 * t)).long().clamp(0, t - 1)
-    anywhere = torch.randint(0, t, (n,), generator=gen)
-    target = torch.where(torch.rand(n, generator=gen) < 0.5, recent, anywhere)  # [n]
-    sharp = 0.8 + 0.4 * torch.rand(h, 1, 1, generator=gen)  # per-head sharpness
+    recent = (t - 1 - (rand(n) ** 3 * t)).long().clamp(0, t - 1)
+    anywhere = torch.randint(0, t, (n,), generator=gen, device=dev)
+    target = torch.where(rand(n) < 0.5, recent, anywhere)  # [n]
+    sharp = 0.8 + 0.4 * rand(h, 1, 1)  # per-head sharpness
     k_t, k_s = keys[:, target], keys[:, :1]  # [H, n, d], [H, 1, d]
-    a = sharp * 9.0 * (0.4 + 0.8 * torch.rand(h, n, 1, generator=gen)) / (k_t.square().sum(-1, keepdim=True) * scale)
-    b = sharp * 11.0 * (0.5 + 0.7 * torch.rand(h, n, 1, generator=gen)) / (k_s.square().sum(-1, keepdim=True) * scale)
+    a = sharp * 9.0 * (0.4 + 0.8 * rand(h, n, 1)) / (k_t.square().sum(-1, keepdim=True) * scale)
+    b = sharp * 11.0 * (0.5 + 0.7 * rand(h, n, 1)) / (k_s.square().sum(-1, keepdim=True) * scale)
     queries = a * k_t + b * k_s + 0.8 * randn(h, n, d)
     return {"keys": keys, "values": values, "queries": queries}
 
@@ -120,7 +123,7 @@ def _baseline_nnls(m: torch.Tensor, y: torch.Tensor, lower: float, upper: float,
     """Paper Algorithm "NNLS via Projected Gradient Descent" for one head."""
     w = _lstsq(m, y[:, None])[:, 0].clamp(lower, upper)
     if iters:
-        v = torch.ones(m.shape[1])
+        v = torch.ones(m.shape[1], device=m.device)
         for _ in range(8):
             v = m.T @ (m @ v)
             v = v / v.norm()
@@ -135,8 +138,8 @@ def _baseline_omp(phi: torch.Tensor, mass: torch.Tensor, t: int, k: int, tau: in
     with the beta >= -7 drop rule and the e^7 cap."""
     lo, hi = math.exp(-7.0), math.exp(7.0)
     chosen: list[int] = []
-    excluded = torch.zeros(phi.shape[1], dtype=torch.bool)
-    resid, w, step = mass.clone(), torch.empty(0), 0
+    excluded = torch.zeros(phi.shape[1], dtype=torch.bool, device=phi.device)
+    resid, w, step = mass.clone(), torch.empty(0, device=phi.device), 0
     while True:
         step += 1
         corr = (phi.T @ resid).masked_fill(excluded, float("-inf"))
@@ -153,7 +156,15 @@ def _baseline_omp(phi: torch.Tensor, mass: torch.Tensor, t: int, k: int, tau: in
         w = w.clamp(lo, hi)
         resid = mass - phi[:, chosen] @ w
         if len(chosen) == t and keep.all():
-            return torch.tensor(chosen), w
+            return torch.tensor(chosen, device=phi.device), w
+
+
+def _now(device: torch.device) -> float:
+    """Wall clock after the device's queued work is done (stage times on a GPU are otherwise
+    only launch times)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def baseline_compact(
@@ -163,25 +174,25 @@ def baseline_compact(
     out_k, out_b, out_v, out_i = [], [], [], []
     scale = 1.0 / math.sqrt(keys.shape[-1])
     for h in range(keys.shape[0]):
-        start = time.perf_counter()
+        start = _now(keys.device)
         logits = scale * queries[h] @ keys[h].T  # [n, T]
         phi = torch.exp(logits - logits.amax(-1, keepdim=True))
         mass = phi.sum(-1)
         attn = phi / mass[:, None]
         target = attn @ values[h]
-        clock["reference_s"] += (mark := time.perf_counter()) - start
+        clock["reference_s"] += (mark := _now(keys.device)) - start
         if method == "am-omp-fast":
             idx, w = _baseline_omp(phi, mass, t, *OMP_FAST[method])
-            clock["select_s"] += (start := time.perf_counter()) - mark
+            clock["select_s"] += (start := _now(keys.device)) - mark
         else:
             idx = torch.topk(attn.square().mean(0).sqrt(), t).indices
-            clock["select_s"] += (start := time.perf_counter()) - mark
+            clock["select_s"] += (start := _now(keys.device)) - mark
             w = _baseline_nnls(phi[:, idx], mass, math.exp(-3), math.exp(3), 2)
         beta = w.log()
-        clock["beta_s"] += (mark := time.perf_counter()) - start
+        clock["beta_s"] += (mark := _now(keys.device)) - start
         x = torch.softmax(logits[:, idx] + beta, dim=-1)
         cv = _lstsq(x, target)
-        clock["values_s"] += time.perf_counter() - mark
+        clock["values_s"] += _now(keys.device) - mark
         order = idx.argsort()
         out_k.append(keys[h, idx[order]]), out_b.append(beta[order]), out_v.append(cv[order]), out_i.append(idx[order])
     lengths = [t] * keys.shape[0]

@@ -87,7 +87,8 @@ def _cmd_compact(args: argparse.Namespace) -> int:
         raise CliError(f"output folder {out.parent} does not exist")
     cache = compact(args.model, messages, ratio=args.ratio, target_tokens=args.target_tokens,
                     method=args.method, queries=args.queries, budgets=args.budgets,
-                    keep_last_tokens=args.keep_last_tokens, progress=not args.quiet, **budget_options)
+                    keep_last_tokens=args.keep_last_tokens, progress=not args.quiet, device=args.device,
+                    **budget_options)
     cache.save(out)
     _print_summary(cache.summary(), out)
     return 0
@@ -164,6 +165,8 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--min-layer-share", type=float,
                       help="global budgets: every layer first keeps this share (0-1) of an equal split")
     comp.add_argument("--out", required=True)
+    comp.add_argument("--device", default="auto", help="where the model and every stage run: cpu, cuda, cuda:N "
+                      "or auto (default: cuda when a GPU is visible)")
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
     comp.set_defaults(func=_cmd_compact)
 

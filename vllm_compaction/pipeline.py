@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from vllm_compaction.am import CompactedHeads, compact_heads, score_keys
 from vllm_compaction.budgets import resolve_budgets
 from vllm_compaction.cache import CompactedCache
-from vllm_compaction.models import ModelAdapter, PrefixLayer, load_adapter
+from vllm_compaction.models import ModelAdapter, PrefixLayer, load_adapter, resolve_device
 from vllm_compaction.queries import PrefixSpec, QueryCollector, parse_sources, resolve_spacing
 
 __all__ = ["PreparedPrefix", "Recipe", "RECIPES", "compact", "compact_prefix", "compact_prepared", "prepare_prefix"]
@@ -96,12 +96,16 @@ def compact(
     progress: bool = False,
     on_progress: Callable[[float], None] | None = None,
     chunk_tokens: int | None = None,
+    device: str | torch.device | None = None,
     **options: Any,
 ) -> CompactedCache:
     """Compact the content of chat ``messages`` (template tokens stay exact).
 
     Args:
         model: a known name (``"smollm2-135m"``), a checkpoint folder, or a loaded adapter.
+        device: where to load a named model and run every stage (``"cpu"``, ``"cuda"``,
+            ``"cuda:1"``, ``"auto"``); default the CPU. A loaded adapter runs where its weights
+            are, and a different ``device`` is refused.
         messages: OpenAI-style ``[{"role", "content"}]``; a string is one user message.
         ratio: slots kept per head on average, as a fraction of the content tokens; or
         target_tokens: the same as an absolute number of slots per head.
@@ -119,7 +123,13 @@ def compact(
             ``global`` budgets rank keys (``score_softmax``, ``score_aggregation``,
             ``score_weight_power``).
     """
-    adapter = model if isinstance(model, ModelAdapter) else load_adapter(model)
+    if isinstance(model, ModelAdapter):
+        adapter = model
+        if device is not None and resolve_device(device) != adapter.device:
+            raise ValueError(f"the adapter's weights are on {adapter.device}, not on {device}: load it there "
+                             f"(load_adapter(..., device={str(device)!r})) or leave device out")
+    else:
+        adapter = load_adapter(model, device="cpu" if device is None else device)
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     if not messages:
@@ -260,14 +270,14 @@ class PreparedPrefix:
 def prepare_prefix(adapter: ModelAdapter, token_ids: Sequence[int], compact_mask: torch.Tensor, *,
                    queries: str, query_cap: int = 50_000, seed: int = 0) -> PreparedPrefix:
     """Prefill ``token_ids [T]`` and plan the reference queries for the ``compact_mask`` tokens."""
-    mask = torch.as_tensor(compact_mask, dtype=torch.bool)
+    mask = torch.as_tensor(compact_mask, dtype=torch.bool, device="cpu")
     if mask.numel() != len(token_ids):
         raise ValueError(f"compact_mask has {mask.numel()} entries for {len(token_ids)} tokens")
     if not mask.any():
         raise ValueError("the prefix has no content tokens to compact")
     start = time.perf_counter()
     kv = adapter.prefill(token_ids)
-    spec = PrefixSpec(torch.as_tensor(token_ids, dtype=torch.long), mask, kv)
+    spec = PrefixSpec(torch.as_tensor(token_ids, dtype=torch.long, device="cpu"), mask, kv)
     sources = parse_sources(queries)
     plan = sources[0].plan(adapter, spec)
     for source in sources[1:]:
@@ -289,7 +299,7 @@ def compact_prefix(
 ) -> CompactedCache:
     """Compact the tokens of ``token_ids [T]`` selected by ``compact_mask [T]`` (see ``compact``)."""
     recipe = _recipe(method, queries, None, None)
-    content = int(torch.as_tensor(compact_mask, dtype=torch.bool).sum())
+    content = int(torch.as_tensor(compact_mask, dtype=torch.bool, device="cpu").sum())
     if content:  # else prepare_prefix says there is nothing to compact
         # a '/auto' probe spacing follows the ratio: plan the probes for this one
         ratio = _resolve_ratio(kwargs.get("ratio"), kwargs.get("target_tokens"), content)
@@ -328,9 +338,10 @@ def compact_prepared(
     n = prepared.num_content
     ratio = _resolve_ratio(ratio, target_tokens, n)
     timings: dict[str, float] = {}  # this call's stages; the prepared prefix's are merged at the end
-    layers = torch.tensor(adapter.compactable_layers)
+    layers = torch.tensor(adapter.compactable_layers, device="cpu")  # host bookkeeping, as the masks
     scales = adapter.layer_scales()
-    positions = torch.arange(prepared.spec.length)
+    device = adapter.device
+    positions = torch.arange(prepared.spec.length, device=device)
 
     @functools.cache
     def prefix_scores() -> tuple[torch.Tensor | None, ...]:
@@ -340,7 +351,8 @@ def compact_prepared(
 
     # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets, so
     # a long tail cannot starve an early span (e.g. facts stated in the first turn).
-    chunks = content_chunks(mask, chunk_tokens)
+    chunks = content_chunks(mask, chunk_tokens)  # host masks; their device copies index the keys
+    exact_on_device, chunks_on_device = (~mask).to(device), [chunk.to(device) for chunk in chunks]
     chunk_budgets = [
         resolve_budgets(recipe.budgets, ratio=ratio, n=int(chunk.sum()), layers=layers,
                         num_heads=adapter.num_kv_heads, model_name=adapter.name,
@@ -363,9 +375,10 @@ def compact_prepared(
             compacted[layer] = CompactedHeads.exact(keys, values, positions)
             return None
         start = time.perf_counter()
-        parts = [CompactedHeads.exact(keys[:, ~mask], values[:, ~mask], positions[~mask])]
+        parts = [CompactedHeads.exact(keys[:, exact_on_device], values[:, exact_on_device],
+                                      positions[exact_on_device])]
         query_weights = prepared.collector.weights(layer)
-        for chunk, budgets_of_chunk in zip(chunks, chunk_budgets):
+        for chunk, budgets_of_chunk in zip(chunks_on_device, chunk_budgets):
             parts.append(compact_heads(keys[:, chunk], values[:, chunk], layer_queries, budgets_of_chunk[layer],
                                        method=recipe.math, scale=scales[layer], positions=positions[chunk],
                                        query_weights=query_weights, **options))

@@ -1,2 +1,2 @@
-"""The kernel cases run in their own interpreter (see test_paged_bias_attention.py), where
+"""The kernel cases (``*_cases.py``) run in their own interpreter (``test_kernel_cases.py``), where
 ``TRITON_INTERPRET=1`` is set before Triton is imported on CPU-only machines."""

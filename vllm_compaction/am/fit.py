@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from vllm_compaction.am.attention import CHUNK_BYTES_PER_HEAD, LOG2_E, block_chunks, bmm_row_split, repeat_heads
+from vllm_compaction.am.attention import LOG2_E, block_chunks, bmm_row_split, chunk_bytes_per_head, repeat_heads
 
 __all__ = [
     "SelectedFeatures",
@@ -191,7 +191,7 @@ class SelectedFeatures:
     Both fits read them: the mass fit of ``beta`` is a least-squares problem in ``phi``, and the
     compacted attention weights are ``X = phi e^beta / (phi e^beta) 1``, a softmax of ``l + beta``
     without another exp. Computed like the reference pass, in log2 units with ``exp2``. Padded
-    slots hold 0. Chunks are cache-sized (``CHUNK_BYTES_PER_HEAD``), but at least
+    slots hold 0. Chunks are sized for the device (``chunk_bytes_per_head``), but at least
     ``MIN_GRAM_ROWS`` rows, so that the consumers' temporaries stay small and their Gram
     products stay efficient; all chunks are computed once and kept when they fit in
     ``budget_bytes``, otherwise every pass recomputes them. Consumers must not modify the
@@ -203,7 +203,7 @@ class SelectedFeatures:
                  *, scale: float, budget_bytes: int):
         h, n, _ = queries.shape
         t = max(1, kept_keys.shape[1])
-        rows = max(CHUNK_BYTES_PER_HEAD, 4 * t * MIN_GRAM_ROWS) // (4 * t)
+        rows = max(chunk_bytes_per_head(queries), 4 * t * MIN_GRAM_ROWS) // (4 * t)
         self.chunks, self.split = block_chunks(n, rows, h, queries.device)
         self._q = queries * (scale * LOG2_E)  # [H, n, d], logits in log2 units
         self._shift = shift[..., None] * LOG2_E  # [H, n, 1]

@@ -16,12 +16,16 @@ import torch
 __all__ = ["CompactedHeads", "cu_seqlens_from_lengths"]
 
 
-def cu_seqlens_from_lengths(lengths: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    """Int32 cumulative offsets ``[H+1]`` (starting at 0) from per-head lengths ``[H]``."""
-    lengths = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1)
+def cu_seqlens_from_lengths(lengths: Sequence[int] | torch.Tensor,
+                            device: torch.device | str | None = None) -> torch.Tensor:
+    """Int32 cumulative offsets ``[H+1]`` (starting at 0) from per-head lengths ``[H]``, on
+    ``device`` (default: the lengths' own device, the CPU for a sequence)."""
+    if device is None:
+        device = lengths.device if isinstance(lengths, torch.Tensor) else "cpu"
+    lengths = torch.as_tensor(lengths, dtype=torch.int64, device=device).reshape(-1)
     if (lengths < 0).any():
         raise ValueError(f"per-head lengths must be >= 0, got {lengths.tolist()}")
-    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
     cu[1:] = torch.cumsum(lengths, 0)
     return cu.to(torch.int32)
 
@@ -108,7 +112,7 @@ class CompactedHeads:
         """
         lengths = self.head_budgets
         h, t_max, d = self.num_heads, int(lengths.max()) if self.num_heads else 0, self.head_dim
-        slot = torch.arange(t_max).expand(h, t_max)
+        slot = torch.arange(t_max, device=lengths.device).expand(h, t_max)
         valid = slot < lengths[:, None]  # [H, t_max]
         keys = self.keys.new_zeros(h, t_max, d)
         values = self.values.new_zeros(h, t_max, d)
@@ -136,7 +140,7 @@ class CompactedHeads:
             beta=beta[valid].float(),
             values=values[valid],
             indices=indices[valid].to(torch.int64),
-            cu_seqlens=cu_seqlens_from_lengths(lengths.cpu()).to(keys.device),
+            cu_seqlens=cu_seqlens_from_lengths(lengths),
         )
 
     @classmethod
@@ -149,7 +153,9 @@ class CompactedHeads:
         num_heads = parts[0].num_heads
         if any(p.num_heads != num_heads for p in parts):
             raise ValueError("all parts must have the same number of heads")
-        head_ids = torch.cat([torch.repeat_interleave(torch.arange(num_heads), p.head_budgets) for p in parts])
+        device = parts[0].keys.device
+        head_ids = torch.cat([torch.repeat_interleave(torch.arange(num_heads, device=device), p.head_budgets.to(device))
+                              for p in parts])
         indices = torch.cat([p.indices for p in parts])
         # sort key (head, position): positions are < 2**40, so one int64 key orders both
         order = torch.argsort(head_ids * (1 << 40) + indices, stable=True)
@@ -171,5 +177,5 @@ class CompactedHeads:
             beta=torch.zeros(h * t, dtype=torch.float32, device=keys.device),
             values=values.reshape(h * t, -1),
             indices=positions.to(torch.int64).expand(h, t).reshape(-1).clone(),
-            cu_seqlens=cu_seqlens_from_lengths([t] * h).to(keys.device),
+            cu_seqlens=cu_seqlens_from_lengths([t] * h, device=keys.device),
         )

@@ -1,6 +1,7 @@
 """Per-head budgets t_{l,h}: uniform, global (KVzip-style), pyramid, schedules; caps and floors.
 
-Every function returns an int64 tensor ``[L, H]`` of slots per (layer, KV head) for the
+Every function returns an int64 CPU tensor ``[L, H]`` (host bookkeeping: budgets size the work
+and are read on the host) of slots per (layer, KV head) for the
 compacted span of ``n`` tokens; rows of layers that are not compacted are 0 and ignored.
 The totals are exact: ``sum == round(ratio * n * number of compacted heads)``.
 """
@@ -80,7 +81,7 @@ def global_budgets(scores: list[torch.Tensor | None], ratio: float, n: int, *,
             local and broad, few slots, and the question's tokens read the prefix through them.
     """
     check_budget_options("global", min_layer_share=min_layer_share)
-    layers = torch.tensor([s is not None for s in scores])
+    layers = torch.tensor([s is not None for s in scores], device="cpu")
     num_heads = next(s.shape[0] for s in scores if s is not None)
     total = total_budget(ratio, n, layers, num_heads)
     per_layer = torch.stack([s.flatten() for s in scores if s is not None])  # [L_c, H n]
@@ -92,8 +93,8 @@ def global_budgets(scores: list[torch.Tensor | None], ratio: float, n: int, *,
     extra = min(total - int(keep.sum()), int((~keep).sum()))
     keep.view(-1)[torch.topk(rest, extra).indices] = True
     counts = keep.view(-1, num_heads, n).sum(-1)
-    budgets = torch.zeros(len(scores), num_heads, dtype=torch.long)
-    budgets[layers] = counts
+    budgets = torch.zeros(len(scores), num_heads, dtype=torch.long, device="cpu")
+    budgets[layers] = counts.cpu()
     return budgets
 
 
@@ -105,8 +106,8 @@ def pyramid_budgets(ratio: float, n: int, layers: torch.Tensor, num_heads: int, 
     mean = ratio * n
     last = mean / beta
     first = 2 * mean - last
-    steps = torch.linspace(first, last, len(compacted), dtype=torch.float64)
-    weights = torch.zeros(len(layers), num_heads, dtype=torch.float64)
+    steps = torch.linspace(first, last, len(compacted), dtype=torch.float64, device="cpu")
+    weights = torch.zeros(len(layers), num_heads, dtype=torch.float64, device="cpu")
     weights[compacted] = steps[:, None]
     return cap_and_fill(_round_to_total(weights, total_budget(ratio, n, layers, num_heads)), n, layers)
 

@@ -28,17 +28,17 @@ class Schedule:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        t = torch.tensor(self.shares, dtype=torch.float64)
+        t = torch.tensor(self.shares, dtype=torch.float64, device="cpu")
         if t.shape != (self.num_layers, self.num_kv_heads):
             raise ValueError(
                 f"schedule shares have shape {tuple(t.shape)}, expected "
                 f"({self.num_layers}, {self.num_kv_heads})"
             )
-        if (t < 0).any() or not torch.isclose(t.sum(), torch.tensor(1.0, dtype=torch.float64), atol=1e-6):
+        if (t < 0).any() or not torch.isclose(t.sum(), torch.tensor(1.0, dtype=torch.float64, device="cpu"), atol=1e-6):
             raise ValueError("schedule shares must be >= 0 and sum to 1")
 
     def tensor(self) -> torch.Tensor:
-        return torch.tensor(self.shares, dtype=torch.float64)
+        return torch.tensor(self.shares, dtype=torch.float64, device="cpu")
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

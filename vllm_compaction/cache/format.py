@@ -201,7 +201,7 @@ class CompactedCache:
         """Every key kept at its position with ``beta = 0`` (t = T), from per-layer keys/values
         ``[H, T, d]`` (post-RoPE): served or decoded, it must reproduce the uncompacted prompt."""
         length = len(token_ids)
-        positions = torch.arange(length)
+        positions = torch.arange(length, device=keys[0].device if len(keys) else "cpu")
         layers = [CompactedHeads.exact(k, v, positions) for k, v in zip(keys, values)]
         return cls(layers=layers, logical_length=length, token_ids=list(token_ids), compacted_span=(0, length),
                    layer_compacted=[False] * len(layers), model=model, method="none", ratio=1.0)

@@ -60,7 +60,7 @@ class PagedPacking:
     block_size: int
 
     def __post_init__(self) -> None:
-        lengths = torch.as_tensor(self.head_lengths, dtype=torch.int64)
+        lengths = torch.as_tensor(self.head_lengths, dtype=torch.int64, device="cpu")
         if lengths.dim() != 2 or lengths.numel() == 0:
             raise ValueError(f"head_lengths must be a non-empty [L, H] table, got shape {tuple(lengths.shape)}")
         if (lengths < 0).any():
@@ -111,7 +111,7 @@ class PagedPacking:
     @functools.cached_property
     def layer_offsets(self) -> torch.Tensor:
         """``[L+1]`` first row of each layer (after header and betas); the last entry ends the data."""
-        offsets = torch.zeros(self.num_layers + 1, dtype=torch.int64)
+        offsets = torch.zeros(self.num_layers + 1, dtype=torch.int64, device="cpu")
         offsets[1:] = torch.cumsum(self.head_lengths.sum(1), 0)
         return offsets + self.data_start
 
@@ -131,7 +131,7 @@ class PagedPacking:
 
     def cu_seqlens(self, layer: int) -> torch.Tensor:
         """``[H+1]`` int64 offsets of each head's rows within ``layer``'s rows."""
-        cu = torch.zeros(self.num_kv_heads + 1, dtype=torch.int64)
+        cu = torch.zeros(self.num_kv_heads + 1, dtype=torch.int64, device="cpu")
         cu[1:] = torch.cumsum(self.head_lengths[layer], 0)
         return cu
 
@@ -169,7 +169,7 @@ class PagedPacking:
     def header(self) -> torch.Tensor:
         """The int32 header: magic, version, L, H, blocks, then ``t[l, h]`` row-major."""
         fields = torch.tensor([PAGED_MAGIC, _PAGED_VERSION, self.num_layers, self.num_kv_heads,
-                               self.num_blocks], dtype=torch.int64)
+                               self.num_blocks], dtype=torch.int64, device="cpu")
         return torch.cat([fields, self.head_lengths.reshape(-1)]).to(torch.int32)
 
     @classmethod

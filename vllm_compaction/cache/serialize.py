@@ -79,7 +79,7 @@ def _cpu_tensors(cache: CompactedCache) -> dict[str, torch.Tensor]:
                 t = t.clone()
             seen.add(t.untyped_storage().data_ptr())
             out[f"layers.{i}.{part}"] = t
-    out["token_ids"] = torch.tensor(cache.token_ids, dtype=torch.int64)
+    out["token_ids"] = torch.tensor(cache.token_ids, dtype=torch.int64, device="cpu")
     return out
 
 

@@ -54,7 +54,7 @@ class PrefixKV:
         return int(self.token_ids.numel())
 
     def exact_prefix(self) -> list[PrefixLayer]:
-        positions = torch.arange(self.length)
+        positions = torch.arange(self.length, device=self.keys[0].device)
         return [PrefixLayer.exact(k, v, positions) for k, v in zip(self.keys, self.values)]
 
 
@@ -107,6 +107,11 @@ class ModelAdapter:
         return next(self.model.parameters()).dtype
 
     @property
+    def device(self) -> torch.device:
+        """Where the weights are: every forward pass, query and fit of a compaction runs there."""
+        return next(self.model.parameters()).device
+
+    @property
     def layer_kinds(self) -> list[str]:
         """Per layer ``"global"`` or ``"sliding"``."""
         types = getattr(self.config, "layer_types", None)
@@ -156,7 +161,7 @@ class ModelAdapter:
                 weights.update(name.encode())
                 flat = tensor.detach().contiguous().view(-1)
                 # digest a strided sample: fast, still changes with any re-trained weight
-                weights.update(flat[:: max(1, flat.numel() // 4096)].float().numpy().tobytes())
+                weights.update(flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes())
             self._fingerprint = ModelFingerprint(
                 architecture=(self.config.architectures or [type(self.model).__name__])[0],
                 num_layers=self.num_layers,
@@ -222,9 +227,10 @@ class ModelAdapter:
         ``logits_to_keep``: 0 for none, an int ``k`` for the last k, or a LongTensor of rows.
         ``run`` continues an earlier run (decoding); ``run_options`` go to a new ``AttentionRun``.
         """
-        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
-        positions = positions.to(torch.long).reshape(-1)
-        segments = torch.zeros_like(positions) if segments is None else segments.to(torch.long)
+        device = self.device
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=device).reshape(1, -1)
+        positions = positions.to(device=device, dtype=torch.long).reshape(-1)
+        segments = torch.zeros_like(positions) if segments is None else segments.to(device=device, dtype=torch.long)
         if run is None:
             run = AttentionRun(positions=positions, segments=segments,
                                prefix=list(prefix) if prefix else [None] * self.num_layers, **run_options)
@@ -246,12 +252,12 @@ class ModelAdapter:
         (``PrefixKV.last_hidden``), else one pass of the decoder computes them. The vocabulary
         projection runs ``chunk`` rows at a time, so a long prefix never holds its ``[T, vocab]``
         logits."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
         if hidden is None:
-            hidden = self.forward(ids, torch.arange(ids.numel())).hidden
+            hidden = self.forward(ids, torch.arange(ids.numel(), device=self.device)).hidden
         head = self.model.get_output_embeddings()
         softcap = getattr(self.config, "final_logit_softcapping", None)
-        nll = torch.zeros(ids.numel(), dtype=torch.float32)
+        nll = torch.zeros(ids.numel(), dtype=torch.float32, device=self.device)
         for start in range(0, ids.numel() - 1, chunk):
             rows = slice(start, min(start + chunk, ids.numel() - 1))
             logits = head(hidden[rows]).float()
@@ -266,12 +272,13 @@ class ModelAdapter:
 
     def prefill(self, token_ids: Sequence[int] | torch.Tensor, *, capture_queries: bool = True) -> PrefixKV:
         """Keys/values (and pooled queries) of every layer for a prefix, positions 0..T-1."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
-        res = self.forward(ids, torch.arange(ids.numel()), capture_kv=True, capture_queries=capture_queries)
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
+        res = self.forward(ids, torch.arange(ids.numel(), device=self.device), capture_kv=True,
+                           capture_queries=capture_queries)
         run = res.run
         layers = range(self.num_layers)
         return PrefixKV(
-            token_ids=ids,
+            token_ids=ids.cpu(),
             keys=[run.kv[i][0] for i in layers],
             values=[run.kv[i][1] for i in layers],
             queries=[run.queries[i] for i in layers] if capture_queries else None,
@@ -299,9 +306,9 @@ class ModelAdapter:
         if not continuation_ids:
             raise ValueError("generation needs at least one continuation token after the prefix")
         stops = set(stop_ids if stop_ids is not None else self.stop_token_ids())
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         n = len(continuation_ids)
-        res = self.forward(continuation_ids, torch.arange(logical_length, logical_length + n),
+        res = self.forward(continuation_ids, torch.arange(logical_length, logical_length + n, device=self.device),
                            prefix=prefix, logits_to_keep=1, keep_kv=True)
         first_logits, logits, run = res.logits[-1], res.logits[-1], res.run
         out: list[int] = []
@@ -315,7 +322,7 @@ class ModelAdapter:
             out.append(token)
             if token in stops or len(out) == max_new_tokens:
                 break
-            res = self.forward([token], torch.tensor([position]), logits_to_keep=1, run=run)
+            res = self.forward([token], torch.tensor([position], device=self.device), logits_to_keep=1, run=run)
             logits, position = res.logits[-1], position + 1
         return out, first_logits
 

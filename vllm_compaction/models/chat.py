@@ -104,7 +104,7 @@ class ChatTokenizer:
                 raise ChatTemplateError("a message's content is not verbatim in the chat template")
             spans.append((start, start + len(m["content"])))
             cursor = start + len(m["content"])
-        mask = torch.zeros(len(ids), dtype=torch.bool)
+        mask = torch.zeros(len(ids), dtype=torch.bool, device="cpu")
         for i, (a, b) in enumerate(enc["offset_mapping"]):
             mask[i] = b > a and any(a >= s and b <= e for s, e in spans)
         return ids, mask

@@ -28,10 +28,11 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from vllm_compaction.am.device import device_limits
+
 __all__ = ["ATTN_IMPLEMENTATION", "PrefixLayer", "AttentionRun", "active_run", "install"]
 
 ATTN_IMPLEMENTATION = "vllm_compaction"
-_QUERY_CHUNK = 512  # query rows per block: bounds the [H, G, chunk, P+L] logits buffer
 
 _current: contextvars.ContextVar["AttentionRun | None"] = contextvars.ContextVar(
     "vllm_compaction_attention_run", default=None
@@ -141,7 +142,7 @@ def _attend(
         keys = torch.cat([prefix.keys.to(keys.dtype), keys], dim=1)
         values = torch.cat([prefix.values.to(values.dtype), values], dim=1)
     out = torch.empty_like(q)
-    for rows in _query_blocks(q.shape[2]):
+    for rows in _query_blocks(q.shape[2], q.shape[0] * q.shape[1] * keys.shape[1] * 4, q.device):
         mask = _additive_mask(q.shape[0], rows, prefix, key_pos, key_seg, run, sliding_window, q.dtype)
         # keys after the last one any row of the block may see (causality) are left out: with
         # 512-row blocks a causal run of 2,000 tokens attends 63% of the key columns it did;
@@ -155,8 +156,11 @@ def _attend(
     return out
 
 
-def _query_blocks(length: int) -> list[slice]:
-    return [slice(a, min(a + _QUERY_CHUNK, length)) for a in range(0, length, _QUERY_CHUNK)]
+def _query_blocks(length: int, bytes_per_row: int, device: torch.device) -> list[slice]:
+    """Blocks of query rows whose ``[H, G, rows, keys]`` logits (``bytes_per_row`` a row) fit the
+    device: 512 rows on a CPU, more on CUDA (``DeviceLimits.runtime_rows``)."""
+    rows = device_limits(device).runtime_rows(bytes_per_row)
+    return [slice(a, min(a + rows, length)) for a in range(0, length, rows)]
 
 
 def _additive_mask(h_kv: int, rows: slice, prefix: PrefixLayer | None, key_pos: torch.Tensor,
@@ -168,7 +172,7 @@ def _additive_mask(h_kv: int, rows: slice, prefix: PrefixLayer | None, key_pos: 
     allowed = (key_seg[None, :] == q_seg[:, None]) & (key_pos[None, :] <= q_pos[:, None])
     if sliding_window:
         allowed &= (q_pos[:, None] - key_pos[None, :]) < sliding_window
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
     mask = mask.expand(h_kv, -1, -1)
     if prefix is not None:
         bias = prefix.bias.to(dtype)[:, None, :].expand(-1, q_pos.numel(), -1)
@@ -190,9 +194,9 @@ def _score_prefix(q: torch.Tensor, prefix: PrefixLayer, keys: torch.Tensor, key_
     that actually read the prefix (KVzip scores the same way)."""
     h_kv, p = q.shape[0], prefix.keys.shape[1]
     all_keys = torch.cat([prefix.keys.to(keys.dtype), keys], dim=1).float()
-    scores = torch.zeros(h_kv, p, dtype=torch.float32)
-    marked = run.score_rows.to(torch.bool)
-    for rows in _query_blocks(q.shape[2]):
+    scores = torch.zeros(h_kv, p, dtype=torch.float32, device=q.device)
+    marked = run.score_rows.to(device=q.device, dtype=torch.bool)
+    for rows in _query_blocks(q.shape[2], q.shape[0] * q.shape[1] * all_keys.shape[1] * 4, q.device):
         pick = marked[rows]
         if not bool(pick.any()):
             continue

@@ -39,13 +39,14 @@ class QueryCollector:
             positions += range(prefix.length, prefix.length + len(cont))
             segments += [seg] * len(cont)
             token_weights += [weight if i >= start else 0 for i in range(len(cont))]
-        self.ids = torch.tensor(ids, dtype=torch.long)
-        self.positions = torch.tensor(positions, dtype=torch.long)
-        self.segments = torch.tensor(segments, dtype=torch.long)
+        self.device = device = adapter.device
+        self.ids = torch.tensor(ids, dtype=torch.long, device=device)
+        self.positions = torch.tensor(positions, dtype=torch.long, device=device)
+        self.segments = torch.tensor(segments, dtype=torch.long, device=device)
         # how many times each continuation token's queries count in the fits (0: not recorded);
         # a weight is carried to the fits (``weights``), not a second run: its queries would be
         # identical
-        self.token_weights = torch.tensor(token_weights, dtype=torch.long)
+        self.token_weights = torch.tensor(token_weights, dtype=torch.long, device=device)
         self.record = self.token_weights > 0
 
     @property
@@ -67,9 +68,9 @@ class QueryCollector:
             if prefix_q is None:
                 raise ValueError("random-vectors needs the prefix's queries to scale by their norm")
             norm = prefix_q.float().norm(dim=-1).mean(dim=-1)  # [H]
-            gen = torch.Generator().manual_seed(self.seed * 1000 + layer)
+            gen = torch.Generator(device=self.device).manual_seed(self.seed * 1000 + layer)
             h, d = prefix_q.shape[0], prefix_q.shape[-1]
-            vec = torch.randn(h, self.plan.random_vectors, d, generator=gen)
+            vec = torch.randn(h, self.plan.random_vectors, d, generator=gen, device=self.device)
             parts.append(vec / vec.norm(dim=-1, keepdim=True) * norm[:, None, None])
         return parts
 
@@ -85,8 +86,8 @@ class QueryCollector:
         the layer), or ``None`` when all fit."""
         if rows <= self.cap:
             return None
-        gen = torch.Generator().manual_seed(self.seed * 1000 + layer)
-        return torch.randperm(rows, generator=gen)[: self.cap].sort().values
+        gen = torch.Generator(device=self.device).manual_seed(self.seed * 1000 + layer)
+        return torch.randperm(rows, generator=gen, device=self.device)[: self.cap].sort().values
 
     def combine(self, layer: int, pooled: torch.Tensor | None) -> torch.Tensor:
         parts = self._static(layer) + ([self._recorded(pooled)] if pooled is not None else [])
@@ -107,7 +108,7 @@ class QueryCollector:
             static += self.prefix.kv.queries[layer].shape[1]
         group = self.adapter.num_q_heads // self.adapter.num_kv_heads
         recorded = self.token_weights[self.record].repeat(group)  # the rows' order in _recorded
-        rows = torch.cat([torch.ones(static, dtype=torch.long), recorded]).float()
+        rows = torch.cat([torch.ones(static, dtype=torch.long, device=self.device), recorded]).float()
         keep = self._capped(layer, rows.numel())
         return rows if keep is None else rows[keep]
 

@@ -37,7 +37,7 @@ def surprising_spans(surprisal: torch.Tensor, span: int, count: int) -> list[int
     n = surprisal.numel()
     span = max(1, min(span, n))
     sums = surprisal.float().unfold(0, span, 1).sum(-1)  # [n - span + 1]
-    taken = torch.zeros(n, dtype=torch.bool)
+    taken = torch.zeros(n, dtype=torch.bool, device=surprisal.device)
     starts: list[int] = []
     for start in torch.argsort(sums, descending=True, stable=True).tolist():
         if len(starts) >= count:
@@ -68,7 +68,8 @@ class SurpriseQuote:
     def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
         content = prefix.content_ids
         hidden = prefix.kv.last_hidden if prefix.kv is not None else None  # the prefill's, when kept
-        surprisal = adapter.token_surprisal(prefix.token_ids, hidden=hidden)[prefix.compact_mask]
+        # span picking is host bookkeeping, as the prefix's mask
+        surprisal = adapter.token_surprisal(prefix.token_ids, hidden=hidden).cpu()[prefix.compact_mask]
         count = self.spans or max(1, round(len(content) / self.tokens_per_span))
         continuations = [
             # at least one token of lead to quote, even for a span at the very start

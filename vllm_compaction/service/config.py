@@ -23,6 +23,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "worker_token": ("--compaction-worker-token", "secret remote workers present (default: random, "
                      "written to <store>/worker-token)"),
     "worker_lease_s": ("--compaction-worker-lease-s", "a running job fails when its worker is silent this long"),
+    "device": ("--compaction-device", "where local workers run compactions: cpu (default: the GPU's memory stays "
+               "vLLM's), cuda, cuda:N or auto (leave room with --gpu-memory-utilization)"),
     "auto_compact_threshold_tokens": ("--auto-compact-threshold-tokens",
                                       "compact a conversation once its prompt exceeds this many tokens"),
     "auto_compact_ratio": ("--auto-compact-ratio", "ratio of automatic compactions"),
@@ -45,6 +47,7 @@ class ServiceConfig(BaseModel):
     local_workers: int = Field(1, ge=0, le=64)
     worker_token: str | None = Field(None, min_length=16)
     worker_lease_s: float = Field(20.0, gt=0)
+    device: str = "cpu"
     heartbeat_s: float = Field(1.0, gt=0)
     auto_compact_threshold_tokens: int | None = Field(None, gt=0)
     auto_compact_ratio: float = Field(0.2, gt=0, le=1)
@@ -54,6 +57,13 @@ class ServiceConfig(BaseModel):
     auto_compact_method: MethodName = "am-omp-fast"
     auto_compact_queries: QuerySources | None = None
     auto_compact_min_layer_share: float | None = Field(None, ge=0, le=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device_exists(cls, device: str) -> str:
+        from vllm_compaction.models.loader import resolve_device
+
+        return str(resolve_device(device))  # ValueError with a sentence for a device not here
 
     @field_validator("auto_compact_min_layer_share")
     @classmethod

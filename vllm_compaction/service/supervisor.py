@@ -44,7 +44,7 @@ class Supervisor:
     def _spawn(self) -> tuple[subprocess.Popen, float]:
         env = {**os.environ, TOKEN_ENV: self.service.worker_token}
         cmd = [sys.executable, "-m", "vllm_compaction.service.worker", "--server", self.server_url,
-               "--die-with-parent"]
+               "--device", self.service.config.device, "--die-with-parent"]
         process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         logger.info("started compaction worker pid %d for %s", process.pid, self.server_url)
         return process, time.monotonic()

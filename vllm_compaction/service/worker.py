@@ -35,6 +35,8 @@ __all__ = ["Worker", "WorkerError", "main"]
 logger = logging.getLogger("vllm_compaction.worker")
 
 TOKEN_ENV = "VLLM_COMPACTION_WORKER_TOKEN"
+DEVICE_ENV = "VLLM_COMPACTION_DEVICE"
+"""Default of a worker's ``--device`` (the server passes its ``--compaction-device`` to local workers)."""
 NETWORK_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError)
 """What a call to an unreachable or vanished server raises."""
 
@@ -65,7 +67,7 @@ def _die_with_parent() -> None:
 
 
 # ---------------------------------------------------------------------- compute child
-def _compute_main(model_path: str, nice: int, jobs: "mp.Queue", events: "mp.Queue") -> None:
+def _compute_main(model_path: str, nice: int, device: str, jobs: "mp.Queue", events: "mp.Queue") -> None:
     _die_with_parent()
     if nice:
         os.nice(nice)  # requests in the engine come first; compaction takes the idle cycles
@@ -73,7 +75,11 @@ def _compute_main(model_path: str, nice: int, jobs: "mp.Queue", events: "mp.Queu
     from vllm_compaction.models import load_adapter
     from vllm_compaction.pipeline import compact
 
-    adapter = load_adapter(model_path)
+    try:
+        adapter = load_adapter(model_path, device=device)
+    except ValueError as exc:  # a device this host does not have: every job would fail the same way
+        events.put(("fatal", str(exc)))
+        return
     events.put(("ready", None))
     while True:
         item = jobs.get()
@@ -95,14 +101,15 @@ def _compute_main(model_path: str, nice: int, jobs: "mp.Queue", events: "mp.Queu
 class ComputeProcess:
     """A child process with the model loaded, running one job at a time."""
 
-    def __init__(self, model_path: str, nice: int = 10) -> None:
-        self.model_path, self.nice = model_path, nice
+    def __init__(self, model_path: str, nice: int = 10, device: str = "cpu") -> None:
+        self.model_path, self.nice, self.device = model_path, nice, device
         self._ctx = mp.get_context("spawn")
         self._start()
 
     def _start(self) -> None:
         self.jobs, self.events = self._ctx.Queue(), self._ctx.Queue()
-        self.process = self._ctx.Process(target=_compute_main, args=(self.model_path, self.nice, self.jobs, self.events),
+        self.process = self._ctx.Process(target=_compute_main,
+                                         args=(self.model_path, self.nice, self.device, self.jobs, self.events),
                                          daemon=True, name="compaction-compute")
         self.process.start()
         self._ready = False
@@ -136,20 +143,28 @@ class ComputeProcess:
         if kind == "ready":
             self._ready = True
             return self.next_event(timeout)
+        if kind == "fatal":
+            raise WorkerError(value)
         return kind, value
 
 
 # ---------------------------------------------------------------------- the worker
 class Worker:
     def __init__(self, server: str, token: str, *, model: str | None = None, nice: int = 10,
-                 connect_timeout_s: float = 600.0) -> None:
+                 connect_timeout_s: float = 600.0, device: str = "auto") -> None:
         self.server = server.rstrip("/")
         self.token = token
         self.worker_id = worker_id_for(os.getpid())
         self.info = self._connect(connect_timeout_s)
         self.model_path = model or self.info.model
         self._check_model()
-        self.compute = ComputeProcess(self.model_path, nice)
+        from vllm_compaction.models import resolve_device
+
+        try:
+            device = str(resolve_device(device))
+        except ValueError as exc:
+            raise WorkerError(str(exc)) from None
+        self.compute = ComputeProcess(self.model_path, nice, device)
         self.tmpdir = Path(tempfile.mkdtemp(prefix="vllm-compaction-worker-"))
 
     # ---------------------------------------------------------------- HTTP
@@ -225,7 +240,11 @@ class Worker:
         self.compute.submit(job, str(out_path))
         progress, stage, last_beat = 0.0, "prefill" if self.compute.ready else "loading model", 0.0
         while True:
-            event = self.compute.next_event(timeout=self.info.heartbeat_s)
+            try:
+                event = self.compute.next_event(timeout=self.info.heartbeat_s)
+            except WorkerError as exc:  # the compute process cannot run any job here
+                self._fail(job, str(exc))
+                raise
             if event is not None:
                 kind, value = event
                 if kind == "progress":
@@ -288,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "the server's path, valid on the same host)")
     parser.add_argument("--nice", type=int, default=10, help="niceness of the computation (default 10: "
                         "serving on the same host keeps priority)")
+    parser.add_argument("--device", default=os.environ.get(DEVICE_ENV, "auto"),
+                        help="where the model and every stage of a compaction run: cpu, cuda, cuda:N or auto "
+                        f"(default ${DEVICE_ENV}, else auto: cuda when a GPU is visible)")
     parser.add_argument("--connect-timeout", type=float, default=600.0,
                         help="seconds to wait for the server to come up (default 600)")
     parser.add_argument("--max-jobs", type=int, default=None, help=argparse.SUPPRESS)
@@ -306,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         worker = Worker(args.server, token, model=args.model, nice=args.nice,
-                        connect_timeout_s=args.connect_timeout)
+                        connect_timeout_s=args.connect_timeout, device=args.device)
     except WorkerError as exc:
         print(f"vllm-compaction worker: {exc}", file=sys.stderr)
         return 2

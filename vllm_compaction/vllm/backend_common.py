@@ -62,18 +62,14 @@ def kv_snapshots_enabled(vllm_config: Any) -> bool:
 def page_width(vllm_config: Any) -> str:
     """``"stock"`` or ``"widened"``: the ``pages`` entry of the connector's extra config.
 
-    Default: ``stock`` on CPU (the compaction attention reads the tokens after a packed prefix
-    back from the pages), ``widened`` on CUDA (the Triton kernel reads beta from the pages).
-    Without the connector: ``stock`` (the backends are vLLM's own).
+    Default ``stock`` on every platform: plain requests keep vLLM's own kernels on pages of the
+    model's head size, and varlen prefixes carry their betas in rows of their own. ``widened``
+    is needed for padded prefixes only. Without the connector: ``stock`` (the backends are vLLM's own).
     """
     if not compaction_enabled(vllm_config):
         return "stock"
     width = (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("pages")
-    if width is None:
-        from vllm.platforms import current_platform
-
-        width = "widened" if current_platform.is_cuda_alike() else "stock"
-    return check_page_width(width)
+    return check_page_width("stock" if width is None else width)
 
 
 def check_page_width(width: str) -> str:

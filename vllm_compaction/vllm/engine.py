@@ -40,7 +40,7 @@ def kv_transfer_config(store: str | Path | None = None, *, kv_snapshots: bool = 
     write files under the store, so it is off unless asked for (never on a public server).
     ``pages`` is ``"stock"`` (the model's head size: plain requests run vLLM's kernel untouched,
     prefixes must be varlen) or ``"widened"`` (bias coordinates: padded prefixes too); default
-    stock on CPU, widened on CUDA (:func:`.backend_common.page_width`).
+    stock (:func:`.backend_common.page_width`).
     """
     from vllm_compaction.vllm.backend_common import check_page_width
     from vllm_compaction.vllm.prompt import default_store_dir
@@ -68,7 +68,7 @@ def engine_kwargs(store: str | Path | None = None, *, kv_snapshots: bool = False
     kwargs: dict[str, Any] = {"kv_transfer_config": kv_transfer_config(store, kv_snapshots=kv_snapshots, pages=pages),
                               "enable_prefix_caching": True}
     if torch.cuda.is_available():
-        kwargs["attention_backend"] = "CUSTOM"  # the Triton bias kernel; the CPU platform has no choice
+        kwargs["attention_backend"] = "CUSTOM"  # the compacted-attention backend; the CPU platform has no choice
     kwargs.update(overrides)
     return kwargs
 

@@ -24,10 +24,11 @@ from typing import Sequence
 import torch
 
 from vllm_compaction.cache import CacheError, PagedPacking
+from vllm_compaction_kernels.compacted_attention import PrefixTables
 from vllm_compaction.vllm.layout import PackedPrefix
 from vllm_compaction.vllm.varlen_attention import prefix_attention, prefixes_attention
 
-__all__ = ["BatchSplit", "PackedRequest", "PagedPrefixPages", "attend_prefixes", "split_batch"]
+__all__ = ["BatchSplit", "KernelInputs", "PackedRequest", "PagedPrefixPages", "attend_prefixes", "split_batch"]
 
 
 class PagedPrefixPages:
@@ -130,6 +131,43 @@ class PagedPrefixPages:
         betas = beta_rows.view(torch.uint8).view(beta_rows.shape[0], -1)[:, : 2 * d].contiguous().view(torch.float32)
         return keys[:, :d], betas.reshape(-1)[skip : skip + count], values[:, :d]
 
+    def kernel_tables(self, packings: Sequence[PagedPacking | None],
+                      block_ids: Sequence[torch.Tensor | Sequence[int] | None]) -> PrefixTables:
+        """Where the prefix rows of every layer lie for a batch of requests (``None``: a request
+        without a prefix), as the compacted-attention kernel reads them in place. Host arithmetic
+        on the packings, copied to the device once per step; every layer's call reuses it."""
+        keys, values = self._keys, self._values
+        size, device = keys[0].element_size(), keys[0].device
+        key_offsets = [(k.data_ptr() - keys[0].data_ptr()) // size for k in keys]
+        deltas = {v.data_ptr() - k.data_ptr() for k, v in zip(keys, values)}
+        if len(deltas) != 1 or deltas.pop() != values[0].data_ptr() - keys[0].data_ptr():
+            raise CacheError("the compacted-prefix kernel needs every layer's values at one offset from its keys")
+        num_layers, num_heads = self.num_layers, self.num_kv_heads
+        regions = max([num_layers * len(b) for b in block_ids if b is not None], default=1)
+        bases = torch.zeros(len(packings), regions, dtype=torch.int64, device="cpu")
+        head_rows = torch.zeros(num_layers, len(packings), num_heads, 2, dtype=torch.int32, device="cpu")
+        beta_rows = torch.zeros(len(packings), 2, dtype=torch.int32, device="cpu")
+        offsets = torch.tensor(key_offsets, dtype=torch.int64, device="cpu")
+        total_rows = [0] * num_layers
+        for r, (packing, ids) in enumerate(zip(packings, block_ids)):
+            if packing is None or ids is None:
+                continue
+            ids = torch.as_tensor(ids, dtype=torch.int64, device="cpu")[: packing.num_blocks]
+            index = torch.arange(packing.num_blocks * num_layers, device="cpu")
+            bases[r, : index.numel()] = ids[index // num_layers] * keys[0].stride(0) + offsets[index % num_layers]
+            starts = packing.layer_offsets[:-1, None] + torch.cumsum(packing.head_lengths, 1) - packing.head_lengths
+            head_rows[:, r, :, 0] = starts.to(torch.int32)
+            head_rows[:, r, :, 1] = packing.head_lengths.to(torch.int32)
+            beta_rows[r, 0], beta_rows[r, 1] = packing.header_rows, packing.data_start
+            total_rows = [t + int(n) for t, n in zip(total_rows, packing.head_lengths.sum(1).tolist())]
+        shifts = [-o for o in key_offsets]
+        multiple = 16
+        while multiple > 1 and any(o % multiple for o in [*key_offsets, keys[0].stride(0)]):
+            multiple //= 2
+        return PrefixTables(region_bases=bases.to(device), head_rows=head_rows.to(device),
+                            beta_rows=beta_rows.to(device), beta_words=_fp32_alias(keys[0]),
+                            layer_shifts=shifts, total_rows=total_rows, offset_multiple=multiple)
+
     def layers_rows(self, packings: Sequence[PagedPacking], layer: int, block_ids: Sequence[torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s rows of several prefixes, each padded to the longest: keys and values
@@ -173,6 +211,17 @@ class PagedPrefixPages:
         return out
 
 
+def _fp32_alias(pages: torch.Tensor) -> torch.Tensor:
+    """A flat fp32 tensor over the memory of ``pages`` from its first element on (the beta rows
+    hold fp32 bytes whatever the page dtype)."""
+    storage = pages.untyped_storage()
+    offset = pages.data_ptr() - storage.data_ptr()
+    if offset % 4:
+        raise CacheError("the KV pages are not 4-byte aligned")
+    return torch.empty(0, dtype=torch.float32, device=pages.device).set_(
+        storage, offset // 4, ((storage.nbytes() - offset) // 4,), (1,))
+
+
 # ---------------------------------------------------------------------- a step's batch
 @dataclass
 class PackedRequest:
@@ -182,6 +231,18 @@ class PackedRequest:
     tokens: torch.Tensor
     blocks: torch.Tensor
     packing: PagedPacking
+
+
+@dataclass
+class KernelInputs:
+    """A step's batch for :func:`vllm_compaction_kernels.compacted_attention.compacted_attention`:
+    ``block_table [R, B]`` and ``seq_lens [R]`` after each request's prefix, the prefix tables,
+    and ``max_keys``, a host bound on the keys any request attends (prefix rows + suffix)."""
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    tables: PrefixTables
+    max_keys: int
 
 
 @dataclass
@@ -202,6 +263,26 @@ class BatchSplit:
     query_start_loc: torch.Tensor
     requests: list[PackedRequest]
     _groups: list[tuple[torch.Tensor, PackedRequest]] | None = field(default=None, repr=False)
+    _kernel: "KernelInputs | None" = field(default=None, repr=False)
+
+    def kernel_inputs(self, block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                      pages: "PagedPrefixPages") -> "KernelInputs":
+        """The whole batch as the compacted-attention kernel takes it (built by a step's first
+        layer, reused by the others): every request's block table and length after its prefix
+        (unchanged for plain requests) and where the prefix rows lie."""
+        if self._kernel is None:
+            num_reqs = seq_lens.shape[0]
+            rows = torch.tensor(self.packed_rows, dtype=torch.long, device=block_table.device)
+            table, lengths = block_table[:num_reqs].clone(), seq_lens.clone()
+            table[rows], lengths[rows] = self.block_table, self.seq_lens
+            packings: list[PagedPacking | None] = [None] * num_reqs
+            blocks: list[torch.Tensor | None] = [None] * num_reqs
+            for row, request in zip(self.packed_rows, self.requests):
+                packings[row], blocks[row] = request.packing, request.blocks.cpu()
+            longest_head = max(int(r.packing.head_lengths.max()) for r in self.requests)
+            self._kernel = KernelInputs(table, lengths, pages.kernel_tables(packings, blocks),
+                                        max_keys=longest_head + max_seq_len)
+        return self._kernel
 
     def plain_query_start_loc(self, query_start_loc: torch.Tensor) -> torch.Tensor:
         return _sub_starts(query_start_loc, self.plain_rows)

@@ -6,6 +6,10 @@ correlation ``c = Phi^T r`` with the residual (the correlation only changes at a
 ``tau`` steps of top-``k`` equal one top-``k tau``), then refits ``w >= 0`` on all kept keys
 and updates ``r = m - Phi_S w``. ``k = tau = 1`` is plain OMP.
 
+Host syncs: a round reads nothing back from the device until the rounds every head needs
+without drops are done; the refit still asks once per round whether any kept key fell under the
+floor (a sync is cheaper than the extra Cholesky solve a device-side decision would cost).
+
 Speed: the Gram matrix ``Phi_S^T Phi_S`` and ``Phi_S^T m`` grow by the new columns only
 (fp32 products kept in float64), each refit is one small batched Cholesky solve instead of a
 least-squares solve from scratch, and the only pass over the whole ``Phi`` per round is the
@@ -102,8 +106,11 @@ class OMPSelector(SelectorBase):
             seeds = torch.ceil(problem.budgets.double() * self.seed_share).long().clamp(0, None)
             state.add_keys(ref.scores, torch.minimum(seeds, problem.budgets))
             state.update_residual(torch.where(state.valid, state.refit(lower).clamp(lower, upper), 0.0))
-        for _ in range(2 * ref.features.shape[1] + 2):  # every round adds or bans a key
-            if state.done.all():
+        # Without drops every head is done after ceil(t_h / per_round) rounds: run those without
+        # asking the device, then check once per round (a drop bans a key, so this ends).
+        sure = int((-(-(problem.budgets - state.count) // state.per_round)).max()) if problem.budgets.numel() else 0
+        for round_ in range(sure + 2 * ref.features.shape[1] + 2):
+            if round_ >= sure and bool(state.done.all()):
                 break
             state.add_keys()
             w = state.refit(lower)
@@ -128,6 +135,7 @@ class _GreedyMassFit:
         self.t_max = int(budgets.max())
         per_round = torch.as_tensor(per_round, device=budgets.device).expand(h)
         self.per_round = per_round.clamp(1, max(1, min(total, self.t_max)))  # [H] keys per round
+        self.max_per_round = int(self.per_round.max())  # host copy: no sync per round
         dev, slots = phi_t.device, self.t_max + 1
         self.idx = torch.zeros(h, slots, dtype=torch.long, device=dev)
         self.occupied = torch.zeros(h, slots, dtype=torch.bool, device=dev)
@@ -166,9 +174,10 @@ class _GreedyMassFit:
         and extend the Gram matrix by their columns. Best means the highest correlation with the
         residual, or the highest ``scores [H, T]`` with ``counts [H]`` keys (a seed round)."""
         h, n = self.mass.shape
-        scores = self.corr if scores is None else scores
-        counts = self.per_round if counts is None else counts
-        r = int(counts.max())
+        if counts is None:
+            scores, counts, r = self.corr, self.per_round, self.max_per_round
+        else:
+            r = int(counts.max())
         if r == 0:
             return
         take = torch.where(self.done, 0, torch.minimum(self.budgets - self.count, counts).clamp_min(0))
@@ -185,7 +194,9 @@ class _GreedyMassFit:
         new = torch.bmm(picked, self.queries_scaled.transpose(1, 2)).sub_(self.shift[:, None, :]).exp_()
         new.mul_(ok[..., None])  # [H, r, n] exact fp32 columns of the kept keys, as rows
         self.phi_s[heads, slots] = new
-        self.high = max(self.high, int(torch.where(ok, slots + 1, 0).max()))
+        # the first r free slots lie below high + r (every slot from high on is free): a bound
+        # kept on the host instead of reading the largest slot back; rows past the real ones are 0
+        self.high = min(self.t_max + 1, self.high + r)
         used = self.high
         cols = torch.bmm(self.phi_s[:, :used], new.transpose(1, 2)).to(torch.float64)  # [H, used, r]
         self.gram[:, :used].scatter_(2, slots[:, None, :].expand(h, used, r), cols)
@@ -215,8 +226,6 @@ class _GreedyMassFit:
         """Record ``w`` for unfinished heads, mark finished ones, refresh the correlation."""
         self.final_w = torch.where(self.done[:, None], self.final_w, w)
         self.done = self.done | (self.count >= self.budgets)
-        if self.done.all():
-            return
         t = self.t_max
         resid = self.mass - torch.bmm(w.float()[:, None, :], self.phi_s[:, :t])[:, 0]  # [H, n]
         self.corr = self._correlation(resid)

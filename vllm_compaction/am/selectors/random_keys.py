@@ -17,7 +17,7 @@ class RandomSelector(SelectorBase):
     """Uniformly random keys; reproducible for a given ``seed`` and shape.
 
     Attributes:
-        seed: seed of the CPU generator drawing the permutation of every head.
+        seed: seed of the generator (on the keys' device) drawing the permutation of every head.
     """
 
     name: ClassVar[str] = "random"
@@ -30,7 +30,8 @@ class RandomSelector(SelectorBase):
     def select(self, problem: SelectionProblem) -> Selection:
         """The first ``t_h`` entries of a seeded random permutation of each head's keys."""
         h, total = problem.keys.shape[:2]
-        gen = torch.Generator().manual_seed(self.seed)
-        perm = torch.rand(h, total, generator=gen).argsort(dim=-1)  # [H, T], CPU
+        device = problem.keys.device
+        gen = torch.Generator(device=device).manual_seed(self.seed)
+        perm = torch.rand(h, total, generator=gen, device=device).argsort(dim=-1)  # [H, T]
         t_max = int(problem.budgets.max())
         return Selection(indices=perm[:, :t_max].to(problem.budgets.device), lengths=problem.budgets.clone())
