@@ -65,10 +65,13 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 def _cmd_compact(args: argparse.Namespace) -> int:
     from vllm_compaction.budgets import check_budget_options
-    from vllm_compaction.pipeline import RECIPES, compact
+    from vllm_compaction.pipeline import compact
+    from vllm_compaction.recipes import check_method, resolve_recipe
 
-    if args.method not in RECIPES:
-        raise CliError(f"unknown method {args.method!r}; choose from {', '.join(RECIPES)}")
+    try:
+        check_method(args.method)
+    except ValueError as error:
+        raise CliError(f"--method: {error}") from None
     if (args.ratio is None) == (args.target_tokens is None):
         raise CliError("give exactly one of --ratio or --target-tokens")
     if args.ratio is not None and not 0 < args.ratio <= 1:
@@ -76,7 +79,7 @@ def _cmd_compact(args: argparse.Namespace) -> int:
     budget_options = {}
     if args.min_layer_share is not None:
         try:
-            check_budget_options(args.budgets or RECIPES[args.method].budgets,
+            check_budget_options(args.budgets or resolve_recipe(args.method)[0].budgets,
                                  min_layer_share=args.min_layer_share)
         except ValueError as error:
             raise CliError(f"--min-layer-share: {error}") from None
@@ -155,7 +158,9 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--input", required=True, help=".txt (one user message) or .json chat messages")
     comp.add_argument("--ratio", type=float)
     comp.add_argument("--target-tokens", type=int)
-    comp.add_argument("--method", default="am-omp-fast")
+    comp.add_argument("--method", default="am", help="a method, optionally with overrides: am (default, "
+                      "the recommended configuration), am-omp-fast, kvzip, ..., or e.g. "
+                      "'am-highest-attn-fast:queries=repeat-prefill,min_layer_share=0.3'")
     comp.add_argument("--queries", help="query source override, e.g. repeat-prefill, a+b, or a+b*4 "
                       "(b's queries count 4 times in the fits); surprise-quote/80 probes one span per 80 "
                       "content tokens, surprise-quote/auto by the ratio (80 at 5%% and above, 160 at 2.5%% "
@@ -189,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="compact a needle-in-a-haystack context and answer from it")
     demo.add_argument("--model", default="smollm2-135m")
     demo.add_argument("--ratio", type=float, default=0.1)
-    demo.add_argument("--method", default="am-highest-attn-fast")
+    demo.add_argument("--method", default="am")
     demo.add_argument("--tokens", type=int, default=2000)
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_cmd_demo)

@@ -23,7 +23,7 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
 
-def run_demo(*, model: str = "smollm2-135m", ratio: float = 0.1, method: str = "am-highest-attn-fast",
+def run_demo(*, model: str = "smollm2-135m", ratio: float = 0.1, method: str = "am",
              tokens: int = 2000, seed: int = 0) -> int:
     out = sys.stdout.write
     adapter = load_adapter(model)
@@ -77,4 +77,10 @@ def run_demo(*, model: str = "smollm2-135m", ratio: float = 0.1, method: str = "
         f"{plain_s:.2f}s): {plain.text.strip()!r} [{verdict(plain.text)}]\n")
     out(f"reference decoder, compacted: {reference.text.strip()!r} [{verdict(reference.text)}]; "
         f"full context ({full_s:.1f}s): {full.text.strip()!r} [{verdict(full.text)}]\n")
-    return 0 if score_answer(instance, answer.text) == score_answer(instance, reference.text) else 1
+    # the demo tells the truth: a wrong compacted answer fails it, even where every path agrees
+    correct = score_answer(instance, answer.text)
+    if not correct:
+        out("the compacted prefix did not answer correctly: demo FAILED\n")
+    elif not score_answer(instance, reference.text):
+        out("the reference decoder disagrees with vLLM on the compacted prefix: demo FAILED\n")
+    return 0 if correct and score_answer(instance, reference.text) else 1

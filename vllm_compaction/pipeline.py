@@ -21,24 +21,15 @@ from vllm_compaction.am import CompactedHeads, compact_heads, score_keys
 from vllm_compaction.budgets import resolve_budgets
 from vllm_compaction.cache import CompactedCache
 from vllm_compaction.models import ModelAdapter, PrefixLayer, load_adapter, resolve_device
+from vllm_compaction.recipes import BUDGET_OPTIONS, DEFAULT_METHOD, RECIPES, resolve_recipe
 from vllm_compaction.queries import PrefixSpec, QueryCollector, parse_sources, resolve_spacing
 
-__all__ = ["PreparedPrefix", "Recipe", "RECIPES", "compact", "compact_prefix", "compact_prepared", "prepare_prefix"]
+__all__ = ["DEFAULT_METHOD", "PreparedPrefix", "RECIPES", "compact", "compact_prefix", "compact_prepared",
+           "prepare_prefix"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Recipe:
-    """What a named method means end to end: math preset, query source, budgets, on-policy."""
-
-    math: str
-    queries: str
-    budgets: str
-    on_policy: bool
-
-
-_SS_RP = "self-study+repeat-prefill"
 #: How global budgets normalise a probe query's attention when ranking keys (``key_scores``).
 SCORE_SOFTMAXES = ("prefix", "probe")
 DEFAULT_SCORE_SOFTMAX = "prefix"
@@ -53,31 +44,6 @@ SCORE_AGGREGATIONS = ("max", "weighted-max")
 #: powers let the heaviest source decide the ranking more alone. 2 measured best on 48 needles
 #: (README: "Sharper weights in the ranking").
 DEFAULT_SCORE_WEIGHT_POWER = 2.0
-RECIPES: dict[str, Recipe] = {
-    "am-omp": Recipe("am-omp", _SS_RP, "global", True),
-    "am-omp-fast": Recipe("am-omp-fast", _SS_RP, "global", True),
-    "am-highest-attn": Recipe("am-highest-attn", _SS_RP, "global", True),
-    "am-highest-attn-fast": Recipe("am-highest-attn-fast", "repeat-prefill", "global", True),
-    "h2o+": Recipe("h2o+", "context-prefill", "uniform", False),
-    "snapkv": Recipe("snapkv", "mock-question", "uniform", False),
-    "pyramidkv": Recipe("pyramidkv", "mock-question", "pyramid", False),
-    "kvzip": Recipe("kvzip", "repeat-prefill", "global", False),
-    "kvmerger": Recipe("kvmerger", "repeat-prefill", "uniform", False),
-    "random": Recipe("random", "context-prefill", "uniform", False),
-    "truncate": Recipe("truncate", "context-prefill", "uniform", False),
-}
-
-
-def _recipe(method: str, queries: str | None, budgets: str | None, on_policy: bool | None) -> Recipe:
-    if method not in RECIPES:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(RECIPES)}")
-    base = RECIPES[method]
-    return replace(
-        base,
-        queries=queries or base.queries,
-        budgets=budgets or base.budgets,
-        on_policy=base.on_policy if on_policy is None else on_policy,
-    )
 
 
 def compact(
@@ -86,7 +52,7 @@ def compact(
     *,
     ratio: float | None = None,
     target_tokens: int | None = None,
-    method: str = "am-omp-fast",
+    method: str = DEFAULT_METHOD,
     queries: str | None = None,
     budgets: str | None = None,
     on_policy: bool | None = None,
@@ -109,7 +75,9 @@ def compact(
         messages: OpenAI-style ``[{"role", "content"}]``; a string is one user message.
         ratio: slots kept per head on average, as a fraction of the content tokens; or
         target_tokens: the same as an absolute number of slots per head.
-        method: a name of ``RECIPES`` (math preset + default queries/budgets/on-policy).
+        method: a method spec (``vllm_compaction.recipes``): a name of ``RECIPES`` (math preset +
+            queries, budgets, on-policy and default options), optionally with overrides,
+            ``"name:key=value,..."``. The default, ``"am"``, is the recommended configuration.
         queries: override the query source (``"repeat-prefill"``, ``"a+b"`` mixtures, ...).
         budgets: ``"uniform" | "global" | "pyramid" | <schedule file>``.
         keep_last_tokens: the last content tokens stay exact (the recent turn).
@@ -291,14 +259,14 @@ def compact_prefix(
     token_ids: Sequence[int],
     compact_mask: torch.Tensor,
     *,
-    method: str = "am-omp-fast",
+    method: str = DEFAULT_METHOD,
     queries: str | None = None,
     query_cap: int = 50_000,
     seed: int = 0,
     **kwargs: Any,
 ) -> CompactedCache:
     """Compact the tokens of ``token_ids [T]`` selected by ``compact_mask [T]`` (see ``compact``)."""
-    recipe = _recipe(method, queries, None, None)
+    recipe, _ = resolve_recipe(method, queries=queries)
     content = int(torch.as_tensor(compact_mask, dtype=torch.bool, device="cpu").sum())
     if content:  # else prepare_prefix says there is nothing to compact
         # a '/auto' probe spacing follows the ratio: plan the probes for this one
@@ -306,7 +274,7 @@ def compact_prefix(
         recipe = replace(recipe, queries=resolve_spacing(recipe.queries, ratio))
     prepared = prepare_prefix(adapter, token_ids, compact_mask, queries=recipe.queries,
                               query_cap=query_cap, seed=seed)
-    return compact_prepared(prepared, method=method, **kwargs)
+    return compact_prepared(prepared, method=method, **kwargs)  # the prepared plan fixes the queries
 
 
 def compact_prepared(
@@ -314,7 +282,7 @@ def compact_prepared(
     *,
     ratio: float | None = None,
     target_tokens: int | None = None,
-    method: str = "am-omp-fast",
+    method: str = DEFAULT_METHOD,
     budgets: str | None = None,
     on_policy: bool | None = None,
     progress: bool = False,
@@ -325,9 +293,9 @@ def compact_prepared(
     """Compact a prepared prefix at one ratio with one method (``on_progress``, ``chunk_tokens``:
     see ``compact``)."""
     adapter, kv, mask = prepared.adapter, prepared.spec.kv, prepared.spec.compact_mask
-    recipe = _recipe(method, prepared.queries, budgets, on_policy)
-    budget_options = {k: options.pop(k) for k in ("max_head_ratio", "min_head_slots", "min_layer_share")
-                      if k in options}
+    recipe, options = resolve_recipe(method, queries=prepared.queries, budgets=budgets, on_policy=on_policy,
+                                     options=options)
+    budget_options = {k: options.pop(k) for k in BUDGET_OPTIONS if k in options}
     score_softmax = options.pop("score_softmax", DEFAULT_SCORE_SOFTMAX)
     score_aggregation = options.pop("score_aggregation", None)
     if score_aggregation is None:  # an explicit value, even an empty one, is checked below

@@ -47,7 +47,7 @@ def test_bad_compact_requests_say_why(body, fragment):
 def test_compact_request_defaults_and_query_names():
     req = CompactRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
                                          "target_tokens": 64, "queries": "mix"})
-    assert req.method == "am-omp-fast" and req.query_source() == "self-study+repeat-prefill"
+    assert req.method == "am" and req.query_source() == "self-study+repeat-prefill"
     assert req.max_head_ratio is None and req.keep_last_tokens == 0
     mixed = req.model_copy(update={"queries": "repeat-prefill+surprise-quote"})
     assert mixed.query_source() == "repeat-prefill+surprise-quote"

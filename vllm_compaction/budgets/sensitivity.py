@@ -223,10 +223,10 @@ def _compact_grid(adapter: ModelAdapter, ctx: LossContext, ratios: list[float], 
                   ) -> tuple[list[PrefixLayer | None], dict[int, list[CompactedHeads]]]:
     """All-base prefix per layer, and per compactable layer its compaction at every ratio
     (template slots exact), all fitted to the queries of the base-ratio pass."""
-    from vllm_compaction.pipeline import RECIPES
     from vllm_compaction.queries import resolve_spacing
+    from vllm_compaction.recipes import resolve_recipe
 
-    recipe = RECIPES[method]
+    recipe = resolve_recipe(method)[0]
     # one query pass serves every ratio of the grid: '/auto' probes are spaced for the base ratio
     prepared = _prepare(adapter, ctx, resolve_spacing(queries or recipe.queries, ratios[base_index]), seed)
     kv, mask, n = prepared.spec.kv, prepared.spec.compact_mask, prepared.num_content
@@ -299,10 +299,9 @@ def head_sensitivity_curves(adapter: ModelAdapter, contexts: Sequence[LossContex
     overrides the method's query source; ``options`` go to ``compact_heads``. Cost per context:
     one prefill and one query pass, then ``heads * (R - 1)`` target passes from the varied layer up.
     """
-    from vllm_compaction.pipeline import RECIPES
+    from vllm_compaction.recipes import parse_method
 
-    if method not in RECIPES:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(RECIPES)}")
+    parse_method(method)  # ValueError with a sentence for an unknown method
     if not contexts:
         raise ValueError("head sensitivity needs at least one context")
     grid, base_index = _ratio_grid(ratios, base_ratio)

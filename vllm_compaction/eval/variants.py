@@ -1,26 +1,14 @@
-"""Method variants on the command line: ``"am-highest-attn-fast:values=direct,budgets=uniform"``."""
+"""Method variants on the command line: ``"am-highest-attn-fast:values=direct,budgets=uniform"``, several
+joined by ``;`` (or ``,``), each in the method syntax of ``vllm_compaction.recipes``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from vllm_compaction.recipes import RECIPE_KEYS, parse_method
+
 __all__ = ["MethodVariant", "parse_variant", "parse_variants"]
-
-_PIPELINE_KEYS = ("queries", "budgets", "on_policy")
-
-
-def _value(text: str) -> Any:
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
 
 @dataclass(frozen=True)
 class MethodVariant:
@@ -36,14 +24,11 @@ class MethodVariant:
 
 
 def parse_variant(spec: str) -> MethodVariant:
-    method, _, rest = spec.partition(":")
-    pipeline, options = {}, {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"bad override {item!r} in {spec!r}: use key=value")
-        (pipeline if key in _PIPELINE_KEYS else options)[key] = _value(value)
-    return MethodVariant(label=spec, method=method.strip(), pipeline=pipeline, options=options)
+    """One method spec (``vllm_compaction.recipes.parse_method``, the syntax every entry point
+    takes), its recipe overrides split from its options."""
+    method, overrides = parse_method(spec)
+    pipeline = {k: overrides.pop(k) for k in RECIPE_KEYS if k in overrides}
+    return MethodVariant(label=spec, method=method, pipeline=pipeline, options=overrides)
 
 
 def parse_variants(spec: str, known: Iterable[str] | None = None) -> list[MethodVariant]:

@@ -54,7 +54,7 @@ class ServiceConfig(BaseModel):
     auto_compact_target_tokens: int | None = Field(None, gt=0)
     auto_compact_keep_last_tokens: int = Field(0, ge=0)
     # checked at start-up, not when the first automatic compaction fails
-    auto_compact_method: MethodName = "am-omp-fast"
+    auto_compact_method: MethodName = "am"
     auto_compact_queries: QuerySources | None = None
     auto_compact_min_layer_share: float | None = Field(None, ge=0, le=1)
 

@@ -26,12 +26,10 @@ _QUERY_ALIASES = {"mix": "self-study+repeat-prefill"}
 
 
 def check_method(method: str) -> str:
-    """``method`` unchanged if it is a compaction method (``pipeline.RECIPES``)."""
-    from vllm_compaction.pipeline import RECIPES  # torch only once a method is checked
+    """``method`` unchanged if it is a method spec ``compact()`` takes (``vllm_compaction.recipes``)."""
+    from vllm_compaction.recipes import check_method as check  # torch only once a method is checked
 
-    if method not in RECIPES:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(RECIPES)}")
-    return method
+    return check(method)
 
 
 def check_queries(queries: str) -> str:
@@ -56,16 +54,16 @@ def check_queries(queries: str) -> str:
 def check_layer_share(method: str, min_layer_share: float | None) -> None:
     """ValueError unless ``min_layer_share`` is unset, 0, or used with a global-budget method."""
     from vllm_compaction.budgets import check_budget_options
-    from vllm_compaction.pipeline import RECIPES
+    from vllm_compaction.recipes import RECIPES, resolve_recipe
 
     try:
-        check_budget_options(RECIPES[method].budgets, min_layer_share=min_layer_share)
+        check_budget_options(resolve_recipe(method)[0].budgets, min_layer_share=min_layer_share)
     except ValueError as error:  # name the methods: API users choose a method, not a budget mode
         global_methods = ", ".join(m for m, r in RECIPES.items() if r.budgets == "global")
         raise ValueError(f"{error} (method {method!r}; methods with global budgets: {global_methods})") from None
 
 
-#: A compaction method name, checked against ``pipeline.RECIPES`` (requests and server flags).
+#: A compaction method spec (``vllm_compaction.recipes``), checked (requests and server flags).
 MethodName = Annotated[str, AfterValidator(check_method)]
 #: API query sources, alone or joined by '+' (requests and server flags).
 QuerySources = Annotated[str, AfterValidator(check_queries)]
@@ -147,7 +145,8 @@ class CompactRequest(BaseModel):
     conversation_id: str | None = Field(None, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     ratio: float | None = Field(None, gt=0.0, le=1.0, description="slots kept per head / content tokens")
     target_tokens: int | None = Field(None, gt=0, description="slots kept per head, absolute")
-    method: MethodName = "am-omp-fast"
+    method: MethodName = Field("am", max_length=300, description="a method, optionally with ':key=value,...' "
+                               "overrides; am (default) is the recommended configuration")
     queries: QuerySources | None = Field(None, max_length=200, description="query source, or several joined by '+'")
     keep_last_tokens: int = Field(0, ge=0, description="the last content tokens stay exact")
     max_head_ratio: float | None = Field(

@@ -1,0 +1,74 @@
+"""One way to name a configuration: ``name:key=value,...``, the same string everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_compaction.recipes import DEFAULT_METHOD, RECIPES, check_method, parse_method, resolve_recipe
+
+LONG_FORM = "am-highest-attn-fast:queries=repeat-prefill+surprise-quote/auto*4,min_layer_share=0.3"
+
+
+def test_specs_parse_into_a_name_and_typed_overrides():
+    assert parse_method("kvzip") == ("kvzip", {})
+    name, overrides = parse_method("am-omp-fast: seed_share=0.25, max_rounds=8, on_policy=false, values=direct")
+    assert name == "am-omp-fast"
+    assert overrides == {"seed_share": 0.25, "max_rounds": 8, "on_policy": False, "values": "direct"}
+    recipe, options = resolve_recipe("am-omp-fast:on_policy=false,budgets=uniform,values=direct")
+    assert (recipe.on_policy, recipe.budgets, options) == (False, "uniform", {"values": "direct"})
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("nope", "unknown method 'nope'"),
+    ("", "a method is a name"),
+    ("am:min_layer_share", "write key=value"),
+    ("am:seed=1,seed=2", "given twice"),
+    ("am:no_such_option=1", "unknown option"),
+    ("h2o+:min_layer_share=0.3", "global budgets only"),
+    ("am:queries=nonsense", "unknown query source"),
+])
+def test_bad_specs_are_refused_with_a_sentence(spec, match):
+    with pytest.raises(ValueError, match=match):
+        check_method(spec)
+
+
+def test_the_default_is_the_recommended_configuration():
+    assert DEFAULT_METHOD == "am"
+    short, long = resolve_recipe("am"), resolve_recipe(LONG_FORM)
+    assert short == long
+    assert resolve_recipe("am", budgets="uniform")[1] == {}  # the layer floor belongs to global budgets
+    assert resolve_recipe("am:queries=repeat-prefill", queries="context-prefill")[0].queries == "context-prefill"
+
+
+def test_compact_takes_the_spec_and_the_default_is_the_long_form():
+    from benchmarks.synthetic_model import TINY, synthetic_llama, synthetic_messages
+    from vllm_compaction.pipeline import compact
+
+    adapter, messages = synthetic_llama(TINY, layers=2, seed=1), synthetic_messages(200, seed=1)
+    by_default = compact(adapter, messages, ratio=0.2)
+    by_name = compact(adapter, messages, ratio=0.2, method="am")
+    by_spec = compact(adapter, messages, ratio=0.2, method=LONG_FORM)
+    for other in (by_name, by_spec):
+        for a, b in zip(by_default.layers, other.layers):
+            assert torch.equal(a.indices, b.indices) and torch.equal(a.beta, b.beta)
+    assert by_spec.method == LONG_FORM and by_default.options["min_layer_share"] == 0.3
+
+
+def test_every_entry_point_takes_the_same_string(tmp_path):
+    from vllm_compaction.cli import main
+    from vllm_compaction.eval.variants import parse_variants
+    from vllm_compaction.service.config import ServiceConfig
+    from vllm_compaction.service.protocol import CompactRequest
+
+    request = CompactRequest.model_validate({"model": "m", "prompt": "x", "ratio": 0.1, "method": LONG_FORM})
+    assert request.method == LONG_FORM
+    assert ServiceConfig(auto_compact_method=LONG_FORM).auto_compact_method == LONG_FORM
+    [variant] = parse_variants(LONG_FORM, known=RECIPES)
+    assert variant.method == "am-highest-attn-fast" and variant.options == {"min_layer_share": 0.3}
+    with pytest.raises(ValueError, match="unknown option"):
+        CompactRequest.model_validate({"model": "m", "prompt": "x", "ratio": 0.1, "method": "am:typo=1"})
+    text = tmp_path / "in.txt"
+    text.write_text("words")
+    assert main(["compact", "--input", str(text), "--ratio", "0.5", "--method", "am:typo=1",
+                 "--out", str(tmp_path / "o.safetensors"), "--quiet"]) == 2
