@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.vllm-compaction-installed
 CLI := $(VENV)/bin/vllm-compaction
 
-.PHONY: setup model demo test test-fast bench gpu-check clean
+.PHONY: setup model demo test test-fast docs bench gpu-check clean
 
 setup: $(STAMP) model
 
@@ -26,8 +26,12 @@ model: $(STAMP)
 demo: setup
 	$(CLI) demo
 
-test: setup
-	$(PYTHON) -m pytest -q
+test: setup docs
+	$(PYTHON) -m pytest -q --durations=15
+
+# the documentation site; --strict turns a broken link or a missing page into a failure
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir .cache/site
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not slow"

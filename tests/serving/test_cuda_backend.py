@@ -94,7 +94,7 @@ def _dtype_id(dtype: torch.dtype) -> str:
 @pytest.fixture(scope="module")
 def compaction_config(tmp_path_factory) -> VllmConfig:
     store = tmp_path_factory.mktemp("store")
-    # widened: the CUDA default, named because on this CPU-only machine the default is stock
+    # widened pages (padded prefixes); stock is the default on every platform
     return VllmConfig(kv_transfer_config=KVTransferConfig(**kv_transfer_config(store, pages="widened")))
 
 
