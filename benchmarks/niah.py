@@ -3,7 +3,7 @@
     python -m benchmarks.niah --methods am-highest-attn-fast,kvzip --ratios 0.1,0.05,0.02 \
         --instances 12 --out benchmarks/results/niah.json
 
-Kept for the commands quoted in the README; every flag of ``benchmarks.quality`` applies.
+Kept for the commands quoted in benchmarks/README.md; every flag of ``benchmarks.quality`` applies.
 """
 
 from __future__ import annotations

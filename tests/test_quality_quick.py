@@ -27,8 +27,8 @@ def test_tasks_are_seeded_and_hold_their_answers(tokenizer, task):
 
 
 def test_niah_ruler_keeps_its_instruction_exact_before_the_same_context(smollm2):
-    """The RULER instruction joins the chat-template header (51 tokens, measured-findings.md's
-    prompt), never the compacted span; the context and its compacted tokens are niah's."""
+    """The RULER instruction joins the chat-template header (51 tokens, the prompt the needle
+    targets were measured on), never the compacted span; the context and its compacted tokens are niah's."""
     from vllm_compaction.eval.niah import INSTRUCTION
     from vllm_compaction.eval.tasks import task_prompt
 

@@ -42,7 +42,7 @@ SCORE_AGGREGATIONS = ("max", "weighted-max")
 #: ``weighted-max`` raises each source's weight to this power in the ranking only (the fits keep
 #: the weights as given): 0 is the plain max, 1 the weights as the fits count them, and larger
 #: powers let the heaviest source decide the ranking more alone. 2 measured best on 48 needles
-#: (README: "Sharper weights in the ranking").
+#: (docs/experiments/2026-11-25-needle-probes.md: "Sharper weights in the ranking").
 DEFAULT_SCORE_WEIGHT_POWER = 2.0
 
 

@@ -39,7 +39,7 @@ _SS_RP = "self-study+repeat-prefill"
 #: value fits, reference queries from a repeat of the context plus quote probes on its most
 #: surprising spans (weighted 4, spaced by the ratio), global (KVzip-style) budgets with a 30% floor
 #: per layer. It keeps the most needles measured here (12/11/8 of 12 at 10/5/2% on RULER's prompt,
-#: 47/46/35 of 48 on the bare one), in about a third of the time of ``am-omp-fast``.
+#: 47/46/35 of 48 on the bare one); results in benchmarks/README.md.
 AM = Recipe("am-highest-attn-fast", "repeat-prefill+surprise-quote/auto*4", "global", True,
             MappingProxyType({"min_layer_share": 0.3}))
 DEFAULT_METHOD = "am"

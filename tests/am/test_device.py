@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vllm_compaction.am import compact_heads
-from vllm_compaction.am.device import CPU_CHUNK_RANGE, CPU_MEMORY_RANGE, CPU_RUNTIME_ROWS, device_limits
+from vllm_compaction.am.device import CPU_CHUNK_RANGE, CPU_MEMORY_RANGE, CPU_RUNTIME_ROWS, device_limits, runtime_rows
 from vllm_compaction.am.presets import METHODS
 
 
@@ -72,7 +72,7 @@ def test_cpu_limits_come_from_the_cpu():
     assert CPU_CHUNK_RANGE[0] <= limits.chunk_bytes <= CPU_CHUNK_RANGE[1]
     assert CPU_MEMORY_RANGE[0] <= limits.memory_limit <= CPU_MEMORY_RANGE[1]
     assert limits.chunk_bytes_per_head(8) == limits.chunk_bytes  # per head on a CPU
-    assert limits.runtime_rows(1 << 20) == CPU_RUNTIME_ROWS
+    assert runtime_rows("cpu", 1 << 20) == CPU_RUNTIME_ROWS
 
 
 def test_devices_are_checked_with_a_sentence(synthetic):

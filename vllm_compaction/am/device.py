@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DeviceLimits", "device_limits"]
+__all__ = ["DeviceLimits", "device_limits", "runtime_rows"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,14 +72,6 @@ class DeviceLimits:
             return self.chunk_bytes
         return min(CUDA_CHUNK_MAX, self.chunk_bytes // max(1, num_heads))
 
-    def runtime_rows(self, bytes_per_row: int) -> int:
-        """Query rows per block of the model runtime's attention whose logits and mask take
-        ``bytes_per_row`` each: 512 on CPU, on CUDA as many as a chunk allows (in 512..8192)."""
-        if self.device.type != "cuda":
-            return CPU_RUNTIME_ROWS
-        low, high = CUDA_RUNTIME_ROWS
-        rows = self.chunk_bytes // max(1, bytes_per_row)
-        return max(low, min(high, rows))
 
 
 @functools.cache
@@ -121,3 +113,14 @@ def device_limits(device: torch.device | str) -> DeviceLimits:
     chunk = _clamp(CPU_CHUNK_L2_MULTIPLE * _cpu_l2_bytes(), CPU_CHUNK_RANGE)
     memory = _clamp(_available_host_bytes() * CPU_MEMORY_SHARE, CPU_MEMORY_RANGE)
     return DeviceLimits(device, chunk, memory)
+
+
+def runtime_rows(device: torch.device | str, bytes_per_row: int) -> int:
+    """Query rows per block of the model runtime's attention whose logits and mask take
+    ``bytes_per_row`` each: 512 on a CPU (cache-sized; read without touching the system), on
+    CUDA as many as a chunk of the free memory allows, within 512..8192."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_RUNTIME_ROWS
+    low, high = CUDA_RUNTIME_ROWS
+    return max(low, min(high, device_limits(device).chunk_bytes // max(1, bytes_per_row)))

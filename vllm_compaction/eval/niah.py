@@ -21,7 +21,7 @@ NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
 ANSWER_PREFIX = "The special magic number for {key} mentioned in the provided text is"
 #: RULER's instruction before the haystack (uncompacted, like the chat-template header); with it the
-#: SmolLM2 prompt's header is the 51 tokens of ``measured-findings.md``
+#: SmolLM2 prompt's header is 51 tokens, the prompt on which the needle targets were measured
 INSTRUCTION = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
                "I will quiz you about the numbers afterwards.\n")
 KEYS = ("bright-river", "silent-harbor", "amber-forest", "crimson-valley", "hollow-meadow",

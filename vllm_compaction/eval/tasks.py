@@ -8,7 +8,7 @@ single-answer tasks 0 or 1). Same seed, same instance, for every method.
 - ``niah``: one 7-digit needle at a seeded depth (see :mod:`vllm_compaction.eval.niah`).
 - ``niah-ruler``: the same instance after RULER's instruction ("Some special magic numbers are
   hidden within the following text. Make sure to memorize it. ..."), kept exact before the
-  context: the prompt of ``measured-findings.md`` and of issue 2's targets (51-token header).
+  context: the prompt on which the needle targets were measured (51-token header).
 - ``niah-multikey``: four needles with different keys; the question names one (distractors).
 - ``niah-multivalue``: three needles with the same key; all three values are expected.
 - ``variable-tracking``: ``VAR A = 12345`` then a chain ``VAR B = VAR A`` ... hidden in the text,

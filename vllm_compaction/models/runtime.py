@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from vllm_compaction.am.device import device_limits
+from vllm_compaction.am.device import runtime_rows
 
 __all__ = ["ATTN_IMPLEMENTATION", "PrefixLayer", "AttentionRun", "active_run", "install"]
 
@@ -158,8 +158,8 @@ def _attend(
 
 def _query_blocks(length: int, bytes_per_row: int, device: torch.device) -> list[slice]:
     """Blocks of query rows whose ``[H, G, rows, keys]`` logits (``bytes_per_row`` a row) fit the
-    device: 512 rows on a CPU, more on CUDA (``DeviceLimits.runtime_rows``)."""
-    rows = device_limits(device).runtime_rows(bytes_per_row)
+    device: 512 rows on a CPU, more on CUDA (``am.device.runtime_rows``)."""
+    rows = runtime_rows(device, bytes_per_row)
     return [slice(a, min(a + rows, length)) for a in range(0, length, rows)]
 
 

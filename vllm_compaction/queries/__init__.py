@@ -54,7 +54,7 @@ AUTO_SPACING = "auto"
 
 #: ``/auto`` spaces the probes so that each has about this many slots per head of the budget ...
 PROBE_SLOTS = 4
-#: ... within the two spacings measured on 48 needles (README "Probe spacing tied to the budget").
+#: ... within the two spacings measured on 48 needles (docs/experiments/2026-11-25-needle-probes.md, "Probe spacing tied to the budget").
 AUTO_SPACING_RANGE = (80, 160)
 
 

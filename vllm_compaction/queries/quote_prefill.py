@@ -14,7 +14,7 @@ answer is. Measured on SmolLM2-135M (2,000-token needle, seed 8): layer 8, KV he
 quoting the needle's sentence, and at most 0.16 while repeating the context; with
 repeat-prefill queries alone those digits rank 78th-668th in that head, are dropped at 5%, and
 the answer loses its last digit. Mixed with repeat-prefill it keeps them. It is no universal
-fix: which heads idle during a repeat varies with the context (README, "Reference queries
+fix: which heads idle during a repeat varies with the context (docs/experiments, "Reference queries
 for needles").
 """
 

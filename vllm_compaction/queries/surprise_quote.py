@@ -12,11 +12,11 @@ teacher-forced, starting ``margin`` tokens before the span.
 
 ``spans`` defaults to one per ``tokens_per_span`` content tokens, so the probes add about a
 third of the content's length whatever the context length; ``surprise-quote/80`` in a query
-spec sets ``tokens_per_span`` (README "Denser probes"), ``surprise-quote/auto`` sets it from the
-compaction ratio (``queries.auto_spacing``, README "Probe spacing tied to the budget"). Measured on SmolLM2-135M
-(2,000-token needles, README "Quote probes on the most surprising spans"). Beside a repeat,
+spec sets ``tokens_per_span`` ("Denser probes" in docs/experiments), ``surprise-quote/auto`` sets it from the
+compaction ratio (``queries.auto_spacing``, "Probe spacing tied to the budget"). Measured on SmolLM2-135M
+(2,000-token needles, "Quote probes on the most surprising spans"). Beside a repeat,
 its rows are about a quarter of the fits' rows; ``repeat-prefill+surprise-quote*4`` counts
-them 4 times (README "Weighting the probes in the fits").
+them 4 times ("Weighting the probes in the fits"; all in docs/experiments).
 """
 
 from __future__ import annotations

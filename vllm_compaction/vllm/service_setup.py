@@ -27,7 +27,7 @@ async def start_service(vllm_config, args: Namespace) -> CompactionService:
     if not compaction_enabled(vllm_config):  # the test the backends use to take the compaction path
         raise ValueError(
             f"the engine runs without the {CONNECTOR_NAME} KV connector: start it with "
-            f"`vllm-compaction serve` or pass --kv-transfer-config (see the README)"
+            f"`vllm-compaction serve` or pass --kv-transfer-config (see docs/serving.md)"
         )
     from transformers import AutoTokenizer
 
