@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from vllm_compaction.am.device import device_limits
 from vllm_compaction.am.attention import FEATURE_DTYPE, check_query_weights, reference_attention, resolve_scale
+from vllm_compaction.am.device import device_limits
 from vllm_compaction.am.fit import SelectedFeatures, fit_beta, fit_values
 from vllm_compaction.am.heads import CompactedHeads
 from vllm_compaction.am.presets import ResolvedMethod, resolve_method

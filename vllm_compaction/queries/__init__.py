@@ -50,6 +50,9 @@ def split_weight(part: str) -> tuple[str, int]:
 
 
 AUTO_SPACING = "auto"
+#: Fewest content tokens per probe: a probe quotes a span of 16 tokens, and closer spacings would
+#: ask for more probes than non-overlapping spans exist (each probe runs a continuation of its own).
+MIN_SPACING = 16
 """``surprise-quote/auto``: the probes' spacing follows the compaction ratio (``auto_spacing``)."""
 
 #: ``/auto`` spaces the probes so that each has about this many slots per head of the budget ...
@@ -80,9 +83,9 @@ def split_source(part: str) -> tuple[str, int | str | None, int]:
         return base.strip(), None, weight
     if per.strip() == AUTO_SPACING:
         return base.strip(), AUTO_SPACING, weight
-    if not per.strip().isdigit() or int(per) < 1:
-        raise ValueError(f"a query source's spacing is a whole number of content tokens >= 1 or 'auto' "
-                         f"after '/', got {part.strip()!r}")
+    if not per.strip().isdigit() or int(per) < MIN_SPACING:
+        raise ValueError(f"a query source's spacing is a whole number of content tokens >= {MIN_SPACING} or "
+                         f"'auto' after '/', got {part.strip()!r}")
     return base.strip(), int(per), weight
 
 

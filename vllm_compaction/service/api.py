@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import json
 import secrets
 import time
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -25,19 +26,31 @@ from vllm_compaction.service.protocol import (
 )
 from vllm_compaction.service.service import CompactionService
 
-__all__ = ["router", "owner_of", "error_response", "WORKER_PREFIX"]
+__all__ = ["router", "owner_of", "error_response", "RequestGuard", "RESERVED_SALT", "WORKER_PREFIX"]
 
 WORKER_PREFIX = "/compaction/worker/v1"
 MAX_UPLOAD_BYTES = 16 << 30
+#: Largest body ``POST /v1/compact`` takes (413 above): a long conversation is a few MiB of JSON.
+MAX_COMPACT_BODY_BYTES = 64 << 20
+#: Salts the server alone gives compacted prefixes: a client's could reach another key's cache.
+RESERVED_SALT = "vllm-compaction:"
 
 router = APIRouter()
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    """An OpenAI-style error body."""
-    kind = "NotFoundError" if status == 404 else "BadRequestError" if status < 500 else "InternalServerError"
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind,
-                                                               "param": None, "code": status}})
+#: The error type of each status, as the ``openai`` client names its exceptions.
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+               404: "NotFoundError", 409: "ConflictError", 410: "GoneError", 413: "RequestTooLargeError",
+               422: "UnprocessableEntityError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+
+
+def error_response(status: int, message: str, *, param: str | None = None,
+                   retry_after: float | None = None) -> JSONResponse:
+    """An OpenAI-style error body, typed by its status; a 429 says when to retry (Retry-After)."""
+    kind = ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+    headers = {"Retry-After": str(int(retry_after))} if retry_after is not None else None
+    return JSONResponse(status_code=status, headers=headers,
+                        content={"error": {"message": message, "type": kind, "param": param, "code": status}})
 
 
 def _bearer(request: Request) -> str:
@@ -47,9 +60,72 @@ def _bearer(request: Request) -> str:
 
 
 def owner_of(request: Request) -> str:
-    """Who is asking: a digest of the bearer API key ('' without one)."""
+    """Who is asking: a digest of the bearer API key ('' without one). On a server without API
+    keys nobody's key is checked, so none partitions the compactions: every caller is ''."""
+    service = getattr(request.app.state, "compaction_service", None)
+    if service is not None and not service.keyed_owners:
+        return ""
     token = _bearer(request)
     return hashlib.sha256(token.encode()).hexdigest()[:32] if token else ""
+
+
+class RequestGuard:
+    """ASGI middleware in front of every route of the server.
+
+    * A JSON ``POST`` with a top-level ``cache_salt`` in the reserved namespace is refused (400),
+      whatever the route (chat, completions, responses, messages, generate...): the server alone
+      names compacted prefixes.
+    * ``POST /v1/compact`` bodies over ``MAX_COMPACT_BODY_BYTES`` are refused (413) while they
+      arrive, before anything is parsed or tokenized.
+
+    Other requests (not JSON, not POST, websockets) pass untouched; a checked body is buffered and
+    handed on unchanged.
+    """
+
+    def __init__(self, app, max_compact_body_bytes: int = MAX_COMPACT_BODY_BYTES) -> None:
+        self.app, self.max_compact_body_bytes = app, max_compact_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = dict(scope.get("headers") or ()) if scope["type"] == "http" else {}
+        if scope["type"] != "http" or scope["method"] != "POST" or b"json" not in headers.get(b"content-type", b""):
+            return await self.app(scope, receive, send)
+        limit = self.max_compact_body_bytes if scope["path"].rstrip("/") == "/v1/compact" else None
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if limit is not None and size > limit:
+                response = error_response(413, f"the request body exceeds {limit} bytes")
+                return await response(scope, receive, send)
+        body = b"".join(chunks)
+        if b"cache_salt" in body and (refusal := _reserved_salt(body)) is not None:
+            return await refusal(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+def _reserved_salt(body: bytes) -> JSONResponse | None:
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return None  # the route answers the malformed JSON itself
+    salt = payload.get("cache_salt") if isinstance(payload, dict) else None
+    if isinstance(salt, str) and salt.startswith(RESERVED_SALT):
+        return error_response(400, f"cache_salt values starting with {RESERVED_SALT!r} are reserved",
+                              param="cache_salt")
+    return None
 
 
 def service_of(request: Request) -> CompactionService:
@@ -67,7 +143,7 @@ def _guard(func):
         try:
             return await func(*args, **kwargs)
         except JobError as exc:
-            return error_response(exc.status, str(exc))
+            return error_response(exc.status, str(exc), param=exc.param, retry_after=exc.retry_after)
         except ValueError as exc:
             return error_response(400, str(exc))
 
@@ -80,15 +156,18 @@ def _guard(func):
 @_guard
 async def create_compaction(body: CompactRequest, request: Request):
     service = service_of(request)
-    record = await run_in_threadpool(service.submit, body, owner_of(request))
+    record = await run_in_threadpool(service.submit, body, owner_of(request),
+                                     request.headers.get("idempotency-key"))
     return JSONResponse(status_code=202, content=record.public().model_dump(mode="json"))
 
 
-@router.get("/v1/compact", response_model=CompactionList, summary="This API key's compactions")
+@router.get("/v1/compact", response_model=CompactionList,
+            summary="This API key's compactions, oldest first, a page at a time (after, limit)")
 @_guard
-async def list_compactions(request: Request):
-    records = service_of(request).list(owner_of(request))
-    return CompactionList(data=[r.public() for r in records])
+async def list_compactions(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)):
+    records, more = service_of(request).list(owner_of(request), after=after, limit=limit)
+    return CompactionList(data=[r.public() for r in records], has_more=more,
+                          first_id=records[0].id if records else None, last_id=records[-1].id if records else None)
 
 
 @router.get("/v1/compact/{compaction_id}", response_model=Compaction, summary="One compaction")

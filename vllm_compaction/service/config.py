@@ -23,6 +23,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "worker_token": ("--compaction-worker-token", "secret remote workers present (default: random, "
                      "written to <store>/worker-token)"),
     "worker_lease_s": ("--compaction-worker-lease-s", "a running job fails when its worker is silent this long"),
+    "max_queued_jobs": ("--compaction-max-queued", "compactions queued at once; more are answered 429 with Retry-After"),
+    "max_queued_per_key": ("--compaction-max-queued-per-key",
+                           "compactions one API key may have queued; more are answered 429 with Retry-After"),
     "device": ("--compaction-device", "where local workers run compactions: cpu (default: the GPU's memory stays "
                "vLLM's), cuda, cuda:N or auto (leave room with --gpu-memory-utilization)"),
     "auto_compact_threshold_tokens": ("--auto-compact-threshold-tokens",
@@ -47,6 +50,8 @@ class ServiceConfig(BaseModel):
     local_workers: int = Field(1, ge=0, le=64)
     worker_token: str | None = Field(None, min_length=16)
     worker_lease_s: float = Field(20.0, gt=0)
+    max_queued_jobs: int = Field(256, ge=1)
+    max_queued_per_key: int = Field(32, ge=1)
     device: str = "cpu"
     heartbeat_s: float = Field(1.0, gt=0)
     auto_compact_threshold_tokens: int | None = Field(None, gt=0)

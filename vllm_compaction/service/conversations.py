@@ -4,11 +4,12 @@ compaction that currently stands in for their beginning. One JSON file each, per
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from pathlib import Path
 
 from pydantic import BaseModel, Field
+
+from vllm_compaction.service.files import quarantine, write_atomically
 
 __all__ = ["Conversation", "ConversationBook"]
 
@@ -22,8 +23,9 @@ class Conversation(BaseModel):
 
 
 class ConversationBook:
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, quarantine_root: Path | None = None) -> None:
         self.root = Path(root)
+        self.quarantine_root = quarantine_root or self.root.parent / "quarantine" / "conversations"
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._cache: dict[tuple[str, str], Conversation] = {}
@@ -35,7 +37,11 @@ class ConversationBook:
                 path = self._path(owner, conversation_id)
                 if not path.is_file():
                     return None
-                self._cache[key] = Conversation.model_validate_json(path.read_text())
+                try:
+                    self._cache[key] = Conversation.model_validate_json(path.read_text())
+                except (OSError, ValueError) as exc:  # unreadable: quarantined, and the conversation starts over
+                    quarantine(path, self.quarantine_root, str(exc)[:200])
+                    return None
             return self._cache[key]
 
     def get_or_create(self, owner: str, conversation_id: str) -> Conversation:
@@ -48,10 +54,8 @@ class ConversationBook:
 
     def save(self, conversation: Conversation) -> None:
         with self._lock:
-            path = self._path(conversation.owner, conversation.conversation_id)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(conversation.model_dump_json())
-            os.replace(tmp, path)
+            write_atomically(self._path(conversation.owner, conversation.conversation_id),
+                             conversation.model_dump_json())
 
     def adopt(self, owner: str, conversation_id: str, compaction_id: str, messages_covered: int) -> None:
         """Make a finished compaction the conversation's prefix if it covers at least as much."""

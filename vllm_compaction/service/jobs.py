@@ -1,7 +1,12 @@
 """The job book: every compaction job, its state machine, worker leases and persistence.
 
-One JSON file per job under ``<store>/jobs/`` (written atomically), so a restarted server finds
-its compactions again; jobs that were queued or running when it stopped are queued again.
+One JSON file per job under ``<store>/jobs/`` (written durably: ``files.write_atomically``), so a
+restarted server finds its compactions again; jobs that were queued or running when it stopped
+are queued again, and an unreadable record is quarantined and reported.
+
+Work is bounded and fair: a queue limit and a per-key limit (429 with a retry hint), workers take
+the queued job of the key served longest ago (round-robin across keys, oldest first within one),
+and a client's ``Idempotency-Key`` makes a retried submission return the job it already made.
 
 States: queued -> running -> succeeded | failed; queued | running -> cancelled. A running job
 belongs to one worker under a lease that each heartbeat renews; a lapsed lease or a worker that
@@ -11,7 +16,6 @@ exits fails the job with the reason. Nothing here touches the engine or the cach
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 import time
@@ -20,6 +24,7 @@ from typing import Any, Callable
 
 from pydantic import Field
 
+from vllm_compaction.service.files import quarantine, write_atomically
 from vllm_compaction.service.protocol import Compaction, JobStatus, WorkerJob
 
 __all__ = ["JobBook", "JobRecord", "JobError", "new_compaction_id"]
@@ -28,11 +33,13 @@ logger = logging.getLogger(__name__)
 
 
 class JobError(Exception):
-    """A request about a job that cannot be honoured; ``status`` is the HTTP status to answer."""
+    """A request about a job that cannot be honoured; ``status`` is the HTTP status to answer,
+    ``param`` the request field at fault (if one is), ``retry_after`` seconds for a 429."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 retry_after: float | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.param, self.retry_after = status, param, retry_after
 
 
 def new_compaction_id() -> str:
@@ -48,9 +55,12 @@ class JobRecord(Compaction):
     messages: list[dict[str, str]] = Field(default_factory=list)
     lease_expires: float | None = None
     digest: str | None = None  # tensors sha256 of the stored cache (names the prefix for vLLM)
+    idempotency_key: str | None = None  # the client's, with the digest of the body it came with
+    request_digest: str | None = None
 
     def public(self) -> Compaction:
-        return Compaction.model_validate(self.model_dump(include=set(Compaction.model_fields)))
+        """What a client sees: no worker identity (the hosts and processes behind the server)."""
+        return Compaction.model_validate(self.model_dump(include=set(Compaction.model_fields) - {"worker_id"}))
 
     def worker_job(self) -> WorkerJob:
         return WorkerJob(id=self.id, messages=self.messages, ratio=self.ratio_requested,
@@ -68,22 +78,56 @@ class JobBook:
     """
 
     def __init__(self, root: str | Path, *, lease_s: float = 15.0,
-                 on_change: Callable[[JobRecord], None] | None = None) -> None:
+                 on_change: Callable[[JobRecord], None] | None = None, max_queued: int | None = None,
+                 max_queued_per_owner: int | None = None, quarantine_root: Path | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.lease_s = lease_s
+        self.max_queued, self.max_queued_per_owner = max_queued, max_queued_per_owner
+        self.quarantine_root = quarantine_root or self.root.parent / "quarantine" / "jobs"
+        self.quarantined: list[str] = []  # records found unreadable at start-up
         self._on_change = on_change
         self._lock = threading.RLock()
         self._jobs: dict[str, JobRecord] = {}
+        self._served: dict[str, float] = {}  # owner -> when a worker last took one of its jobs
         self._load()
 
     # ------------------------------------------------------------------ client side
     def submit(self, record: JobRecord) -> JobRecord:
+        """Queue ``record`` (saved before it is visible). With an idempotency key already used
+        by its owner: the job made then (the same body) or a 409 (another body). Over a queue
+        limit: 429 with a retry hint, and nothing queued."""
         with self._lock:
+            if record.idempotency_key is not None:
+                earlier = next((r for r in self._jobs.values() if r.owner == record.owner
+                                and r.idempotency_key == record.idempotency_key), None)
+                if earlier is not None:
+                    if earlier.request_digest != record.request_digest:
+                        raise JobError(409, "this Idempotency-Key was used for another request body",
+                                       param="Idempotency-Key")
+                    return earlier
+            self._check_room(record.owner)
+            self._save(record)  # a failed save (full disk) leaves nothing half-made
             self._jobs[record.id] = record
-            self._save(record)
         self._changed(record)
         return record
+
+    def _check_room(self, owner: str) -> None:
+        queued = [r for r in self._jobs.values() if r.status == JobStatus.queued]
+        mine = sum(r.owner == owner for r in queued)
+        if self.max_queued_per_owner is not None and mine >= self.max_queued_per_owner:
+            raise JobError(429, f"this API key has {mine} compactions queued, the most one key may have; "
+                                f"retry when some have run", retry_after=self._retry_hint(mine))
+        if self.max_queued is not None and len(queued) >= self.max_queued:
+            raise JobError(429, f"{len(queued)} compactions are queued, the most this server takes; retry later",
+                           retry_after=self._retry_hint(len(queued)))
+
+    def _retry_hint(self, ahead: int) -> float:
+        """Seconds until a place is likely free: the mean run time of recent jobs per job ahead
+        of one in the queue, at least 1 s (10 s per job before any has finished)."""
+        runs = [r.timings.get("run_s") for r in self._jobs.values() if r.timings.get("run_s")]
+        mean = sum(runs[-20:]) / len(runs[-20:]) if runs else 10.0
+        return max(1.0, round(mean))
 
     def get(self, job_id: str, owner: str | None = None) -> JobRecord:
         """The job, or JobError 404 (also for another owner's job: ids do not leak)."""
@@ -94,9 +138,24 @@ class JobBook:
             return record
 
     def list(self, owner: str | None = None) -> list[JobRecord]:
+        """``owner``'s jobs (everyone's for ``None``), oldest first."""
         with self._lock:
             return sorted((r for r in self._jobs.values() if owner is None or r.owner == owner),
                           key=lambda r: (r.submitted_at, r.id))
+
+    def page(self, owner: str, *, after: str | None = None, limit: int | None = None
+             ) -> tuple[list[JobRecord], bool]:
+        """``owner``'s jobs from the one after ``after`` on, at most ``limit``, and whether more
+        follow. An ``after`` that is not one of the owner's jobs is a 404."""
+        records = self.list(owner)
+        if after is not None:
+            ids = [r.id for r in records]
+            if after not in ids:
+                raise JobError(404, f"No compaction with id {after!r}.", param="after")
+            records = records[ids.index(after) + 1:]
+        if limit is None:
+            return records, False
+        return records[:limit], len(records) > limit
 
     def counts(self) -> dict[JobStatus, int]:
         with self._lock:
@@ -135,13 +194,21 @@ class JobBook:
 
     # ------------------------------------------------------------------ worker side
     def claim(self, worker_id: str) -> JobRecord | None:
-        """Give the oldest queued job to ``worker_id`` under a fresh lease."""
+        """Give a queued job to ``worker_id`` under a fresh lease: the oldest job of the key with
+        the fewest running jobs, served longest ago (one key's thousand submissions cannot starve
+        another key's single one)."""
         with self._lock:
             queued = [r for r in self._jobs.values() if r.status == JobStatus.queued]
             if not queued:
                 return None
-            record = min(queued, key=lambda r: (r.submitted_at, r.id))
+            running: dict[str, int] = {}
+            for r in self._jobs.values():
+                if r.status == JobStatus.running:
+                    running[r.owner] = running.get(r.owner, 0) + 1
+            record = min(queued, key=lambda r: (running.get(r.owner, 0), self._served.get(r.owner, 0.0),
+                                                r.submitted_at, r.id))
             now = time.time()
+            self._served[record.owner] = now
             record.status, record.worker_id, record.started_at = JobStatus.running, worker_id, now
             record.lease_expires = now + self.lease_s
             record.progress, record.stage = 0.0, "starting"
@@ -229,17 +296,15 @@ class JobBook:
                 logger.exception("job change hook failed for %s", record.id)
 
     def _save(self, record: JobRecord) -> None:
-        path = self.root / f"{record.id}.json"
-        tmp = self.root / f".{record.id}.{os.getpid()}.tmp"
-        tmp.write_text(record.model_dump_json())
-        os.replace(tmp, path)
+        write_atomically(self.root / f"{record.id}.json", record.model_dump_json())
 
     def _load(self) -> None:
         for path in sorted(self.root.glob("cmp_*.json")):
             try:
                 record = JobRecord.model_validate_json(path.read_text())
             except (OSError, ValueError) as exc:
-                logger.warning("ignoring unreadable job file %s: %s", path, exc)
+                quarantine(path, self.quarantine_root, str(exc)[:200])
+                self.quarantined.append(path.stem)
                 continue
             if record.status == JobStatus.running:  # the server stopped under it: run it again
                 record.status, record.worker_id, record.lease_expires = JobStatus.queued, None, None

@@ -135,6 +135,22 @@ def _first_error(exc: ValueError) -> str:
     return str(exc)
 
 
+#: Bounds of a compaction request: more tokens than any model's context, more messages and text
+#: than a conversation holds (a request over them is a 400 naming the field, before any work).
+MAX_TOKENS = 1 << 20
+MAX_MESSAGES = 10_000
+MAX_TEXT_CHARS = 8_000_000
+
+
+def _check_size(messages: list[dict[str, Any]] | None, prompt: str | None) -> None:
+    if messages is not None and len(messages) > MAX_MESSAGES:
+        raise ValueError(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}")
+    chars = len(prompt or "") + sum(len(str(m.get("content", ""))) for m in messages or () if isinstance(m, dict))
+    if chars > MAX_TEXT_CHARS:
+        raise ValueError(f"{'messages' if messages is not None else 'prompt'}: at most {MAX_TEXT_CHARS} characters "
+                         f"of text, got {chars}")
+
+
 class CompactRequest(BaseModel):
     """``POST /v1/compact``: what to compact and how far."""
 
@@ -143,12 +159,13 @@ class CompactRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
     conversation_id: str | None = Field(None, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
-    ratio: float | None = Field(None, gt=0.0, le=1.0, description="slots kept per head / content tokens")
-    target_tokens: int | None = Field(None, gt=0, description="slots kept per head, absolute")
+    ratio: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False,
+                                description="slots kept per head / content tokens")
+    target_tokens: int | None = Field(None, gt=0, le=MAX_TOKENS, description="slots kept per head, absolute")
     method: MethodName = Field("am", max_length=300, description="a method, optionally with ':key=value,...' "
                                "overrides; am (default) is the recommended configuration")
     queries: QuerySources | None = Field(None, max_length=200, description="query source, or several joined by '+'")
-    keep_last_tokens: int = Field(0, ge=0, description="the last content tokens stay exact")
+    keep_last_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="the last content tokens stay exact")
     max_head_ratio: float | None = Field(
         None, gt=0.0, le=1.0,
         description="cap on any one head's slots / content tokens (default: none where the engine holds "
@@ -160,6 +177,7 @@ class CompactRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_source_one_size(self) -> "CompactRequest":
+        _check_size(self.messages, self.prompt)
         sources = [x is not None for x in (self.messages, self.prompt, self.conversation_id)]
         if sum(sources) == 0:
             raise ValueError("give one of messages, prompt or conversation_id")
@@ -213,6 +231,9 @@ class Compaction(BaseModel):
 class CompactionList(BaseModel):
     object: Literal["list"] = "list"
     data: list[Compaction]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
 
 
 class CompactionDeleted(BaseModel):

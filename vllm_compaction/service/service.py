@@ -9,17 +9,17 @@ and trigger automatic compaction. Worker side: ``claim``, ``heartbeat``, ``accep
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from vllm_compaction.cache import CacheError, CompactedCache, LocalDiskStore, ModelFingerprint, read_metadata
+from vllm_compaction.cache import CacheError, CompactedCache, LocalDiskStore, ModelFingerprint, json_digest, read_metadata
 from vllm_compaction.models.chat import ChatTokenizer
 from vllm_compaction.service.config import ServiceConfig
 from vllm_compaction.service.conversations import ConversationBook
+from vllm_compaction.service.files import StoreLock, write_atomically
 from vllm_compaction.service.jobs import JobBook, JobError, JobRecord, new_compaction_id
 from vllm_compaction.service.metrics import ServiceMetrics
 from vllm_compaction.service.protocol import (CompactRequest, JobStatus, WorkerInfo, expand_queries,
@@ -72,14 +72,23 @@ class CompactionService:
         self.store = LocalDiskStore(config.store, max_bytes=config.store_max_bytes)
         self.metrics = ServiceMetrics()
         self.conversations = ConversationBook(self.store.root / "conversations")
-        self.book = JobBook(self.store.root / "jobs", lease_s=config.worker_lease_s, on_change=self._job_changed)
+        self.lock = StoreLock(self.store.root)  # a second server on this store refuses to start
+        self.book = JobBook(self.store.root / "jobs", lease_s=config.worker_lease_s, on_change=self._job_changed,
+                            max_queued=config.max_queued_jobs, max_queued_per_owner=config.max_queued_per_key,
+                            quarantine_root=self.store.root / "quarantine" / "jobs")
+        # without --api-key every caller is one tenant: the Authorization header is not checked there,
+        # so it must not partition compactions either (set by whoever starts the service)
+        self.keyed_owners = True
         self.worker_token = config.worker_token or self._store_token()
         self.supervisor: Any = None  # the local workers, set by whoever starts them
         self.metrics.job_counts(self.book)  # jobs found in the store after a restart
 
     # ------------------------------------------------------------------ compactions
-    def submit(self, request: CompactRequest, owner: str) -> JobRecord:
+    def submit(self, request: CompactRequest, owner: str, idempotency_key: str | None = None) -> JobRecord:
+        """Queue a compaction; ``idempotency_key`` makes a retried request return the same job."""
         self.check_model(request.model)
+        if idempotency_key is not None and not 0 < len(idempotency_key) <= 256:
+            raise JobError(400, "Idempotency-Key must be 1 to 256 characters", param="Idempotency-Key")
         if request.messages is not None:
             messages = self._messages(request.messages)
         elif request.prompt is not None:
@@ -90,13 +99,15 @@ class CompactionService:
                 raise JobError(404, f"No conversation with id {request.conversation_id!r}: send a chat "
                                     f"completion with this conversation_id first, or give messages.")
             messages = conversation.messages
-        return self.book.submit(self._record(messages, owner, model=request.model, method=request.method,
-                                             queries=request.query_source(), ratio=request.ratio,
-                                             target_tokens=request.target_tokens,
-                                             keep_last_tokens=request.keep_last_tokens,
-                                             max_head_ratio=request.max_head_ratio,
-                                             min_layer_share=request.min_layer_share,
-                                             conversation_id=request.conversation_id))
+        record = self._record(messages, owner, model=request.model, method=request.method,
+                              queries=request.query_source(), ratio=request.ratio,
+                              target_tokens=request.target_tokens, keep_last_tokens=request.keep_last_tokens,
+                              max_head_ratio=request.max_head_ratio, min_layer_share=request.min_layer_share,
+                              conversation_id=request.conversation_id)
+        if idempotency_key is not None:
+            record.idempotency_key = idempotency_key
+            record.request_digest = json_digest(request.model_dump(mode="json"))
+        return self.book.submit(record)
 
     def _record(self, messages: list[dict[str, str]], owner: str, *, model: str, method: str,
                 queries: str | None, ratio: float | None, target_tokens: int | None,
@@ -130,8 +141,8 @@ class CompactionService:
     def get(self, compaction_id: str, owner: str) -> JobRecord:
         return self.book.get(compaction_id, owner)
 
-    def list(self, owner: str) -> list[JobRecord]:
-        return self.book.list(owner)
+    def list(self, owner: str, *, after: str | None = None, limit: int | None = None) -> tuple[list[JobRecord], bool]:
+        return self.book.page(owner, after=after, limit=limit)
 
     def cancel_or_delete(self, compaction_id: str, owner: str) -> tuple[JobRecord, bool]:
         """Cancel a queued/running job; delete a finished one (and its cache). -> (job, deleted)."""
@@ -258,10 +269,10 @@ class CompactionService:
                                   target_tokens=target, keep_last_tokens=cfg.auto_compact_keep_last_tokens,
                                   min_layer_share=cfg.auto_compact_min_layer_share,
                                   conversation_id=conversation_id, least_content=target or 0)
-        except JobError as exc:
+            self.book.submit(record)
+        except (JobError, OSError) as exc:  # a full queue or disk: the request is served all the same
             logger.warning("no automatic compaction of conversation %s: %s", conversation_id, exc)
             return
-        self.book.submit(record)
         logger.info("conversation %s has %d physical prompt tokens (> %d): queued compaction %s",
                     conversation_id, physical, threshold, record.id)
 
@@ -274,6 +285,7 @@ class CompactionService:
         problem = self.store.verify_id(compaction_id, expect_model=self.fingerprint)
         if problem is not None:
             logger.error("compacted cache of %s is unusable: %s", compaction_id, problem)
+            problem = problem.replace(str(self.store.root), "the store")  # clients see no server paths
         return problem
 
     # ------------------------------------------------------------------ worker protocol
@@ -335,11 +347,7 @@ class CompactionService:
         """The worker token shared through the store directory (mode 0600), made on first use."""
         path = self.store.root / "worker-token"
         if not path.is_file():
-            tmp = path.with_name(f".worker-token.{os.getpid()}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_urlsafe(32))
-            os.replace(tmp, path)
+            write_atomically(path, secrets.token_urlsafe(32), mode=0o600)
         return path.read_text().strip()
 
 

@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import ssl
 import sys
 import tempfile
 import time
@@ -151,9 +152,11 @@ class ComputeProcess:
 # ---------------------------------------------------------------------- the worker
 class Worker:
     def __init__(self, server: str, token: str, *, model: str | None = None, nice: int = 10,
-                 connect_timeout_s: float = 600.0, device: str = "auto") -> None:
+                 connect_timeout_s: float = 600.0, device: str = "auto", verify_tls: bool = True) -> None:
         self.server = server.rstrip("/")
         self.token = token
+        # a local worker reaches its own server on the loopback address, which no certificate names
+        self._tls = None if verify_tls else ssl._create_unverified_context()
         self.worker_id = worker_id_for(os.getpid())
         self.info = self._connect(connect_timeout_s)
         self.model_path = model or self.info.model
@@ -177,7 +180,7 @@ class Worker:
             all_headers["Content-Type"] = "application/json"
         request = urllib.request.Request(url, data=data, method=method, headers=all_headers)
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout, context=self._tls) as response:
                 raw = response.read()
                 return response.status, (json.loads(raw) if raw else None)
         except urllib.error.HTTPError as exc:
@@ -312,6 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"(default ${DEVICE_ENV}, else auto: cuda when a GPU is visible)")
     parser.add_argument("--connect-timeout", type=float, default=600.0,
                         help="seconds to wait for the server to come up (default 600)")
+    parser.add_argument("--no-verify-tls", action="store_true", help=argparse.SUPPRESS)  # local workers only
     parser.add_argument("--max-jobs", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -328,7 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         worker = Worker(args.server, token, model=args.model, nice=args.nice,
-                        connect_timeout_s=args.connect_timeout, device=args.device)
+                        connect_timeout_s=args.connect_timeout, device=args.device,
+                        verify_tls=not args.no_verify_tls)
     except WorkerError as exc:
         print(f"vllm-compaction worker: {exc}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from vllm_compaction.service.api import error_response, owner_of
+from vllm_compaction.service.api import RequestGuard, error_response, owner_of
 from vllm_compaction.service.api import router as service_router
 from vllm_compaction.service.jobs import JobError
 from vllm_compaction.service.service import PrefixPlan
@@ -30,7 +30,6 @@ __all__ = ["CompactionEndpoints", "ENDPOINT_PLUGIN_NAME"]
 logger = logging.getLogger(__name__)
 
 ENDPOINT_PLUGIN_NAME = "vllm_compaction_api"
-_RESERVED_SALT = "vllm-compaction:"
 
 
 def _stock():
@@ -53,8 +52,6 @@ def _build_router() -> APIRouter:
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         extra = request.model_extra or {}
         compaction_id, conversation_id = extra.get("compaction_id"), extra.get("conversation_id")
-        if bad := _reserved_salt(request):
-            return bad
         if compaction_id is None and conversation_id is None:
             return await chat_api.create_chat_completion(request, raw_request)
         service = getattr(raw_request.app.state, "compaction_service", None)
@@ -78,8 +75,6 @@ def _build_router() -> APIRouter:
                  summary="Completion; extra_body compaction_id makes the prompt continue a compacted prefix")
     async def completions(request: CompletionRequest, raw_request: Request):
         compaction_id = (request.model_extra or {}).get("compaction_id")
-        if bad := _reserved_salt(request):
-            return bad
         if compaction_id is None:
             return await completion_api.create_completion(request, raw_request)
         service = getattr(raw_request.app.state, "compaction_service", None)
@@ -123,13 +118,6 @@ async def _cache_error(plan: PrefixPlan | None, service: Any) -> JSONResponse | 
         return None
     return error_response(500, f"The compacted cache of {plan.compaction_id} could not be loaded: {problem}. "
                                f"Send the full conversation to be served without it.")
-
-
-def _reserved_salt(request: Any) -> JSONResponse | None:
-    # Only the server names compacted prefixes: a client salt could reach another key's cache.
-    if isinstance(request.cache_salt, str) and request.cache_salt.startswith(_RESERVED_SALT):
-        return error_response(400, f"cache_salt values starting with {_RESERVED_SALT!r} are reserved")
-    return None
 
 
 def _prompt_ids(plan: PrefixPlan) -> list[int]:
@@ -193,6 +181,7 @@ class CompactionEndpoints:
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(service_router)
         app.include_router(_build_router())
+        app.add_middleware(RequestGuard)  # reserved salts on every route, body limits on /v1/compact
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         state.compaction_service = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from argparse import Namespace
 from pathlib import Path
 
@@ -49,6 +50,9 @@ async def start_service(vllm_config, args: Namespace) -> CompactionService:
         kv_bytes_per_token=kv_bytes_per_token(vllm_config), max_model_len=model_config.max_model_len,
         layout=DEFAULT_LAYOUT, block_size=vllm_config.cache_config.block_size,
     )
+    # vLLM checks bearer keys only when it has some (--api-key or VLLM_API_KEY); without them a
+    # header is not a credential, and compactions must not be split by it
+    service.keyed_owners = bool(getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY"))
     host = getattr(args, "host", None)
     host = "127.0.0.1" if host in (None, "", "0.0.0.0", "::") else host
     scheme = "https" if getattr(args, "ssl_certfile", None) else "http"

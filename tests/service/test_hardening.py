@@ -1,0 +1,204 @@
+"""The service under load, faults and abuse, without an engine: bounded and fair work, durable
+records, one server per store, typed errors, ownership, reserved salts and body limits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.testclient import TestClient
+
+from vllm_compaction.service.api import RequestGuard, error_response, router
+from vllm_compaction.service.config import ServiceConfig
+from vllm_compaction.service.conversations import Conversation, ConversationBook
+from vllm_compaction.service.files import StoreLock
+from vllm_compaction.service.jobs import JobBook, JobError, JobRecord, new_compaction_id
+from vllm_compaction.service.protocol import JobStatus
+from vllm_compaction.service.service import CompactionService
+
+MODEL = "smollm2-135m"
+HISTORY = [{"role": "user", "content": "The vault code is 7319. " * 20}, {"role": "assistant", "content": "Noted."}]
+
+
+def record(owner: str = "a", **fields) -> JobRecord:
+    return JobRecord(id=new_compaction_id(), status=JobStatus.queued, created=0, model="m", method="am",
+                     original_tokens=10, messages_covered=1, owner=owner, **fields)
+
+
+def test_queue_limits_answer_429_with_a_retry_hint(tmp_path):
+    book = JobBook(tmp_path / "jobs", max_queued=3, max_queued_per_owner=2)
+    book.submit(record("a")), book.submit(record("a"))
+    with pytest.raises(JobError) as info:
+        book.submit(record("a"))
+    assert info.value.status == 429 and info.value.retry_after >= 1
+    book.submit(record("b"))
+    with pytest.raises(JobError, match="queued"):
+        book.submit(record("c"))  # the server's limit
+    assert len(book.list()) == 3
+
+
+def test_workers_take_keys_in_turn(tmp_path):
+    book = JobBook(tmp_path / "jobs")
+    flood = [book.submit(record("a")) for _ in range(5)]
+    single = book.submit(record("b"))
+    order = [book.claim(f"w{i}").id for i in range(3)]
+    assert order == [flood[0].id, single.id, flood[1].id]  # b's one job does not wait for a's five
+
+
+def test_an_idempotency_key_returns_the_first_job(tmp_path):
+    book = JobBook(tmp_path / "jobs")
+    first = book.submit(record("a", idempotency_key="k1", request_digest="x"))
+    assert book.submit(record("a", idempotency_key="k1", request_digest="x")).id == first.id
+    assert book.submit(record("b", idempotency_key="k1", request_digest="x")).id != first.id  # keys are per owner
+    with pytest.raises(JobError) as info:
+        book.submit(record("a", idempotency_key="k1", request_digest="y"))
+    assert info.value.status == 409 and info.value.param == "Idempotency-Key"
+    assert len(book.list("a")) == 1
+
+
+def test_pages_of_the_list(tmp_path):
+    book = JobBook(tmp_path / "jobs")
+    ids = [book.submit(record("a")).id for _ in range(5)]
+    page, more = book.page("a", limit=2)
+    assert [r.id for r in page] == ids[:2] and more
+    page, more = book.page("a", after=ids[1], limit=10)
+    assert [r.id for r in page] == ids[2:] and not more
+    with pytest.raises(JobError, match="No compaction"):
+        book.page("b", after=ids[0])
+
+
+def test_unreadable_records_are_quarantined_and_reported(tmp_path):
+    book = JobBook(tmp_path / "jobs")
+    kept = book.submit(record("a"))
+    broken = book.submit(record("a"))
+    path = tmp_path / "jobs" / f"{broken.id}.json"
+    path.write_text(path.read_text()[:40])  # truncated, as a crash without fsync could leave it
+    again = JobBook(tmp_path / "jobs")
+    assert [r.id for r in again.list()] == [kept.id]
+    assert again.quarantined == [broken.id]
+    assert (tmp_path / "quarantine" / "jobs" / f"{broken.id}.json").is_file() and not path.exists()
+
+
+def test_a_failed_save_queues_nothing(tmp_path, monkeypatch):
+    from vllm_compaction.service import jobs
+
+    book = JobBook(tmp_path / "jobs")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(jobs, "write_atomically", full_disk)
+    with pytest.raises(OSError):
+        book.submit(record("a"))
+    assert book.list() == [] and not list((tmp_path / "jobs").iterdir())
+
+
+def test_a_corrupt_conversation_starts_over(tmp_path):
+    book = ConversationBook(tmp_path / "conversations")
+    book.save(Conversation(owner="a", conversation_id="c1", messages=HISTORY))
+    path = book._path("a", "c1")
+    path.write_text("{not json")
+    assert ConversationBook(tmp_path / "conversations").get("a", "c1") is None
+    assert (tmp_path / "quarantine" / "conversations" / path.name).is_file()
+
+
+def test_one_server_per_store(tmp_path):
+    lock = StoreLock(tmp_path)
+    with pytest.raises(ValueError, match="in use by another server"):
+        StoreLock(tmp_path)
+    lock.release()
+    StoreLock(tmp_path).release()
+
+
+# ---------------------------------------------------------------------- over HTTP, no engine
+@pytest.fixture(scope="module")
+def checkpoint():
+    from transformers import AutoTokenizer
+
+    from vllm_compaction.models import resolve
+    from vllm_compaction.models.fingerprint import checkpoint_fingerprint
+
+    path = resolve(MODEL)
+    return path, AutoTokenizer.from_pretrained(path), checkpoint_fingerprint(path, dtype="float32")
+
+
+@pytest.fixture
+def app(tmp_path, checkpoint):
+    path, tokenizer, fingerprint = checkpoint
+    config = ServiceConfig(store=tmp_path / "store", max_queued_jobs=4, max_queued_per_key=2)
+    service = CompactionService(config, model_path=path, served_model_names=[MODEL], fingerprint=fingerprint,
+                                tokenizer=tokenizer, kv_bytes_per_token=100, max_model_len=4096, layout="varlen")
+    app = FastAPI()
+    # vLLM's server answers invalid bodies 400 with the field as param; the same here
+    app.add_exception_handler(RequestValidationError, lambda request, exc: error_response(
+        400, str(exc.errors()[0]["msg"]), param=".".join(map(str, exc.errors()[0]["loc"]))))
+    app.include_router(router)
+    app.add_middleware(RequestGuard, max_compact_body_bytes=200_000)
+    app.state.compaction_service = service
+
+    @app.post("/v1/responses")  # stands in for every route that takes a cache_salt
+    async def responses(request: Request):
+        return {"echo": json.loads(await request.body())}
+
+    yield app
+    service.lock.release()
+
+
+def body(**extra) -> dict:
+    return {"model": MODEL, "messages": HISTORY, "ratio": 0.2, **extra}
+
+
+def test_without_api_keys_every_caller_sees_every_compaction(app):
+    client = TestClient(app)
+    app.state.compaction_service.keyed_owners = False  # vLLM started without --api-key
+    job = client.post("/v1/compact", json=body()).json()
+    seen = client.get(f"/v1/compact/{job['id']}", headers={"Authorization": "Bearer EMPTY"})
+    assert seen.status_code == 200 and seen.json()["id"] == job["id"]
+
+
+def test_with_api_keys_another_key_sees_nothing(app):
+    client = TestClient(app)
+    job = client.post("/v1/compact", json=body(), headers={"Authorization": "Bearer key-a"}).json()
+    for method in ("get", "delete"):
+        other = getattr(client, method)(f"/v1/compact/{job['id']}", headers={"Authorization": "Bearer key-b"})
+        assert other.status_code == 404 and other.json()["error"]["type"] == "NotFoundError"
+    assert client.get(f"/v1/compact/{job['id']}", headers={"Authorization": "Bearer key-a"}).json()["status"] == "queued"
+
+
+def test_errors_are_typed_by_status_with_the_field(app):
+    client = TestClient(app)
+    key = {"Authorization": "Bearer key-a"}
+    first = client.post("/v1/compact", json=body(), headers={**key, "Idempotency-Key": "once"})
+    assert client.post("/v1/compact", json=body(), headers={**key, "Idempotency-Key": "once"}).json()["id"] == \
+        first.json()["id"]
+    conflict = client.post("/v1/compact", json=body(ratio=0.3), headers={**key, "Idempotency-Key": "once"}).json()
+    assert conflict["error"]["type"] == "ConflictError" and conflict["error"]["param"] == "Idempotency-Key"
+    client.post("/v1/compact", json=body(), headers=key)
+    limited = client.post("/v1/compact", json=body(), headers=key)
+    assert limited.status_code == 429 and limited.json()["error"]["type"] == "RateLimitError"
+    assert int(limited.headers["Retry-After"]) >= 1
+    page = client.get("/v1/compact?limit=1", headers=key).json()
+    assert len(page["data"]) == 1 and page["has_more"] and page["first_id"] == first.json()["id"]
+
+
+@pytest.mark.parametrize("change", [dict(ratio=float("nan")), dict(ratio=0), dict(ratio=1.0001),
+                                    dict(ratio=None, target_tokens=10 ** 400), dict(ratio=None, target_tokens=0),
+                                    dict(queries="surprise-quote/1"), dict(messages=[{"role": "user", "content": "x"}]
+                                                                           * 10_001)])
+def test_out_of_range_requests_are_4xx(app, change):
+    client = TestClient(app)
+    payload = json.dumps(body(**change), allow_nan=True)
+    response = client.post("/v1/compact", content=payload, headers={"Content-Type": "application/json"})
+    assert 400 <= response.status_code < 500, response.text
+
+
+def test_bodies_over_the_limit_and_reserved_salts_are_refused(app):
+    client = TestClient(app)
+    big = client.post("/v1/compact", json=body(messages=[{"role": "user", "content": "x" * 300_000}]))
+    assert big.status_code == 413 and big.json()["error"]["type"] == "RequestTooLargeError"
+    salted = client.post("/v1/responses", json={"input": "hi", "cache_salt": "vllm-compaction:cmp_x"})
+    assert salted.status_code == 400 and salted.json()["error"]["param"] == "cache_salt"
+    plain = client.post("/v1/responses", json={"input": "hi", "cache_salt": "mine"})
+    assert plain.status_code == 200 and plain.json()["echo"]["cache_salt"] == "mine"  # passed on unchanged
