@@ -78,7 +78,7 @@ def test_unreadable_records_are_quarantined_and_reported(tmp_path):
     again = JobBook(tmp_path / "jobs")
     assert [r.id for r in again.list()] == [kept.id]
     assert again.quarantined == [broken.id]
-    assert (tmp_path / "quarantine" / "jobs" / f"{broken.id}.json").is_file() and not path.exists()
+    assert (tmp_path / "jobs" / "quarantine" / f"{broken.id}.json").is_file() and not path.exists()
 
 
 def test_a_failed_save_queues_nothing(tmp_path, monkeypatch):
@@ -101,7 +101,7 @@ def test_a_corrupt_conversation_starts_over(tmp_path):
     path = book._path("a", "c1")
     path.write_text("{not json")
     assert ConversationBook(tmp_path / "conversations").get("a", "c1") is None
-    assert (tmp_path / "quarantine" / "conversations" / path.name).is_file()
+    assert (tmp_path / "conversations" / "quarantine" / path.name).is_file()
 
 
 def test_one_server_per_store(tmp_path):

@@ -57,18 +57,56 @@ def test_cancel_stops_the_worker_and_a_late_result_is_refused(tmp_path):
     assert info.value.status == 409
 
 
-def test_lapsed_lease_and_lost_worker_fail_the_job(tmp_path):
+def test_a_claim_no_worker_acknowledges_goes_back_to_the_queue(tmp_path):
+    book = JobBook(tmp_path, lease_s=0.05)
+    job = book.submit(record())
+    assert book.claim("w1").attempts == 1  # handed out, but w1 never heartbeats (it had gone)
+    time.sleep(0.1)
+    book.expire_leases()
+    again = book.get(job.id)
+    assert again.status == JobStatus.queued and again.attempts == 0 and again.error is None
+    assert book.claim("w2").id == job.id  # at once: a claim that never reached a worker costs nothing
+
+
+def test_lapsed_lease_and_lost_worker_fail_the_job_after_its_attempts(tmp_path):
     book = JobBook(tmp_path, lease_s=0.05)
     first, second = book.submit(record()), book.submit(record())
     book.claim("w1")
+    assert book.heartbeat(first.id, "w1", 0.1, "layers")  # acknowledged
     time.sleep(0.1)
     book.expire_leases()
     failed = book.get(first.id)
-    assert failed.status == JobStatus.failed and "no heartbeat" in failed.error
+    assert failed.status == JobStatus.failed and "no heartbeat" in failed.error and "after 1 attempts" in failed.error
     book.lease_s = 60
     book.claim("w2")
+    book.heartbeat(second.id, "w2", 0.1, None)
     book.fail_worker("w2", "the compaction worker (pid 1) was killed by signal 9")
     assert book.get(second.id).status == JobStatus.failed and "signal 9" in book.get(second.id).error
+
+
+def test_a_dead_worker_s_job_runs_again_after_a_backoff(tmp_path):
+    book = JobBook(tmp_path, max_attempts=2, retry_backoff_s=0.2)
+    job = book.submit(record())
+    book.claim("w1"), book.heartbeat(job.id, "w1", 0.5, "layers")
+    book.fail_worker("w1", "the compaction worker (pid 1) was killed by signal 9")
+    waiting = book.get(job.id)
+    assert waiting.status == JobStatus.queued and waiting.attempts == 1 and "signal 9" in waiting.error
+    assert book.claim("w2") is None  # its backoff
+    time.sleep(0.25)
+    assert book.claim("w2").id == job.id and book.get(job.id).attempts == 2
+    book.heartbeat(job.id, "w2", 0.5, None)
+    book.fail_worker("w2", "the compaction worker (pid 2) was killed by signal 9")
+    assert book.get(job.id).status == JobStatus.failed and "after 2 attempts" in book.get(job.id).error
+
+
+def test_a_job_past_its_deadline_fails_and_its_worker_is_told_to_stop(tmp_path):
+    book = JobBook(tmp_path, deadline_s=0.05)
+    job = book.submit(record())
+    book.claim("w1"), book.heartbeat(job.id, "w1", 0.5, None)
+    time.sleep(0.1)
+    book.expire_leases()
+    assert book.get(job.id).status == JobStatus.failed and "deadline" in book.get(job.id).error
+    assert not book.heartbeat(job.id, "w1", 0.6, None)  # the worker's next heartbeat: stop (kill the computation)
 
 
 def test_restart_keeps_finished_jobs_and_requeues_running_ones(tmp_path):

@@ -239,5 +239,8 @@ async def worker_result(compaction_id: str, request: Request,
 @router.post(f"{WORKER_PREFIX}/jobs/{{compaction_id}}/fail", include_in_schema=False)
 async def worker_fail(compaction_id: str, body: FailReport,
                       service: CompactionService = Depends(worker_service)):
-    service.book.fail(compaction_id, body.worker_id, body.error)
+    if body.retryable:
+        service.book.retry_or_fail(compaction_id, body.worker_id, body.error)
+    else:
+        service.book.fail(compaction_id, body.worker_id, body.error)
     return {"ok": True}

@@ -23,6 +23,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "worker_token": ("--compaction-worker-token", "secret remote workers present (default: random, "
                      "written to <store>/worker-token)"),
     "worker_lease_s": ("--compaction-worker-lease-s", "a running job fails when its worker is silent this long"),
+    "job_timeout_s": ("--compaction-job-timeout-s", "a compaction still running after this long fails (its "
+                      "worker stops the computation)"),
+    "max_attempts": ("--compaction-max-attempts", "runs of a job whose worker died before it fails"),
     "max_queued_jobs": ("--compaction-max-queued", "compactions queued at once; more are answered 429 with Retry-After"),
     "max_queued_per_key": ("--compaction-max-queued-per-key",
                            "compactions one API key may have queued; more are answered 429 with Retry-After"),
@@ -50,6 +53,9 @@ class ServiceConfig(BaseModel):
     local_workers: int = Field(1, ge=0, le=64)
     worker_token: str | None = Field(None, min_length=16)
     worker_lease_s: float = Field(20.0, gt=0)
+    job_timeout_s: float = Field(3600.0, gt=0)
+    max_attempts: int = Field(3, ge=1, le=20)
+    retry_backoff_s: float = Field(5.0, ge=0)
     max_queued_jobs: int = Field(256, ge=1)
     max_queued_per_key: int = Field(32, ge=1)
     device: str = "cpu"

@@ -25,7 +25,7 @@ class Conversation(BaseModel):
 class ConversationBook:
     def __init__(self, root: str | Path, quarantine_root: Path | None = None) -> None:
         self.root = Path(root)
-        self.quarantine_root = quarantine_root or self.root.parent / "quarantine" / "conversations"
+        self.quarantine_root = quarantine_root or self.root / "quarantine"
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._cache: dict[tuple[str, str], Conversation] = {}

@@ -9,8 +9,12 @@ the queued job of the key served longest ago (round-robin across keys, oldest fi
 and a client's ``Idempotency-Key`` makes a retried submission return the job it already made.
 
 States: queued -> running -> succeeded | failed; queued | running -> cancelled. A running job
-belongs to one worker under a lease that each heartbeat renews; a lapsed lease or a worker that
-exits fails the job with the reason. Nothing here touches the engine or the cache store.
+belongs to one worker under a lease that each heartbeat renews. A claim counts once the worker's
+first heartbeat acknowledges it: a job handed to a worker that has gone goes back to the queue
+as if never claimed. A lapsed lease or a worker that exits puts the job back in the queue after a
+backoff, up to ``max_attempts`` runs, then fails it with the reason; a job still running past
+``deadline_s`` fails (its worker is told to stop at its next heartbeat and kills the computation).
+Nothing here touches the engine or the cache store.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ class JobRecord(Compaction):
     digest: str | None = None  # tensors sha256 of the stored cache (names the prefix for vLLM)
     idempotency_key: str | None = None  # the client's, with the digest of the body it came with
     request_digest: str | None = None
+    acked: bool = False  # the claiming worker has heartbeated since the claim
+    auto: bool = False  # queued by the server's auto-compaction, not by a client
+    not_before: float | None = None  # a retried job waits for its backoff
 
     def public(self) -> Compaction:
         """What a client sees: no worker identity (the hosts and processes behind the server)."""
@@ -79,12 +86,16 @@ class JobBook:
 
     def __init__(self, root: str | Path, *, lease_s: float = 15.0,
                  on_change: Callable[[JobRecord], None] | None = None, max_queued: int | None = None,
-                 max_queued_per_owner: int | None = None, quarantine_root: Path | None = None) -> None:
+                 max_queued_per_owner: int | None = None, quarantine_root: Path | None = None,
+                 deadline_s: float | None = None, max_attempts: int = 1, retry_backoff_s: float = 5.0,
+                 ack_s: float | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.lease_s = lease_s
+        self.deadline_s, self.max_attempts, self.retry_backoff_s = deadline_s, max_attempts, retry_backoff_s
+        self.ack_s = ack_s if ack_s is not None else lease_s
         self.max_queued, self.max_queued_per_owner = max_queued, max_queued_per_owner
-        self.quarantine_root = quarantine_root or self.root.parent / "quarantine" / "jobs"
+        self.quarantine_root = quarantine_root or self.root / "quarantine"
         self.quarantined: list[str] = []  # records found unreadable at start-up
         self._on_change = on_change
         self._lock = threading.RLock()
@@ -198,7 +209,9 @@ class JobBook:
         the fewest running jobs, served longest ago (one key's thousand submissions cannot starve
         another key's single one)."""
         with self._lock:
-            queued = [r for r in self._jobs.values() if r.status == JobStatus.queued]
+            now = time.time()
+            queued = [r for r in self._jobs.values()
+                      if r.status == JobStatus.queued and (r.not_before or 0.0) <= now]
             if not queued:
                 return None
             running: dict[str, int] = {}
@@ -207,10 +220,10 @@ class JobBook:
                     running[r.owner] = running.get(r.owner, 0) + 1
             record = min(queued, key=lambda r: (running.get(r.owner, 0), self._served.get(r.owner, 0.0),
                                                 r.submitted_at, r.id))
-            now = time.time()
             self._served[record.owner] = now
             record.status, record.worker_id, record.started_at = JobStatus.running, worker_id, now
-            record.lease_expires = now + self.lease_s
+            record.lease_expires, record.acked, record.not_before = now + self.ack_s, False, None
+            record.attempts += 1
             record.progress, record.stage = 0.0, "starting"
             record.timings["queued_s"] = now - record.submitted_at
             self._save(record)
@@ -225,6 +238,9 @@ class JobBook:
                 return False
             record.progress, record.stage = progress, stage
             record.lease_expires = time.time() + self.lease_s
+            if not record.acked:  # the claim reached a live worker
+                record.acked = True
+                self._save(record)
             return True
 
     def running_for(self, worker_id: str) -> JobRecord | None:
@@ -239,7 +255,7 @@ class JobBook:
                 raise JobError(409, f"Compaction {job_id!r} is not running on worker {worker_id!r}.")
             for key, value in result.items():
                 setattr(record, key, value)
-            record.progress = 1.0
+            record.progress, record.error = 1.0, None  # a retried job's earlier death is history now
             self._finish(record, JobStatus.succeeded)
         self._changed(record)
         return record
@@ -256,19 +272,49 @@ class JobBook:
         return record
 
     def fail_worker(self, worker_id: str, error: str) -> None:
-        """A worker is gone: fail the job it was running, if any."""
+        """A worker is gone: its job runs again (after a backoff, while attempts remain) or fails."""
         record = self.running_for(worker_id)
         if record is not None:
-            self.fail(record.id, worker_id, error)
+            self.retry_or_fail(record.id, worker_id, error)
+
+    def retry_or_fail(self, job_id: str, worker_id: str | None, error: str) -> JobRecord | None:
+        """The worker of a running job died: queue it again after ``retry_backoff_s * 2^(n-1)``
+        while it has run fewer than ``max_attempts`` times, else fail it saying how often it ran.
+        A claim no worker acknowledged goes back to the queue at once, as if never made."""
+        with self._lock:
+            record = self._owned(job_id, worker_id)
+            if record is None:
+                return None
+            if not record.acked:
+                record.attempts -= 1
+            elif record.attempts >= self.max_attempts:
+                record = None
+            if record is not None:
+                delay = self.retry_backoff_s * 2 ** max(0, record.attempts - 1) if record.acked else 0.0
+                record.status, record.worker_id, record.lease_expires = JobStatus.queued, None, None
+                record.progress, record.stage, record.started_at = 0.0, None, None
+                record.not_before, record.error = time.time() + delay, error if record.acked else record.error
+                self._save(record)
+        if record is None:  # out of attempts
+            return self.fail(job_id, worker_id, f"{error} (after {self.max_attempts} attempts)")
+        logger.warning("compaction %s: %s; queued again", job_id, error)
+        self._changed(record)
+        return record
 
     def expire_leases(self) -> None:
+        """Leases that lapsed (the worker died or hangs) and jobs past their deadline."""
         now = time.time()
         with self._lock:
             lapsed = [r for r in self._jobs.values()
                       if r.status == JobStatus.running and (r.lease_expires or 0) < now]
+            late = [r for r in self._jobs.values() if r.status == JobStatus.running and self.deadline_s
+                    and r.started_at is not None and now - r.started_at > self.deadline_s and r not in lapsed]
         for record in lapsed:
-            self.fail(record.id, record.worker_id,
-                      f"worker {record.worker_id} stopped answering (no heartbeat for {self.lease_s:.0f} s)")
+            silence = self.lease_s if record.acked else self.ack_s
+            self.retry_or_fail(record.id, record.worker_id,
+                               f"worker {record.worker_id} stopped answering (no heartbeat for {silence:.0f} s)")
+        for record in late:
+            self.fail(record.id, record.worker_id, f"the compaction ran past its deadline of {self.deadline_s:.0f} s")
 
     # ------------------------------------------------------------------ internals
     def _owned(self, job_id: str, worker_id: str | None) -> JobRecord | None:
@@ -307,6 +353,7 @@ class JobBook:
                 self.quarantined.append(path.stem)
                 continue
             if record.status == JobStatus.running:  # the server stopped under it: run it again
+                record.attempts = max(0, record.attempts - 1)  # the stop was the server's, not the job's
                 record.status, record.worker_id, record.lease_expires = JobStatus.queued, None, None
                 record.progress, record.stage, record.started_at = 0.0, None, None
                 self._save(record)

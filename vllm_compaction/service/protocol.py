@@ -213,6 +213,8 @@ class Compaction(BaseModel):
     progress: float = 0.0
     stage: str | None = None
     worker_id: str | None = None
+    attempts: int = Field(0, description="times a worker started the job (a job whose worker died runs again, "
+                                         "a bounded number of times)")
     compacted_tokens: int | None = Field(None, description="physical prompt tokens P the prefix takes in the "
                                                            "engine (its layout: packed heads, or the longest head)")
     layout: str | None = Field(None, description="how the prefix sits in the engine's KV blocks: varlen "
@@ -284,5 +286,9 @@ class HeartbeatReply(BaseModel):
 
 
 class FailReport(BaseModel):
+    """``POST jobs/{id}/fail``: ``retryable`` when the computation died (killed, out of memory)
+    rather than failed; the server then runs the job again while attempts remain."""
+
     worker_id: str
     error: str = Field(max_length=4000)
+    retryable: bool = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,10 @@ from vllm_compaction.service.protocol import (CompactRequest, JobStatus, WorkerI
 __all__ = ["CompactionService", "PrefixPlan"]
 
 logger = logging.getLogger(__name__)
+
+#: Wait after an automatic compaction of a conversation failed before queuing another (doubling
+#: with each failure in a row).
+AUTO_RETRY_BACKOFF_S = 60.0
 
 HEAD_CAP_FACTOR = 3.0
 """Default cap of one head's slots, as a multiple of the average ratio, when the engine holds
@@ -71,11 +76,18 @@ class CompactionService:
         self.layout, self.block_size = layout, block_size  # how the engine holds prefixes
         self.store = LocalDiskStore(config.store, max_bytes=config.store_max_bytes)
         self.metrics = ServiceMetrics()
-        self.conversations = ConversationBook(self.store.root / "conversations")
+        self.conversations = ConversationBook(self.store.root / "conversations",
+                                              quarantine_root=self.store.root / "quarantine" / "conversations")
         self.lock = StoreLock(self.store.root)  # a second server on this store refuses to start
         self.book = JobBook(self.store.root / "jobs", lease_s=config.worker_lease_s, on_change=self._job_changed,
                             max_queued=config.max_queued_jobs, max_queued_per_owner=config.max_queued_per_key,
-                            quarantine_root=self.store.root / "quarantine" / "jobs")
+                            quarantine_root=self.store.root / "quarantine" / "jobs", deadline_s=config.job_timeout_s,
+                            max_attempts=config.max_attempts, retry_backoff_s=config.retry_backoff_s)
+        self._results = threading.Lock()  # guards _result_locks
+        self._result_locks: dict[str, threading.Lock] = {}
+        # automatic compactions that failed, per (owner, conversation): (count, when); each failure
+        # doubles the wait before the next try, so one that always fails is not re-queued every turn
+        self._auto_failures: dict[tuple[str, str], tuple[int, float]] = {}
         # without --api-key every caller is one tenant: the Authorization header is not checked there,
         # so it must not partition compactions either (set by whoever starts the service)
         self.keyed_owners = True
@@ -260,6 +272,9 @@ class CompactionService:
             physical = len(self.chat.chat_ids(messages, add_generation_prompt=True))
         if physical <= threshold or self.book.active_for_conversation(conversation_id, owner):
             return
+        failures, when = self._auto_failures.get((owner, conversation_id), (0, 0.0))
+        if failures and time.time() < when + AUTO_RETRY_BACKOFF_S * 2 ** (failures - 1):
+            return
         cfg = self.config
         target = cfg.auto_compact_target_tokens
         try:
@@ -269,6 +284,7 @@ class CompactionService:
                                   target_tokens=target, keep_last_tokens=cfg.auto_compact_keep_last_tokens,
                                   min_layer_share=cfg.auto_compact_min_layer_share,
                                   conversation_id=conversation_id, least_content=target or 0)
+            record.auto = True
             self.book.submit(record)
         except (JobError, OSError) as exc:  # a full queue or disk: the request is served all the same
             logger.warning("no automatic compaction of conversation %s: %s", conversation_id, exc)
@@ -295,7 +311,20 @@ class CompactionService:
                           heartbeat_s=self.config.heartbeat_s)
 
     def accept_result(self, compaction_id: str, worker_id: str, upload: Path) -> JobRecord:
-        """Verify a worker's cache file, move it into the store and finish the job."""
+        """Verify a worker's cache file, move it into the store and finish the job. Uploads for
+        one job are taken one at a time: a second (a retry) finds the job finished and gets a 409,
+        and nothing of the first is touched."""
+        with self._results:
+            lock = self._result_locks.setdefault(compaction_id, threading.Lock())
+        try:
+            with lock:
+                return self._accept_result(compaction_id, worker_id, upload)
+        finally:
+            with self._results:
+                if not lock.locked():
+                    self._result_locks.pop(compaction_id, None)
+
+    def _accept_result(self, compaction_id: str, worker_id: str, upload: Path) -> JobRecord:
         try:
             record = self.book.get(compaction_id)
             if record.status != JobStatus.running or record.worker_id != worker_id:
@@ -340,6 +369,12 @@ class CompactionService:
 
     def _job_changed(self, record: JobRecord) -> None:
         self.metrics.job_changed(self.book, record)
+        if record.auto and record.conversation_id and record.status.finished:
+            key = (record.owner, record.conversation_id)
+            if record.status == JobStatus.failed:
+                self._auto_failures[key] = (self._auto_failures.get(key, (0, 0.0))[0] + 1, time.time())
+            else:
+                self._auto_failures.pop(key, None)
         if record.status == JobStatus.succeeded and record.conversation_id:
             self.conversations.adopt(record.owner, record.conversation_id, record.id, record.messages_covered)
 

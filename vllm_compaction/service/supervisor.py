@@ -54,26 +54,35 @@ class Supervisor:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            self.service.book.expire_leases()
-            alive = []
-            for process, started in self.processes:
-                code = process.poll()
-                if code is None:
-                    alive.append((process, started))
-                    continue
-                how = describe_exit(code)
-                self.service.book.fail_worker(worker_id_for(process.pid),
-                                              f"the compaction worker (pid {process.pid}) {how}")
-                quick = time.monotonic() - started < _CRASH_WINDOW_S
-                self._quick_crashes = self._quick_crashes + 1 if quick else 0
-                if self._quick_crashes > _MAX_QUICK_CRASHES:
-                    logger.error("compaction worker pid %d %s; %d quick crashes in a row, not restarting "
-                                 "it (see its log above)", process.pid, how, self._quick_crashes)
-                    continue
-                logger.warning("compaction worker pid %d %s; restarting it", process.pid, how)
-                alive.append(self._spawn())
-            self.processes = alive
-            self.service.metrics.workers_alive(len(alive))
+            try:
+                self._check()
+            except Exception:  # a full disk, say: log it and keep watching, never end the task
+                logger.exception("compaction supervisor: checking leases and workers failed")
+
+    def _check(self) -> None:
+        """Lapsed leases and deadlines, then the local workers: a dead one has its job retried or
+        failed, and is restarted unless it keeps dying at once."""
+        self.service.book.expire_leases()
+        alive = []
+        for process, started in self.processes:
+            code = process.poll()
+            if code is None:
+                alive.append((process, started))
+                continue
+            how = describe_exit(code)
+            self.service.book.fail_worker(worker_id_for(process.pid),
+                                          f"the compaction worker (pid {process.pid}) {how}")
+            quick = time.monotonic() - started < _CRASH_WINDOW_S
+            self._quick_crashes = self._quick_crashes + 1 if quick else 0
+            if self._quick_crashes > _MAX_QUICK_CRASHES:
+                logger.error("compaction worker pid %d %s; %d quick crashes in a row, not restarting "
+                             "it (see its log above)", process.pid, how, self._quick_crashes)
+                continue
+            logger.warning("compaction worker pid %d %s; restarting it", process.pid, how)
+            alive.append(self._spawn())
+        self.processes = alive
+        self.service.metrics.workers_alive(len(alive))
+
 
     def stop(self) -> None:
         if self._task is not None:

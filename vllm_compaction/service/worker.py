@@ -23,6 +23,7 @@ import socket
 import ssl
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +41,7 @@ DEVICE_ENV = "VLLM_COMPACTION_DEVICE"
 """Default of a worker's ``--device`` (the server passes its ``--compaction-device`` to local workers)."""
 NETWORK_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError)
 """What a call to an unreachable or vanished server raises."""
+UPLOAD_ATTEMPTS = 4
 
 
 def worker_id_for(pid: int) -> str:
@@ -256,7 +258,7 @@ class Worker:
                     self._upload(job, Path(value))
                     return
                 else:  # "error" or "died"
-                    self._fail(job, value)
+                    self._fail(job, value, retryable=kind == "died")
                     if kind == "died":
                         self.compute.restart()
                     return
@@ -276,22 +278,47 @@ class Worker:
         return status == 200 and body.get("action") == "continue"
 
     def _upload(self, job: WorkerJob, path: Path) -> None:
+        """Upload the cache, heartbeating meanwhile (a large cache takes longer than a lease).
+        A network error is retried with backoff; after the last try the job's lease lapses and
+        the server runs it again, while this worker goes on to the next job."""
+        stop = threading.Event()
+        beats = threading.Thread(target=self._beat_until, args=(job, stop), daemon=True, name="upload-heartbeat")
+        beats.start()
         try:
-            status, body = self._call("PUT", f"/jobs/{job.id}/result", data=path.read_bytes(),
-                                      headers={"Content-Type": "application/octet-stream",
-                                               "X-Worker-Id": self.worker_id}, timeout=600.0)
+            for attempt in range(UPLOAD_ATTEMPTS):
+                try:
+                    status, body = self._call("PUT", f"/jobs/{job.id}/result", data=path.read_bytes(),
+                                              headers={"Content-Type": "application/octet-stream",
+                                                       "X-Worker-Id": self.worker_id}, timeout=600.0)
+                    break
+                except NETWORK_ERRORS as exc:
+                    if attempt + 1 == UPLOAD_ATTEMPTS:
+                        logger.warning("compaction %s: the upload failed %d times (%s); leaving it to the "
+                                       "server's retry", job.id, UPLOAD_ATTEMPTS, exc)
+                        return
+                    logger.warning("compaction %s: upload failed (%s); retrying", job.id, exc)
+                    time.sleep(2.0 ** attempt)
             if status == 200:
                 logger.info("compaction %s stored: %s tokens -> %s", job.id, body.get("original_tokens"),
                             body.get("compacted_tokens"))
             else:
                 logger.warning("compaction %s: upload answered %s: %s", job.id, status, body)
         finally:
+            stop.set()
+            beats.join(timeout=30)
             path.unlink(missing_ok=True)
 
-    def _fail(self, job: WorkerJob, reason: str) -> None:
+    def _beat_until(self, job: WorkerJob, stop: threading.Event) -> None:
+        while not stop.wait(self.info.heartbeat_s):
+            self._heartbeat(job, 1.0, "uploading")
+
+    def _fail(self, job: WorkerJob, reason: str, *, retryable: bool = False) -> None:
+        """Report the job failed; ``retryable`` when the computation died rather than failed
+        (killed, out of memory), which the server may run again."""
         logger.warning("compaction %s failed: %s", job.id, reason)
         try:
-            self._call("POST", f"/jobs/{job.id}/fail", {"worker_id": self.worker_id, "error": reason[:4000]})
+            self._call("POST", f"/jobs/{job.id}/fail", {"worker_id": self.worker_id, "error": reason[:4000],
+                                                        "retryable": retryable})
         except NETWORK_ERRORS:
             pass  # the lease lapses and the server fails the job itself
 
