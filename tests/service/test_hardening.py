@@ -23,8 +23,9 @@ HISTORY = [{"role": "user", "content": "The vault code is 7319. " * 20}, {"role"
 
 
 def record(owner: str = "a", **fields) -> JobRecord:
+    fields = {"messages_covered": 1, **fields}
     return JobRecord(id=new_compaction_id(), status=JobStatus.queued, created=0, model="m", method="am",
-                     original_tokens=10, messages_covered=1, owner=owner, **fields)
+                     original_tokens=10, owner=owner, **fields)
 
 
 def test_queue_limits_answer_429_with_a_retry_hint(tmp_path):
@@ -202,3 +203,39 @@ def test_bodies_over_the_limit_and_reserved_salts_are_refused(app):
     assert salted.status_code == 400 and salted.json()["error"]["param"] == "cache_salt"
     plain = client.post("/v1/responses", json={"input": "hi", "cache_salt": "mine"})
     assert plain.status_code == 200 and plain.json()["echo"]["cache_salt"] == "mine"  # passed on unchanged
+
+
+def test_eviction_spares_held_entries_and_counts_every_file(tmp_path):
+    from vllm_compaction.cache import LocalDiskStore
+
+    store = LocalDiskStore(tmp_path / "store", max_bytes=3500)
+    for name in ("old", "held", "newer"):
+        (store.root / f"{name}.safetensors").write_bytes(b"x" * 1000)
+        store._touch(store.path_for(name))
+    (store.root / "quarantine").mkdir()
+    (store.root / "quarantine" / "bad.1.safetensors").write_bytes(b"q" * 500)
+    (store.root / "jobs").mkdir()
+    (store.root / "jobs" / "cmp_x.json").write_text("j" * 400)  # records count too
+    store.hold("held", 60)
+    (store.root / "incoming.safetensors").write_bytes(b"n" * 1000)
+    store._evict(keep=store.path_for("incoming"))
+    left = sorted(p.stem for p in store.root.glob("*.safetensors"))
+    assert left == ["held", "incoming", "newer"]  # quarantine, then the oldest unheld entry went
+    assert not list((store.root / "quarantine").iterdir())
+
+
+def test_a_superseded_automatic_compaction_is_collected(app):
+    service = app.state.compaction_service
+    jobs = []
+    for covered in (2, 3):
+        job = record("a", conversation_id="c1", auto=True, messages_covered=covered)
+        service.book.submit(job)
+        service.book.claim("w")
+        service.store.path_for(job.id).write_bytes(b"stand-in")
+        service.book.succeed(job.id, "w", {"compacted_tokens": 8, "digest": "ab" * 32})
+        jobs.append(job)
+    assert service.conversations.get("a", "c1").compaction_id == jobs[1].id
+    assert not service.store.contains_id(jobs[0].id)
+    with pytest.raises(JobError):
+        service.book.get(jobs[0].id)
+    assert service.store.max_bytes is not None  # a default limit

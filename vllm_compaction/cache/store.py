@@ -85,6 +85,14 @@ class CacheStore(Protocol):
     def keys(self) -> list[str]: ...
 
 
+def _size(path: Path) -> int:
+    """Bytes of a regular file; 0 for a directory or a file removed meanwhile."""
+    try:
+        return path.stat().st_size if path.is_file() else 0
+    except FileNotFoundError:
+        return 0
+
+
 class LocalDiskStore:
     """One safetensors file per entry under ``root``; survives restarts (it is the directory).
 
@@ -92,7 +100,9 @@ class LocalDiskStore:
     ``root/quarantine/`` and reported as a miss (``None``), so the caller recompacts; a
     cache of a newer format version raises :class:`CacheMismatchError` and stays in place.
     With ``max_bytes``, least recently used entries (file mtime, bumped on every ``get``) are
-    evicted after a ``put`` until the total fits, never the entry just written. All methods
+    evicted after a ``put`` until the total fits, never the entry just written nor an entry held
+    (``hold``: in use by a request, or just finished). The total counts every file under ``root``
+    (records and quarantined files beside the entries); quarantined files go first. All methods
     are thread-safe.
     """
 
@@ -105,7 +115,15 @@ class LocalDiskStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._last_ns = 0
+        self._held: dict[str, float] = {}  # entry id -> monotonic time until which it is not evicted
         self._remove_stale_temps()
+
+    def hold(self, entry_id: str, seconds: float) -> None:
+        """Keep the entry from eviction for ``seconds`` (a request is reading it, or it was just
+        made and nobody has read it yet); a later hold extends an earlier one."""
+        with self._lock:
+            until = time.monotonic() + seconds
+            self._held[entry_id] = max(until, self._held.get(entry_id, 0.0))
 
     # ------------------------------------------------------------------ keyed access
     def put(self, key: CacheKey, cache: CompactedCache) -> None:
@@ -247,16 +265,20 @@ class LocalDiskStore:
     def _evict(self, keep: Path) -> None:
         if self.max_bytes is None:
             return
-        stats = self._stats()
-        total = sum(size for _, _, size in stats)
-        for _, path, size in stats:
+        now = time.monotonic()
+        self._held = {k: until for k, until in self._held.items() if until > now}
+        held = {self.path_for(k) for k in self._held}
+        total = sum(_size(f) for f in self.root.rglob("*"))
+        quarantined = sorted((self.root / "quarantine").glob(f"*{_SUFFIX}"), key=lambda f: f.name)
+        victims = [(q, _size(q)) for q in quarantined] + [(p, size) for _, p, size in self._stats()]
+        for path, size in victims:
             if total <= self.max_bytes:
                 break
-            if path == keep:
+            if path == keep or path in held:
                 continue
             path.unlink(missing_ok=True)
             total -= size
-            logger.info("evicted cache entry %s (%d bytes) from %s", path.name, size, self.root)
+            logger.info("evicted %s (%d bytes) from %s", path.name, size, self.root)
         if total > self.max_bytes:
             logger.warning("cache store %s holds %d bytes, over max_bytes=%d, because the newest "
                            "entry alone exceeds it", self.root, total, self.max_bytes)

@@ -18,7 +18,8 @@ ENV_PREFIX = "VLLM_COMPACTION_"
 # field -> (flag, help); each flag sets VLLM_COMPACTION_<FIELD>
 FLAGS: dict[str, tuple[str, str]] = {
     "store": ("--compaction-store", "directory of compacted caches and jobs (shared with workers)"),
-    "store_max_bytes": ("--compaction-store-max-bytes", "evict least recently used caches above this size"),
+    "store_max_bytes": ("--compaction-store-max-bytes", "evict least recently used caches when everything under the "
+                        "store exceeds this size (default: its size at start-up plus half the free disk, at most 64 GiB)"),
     "local_workers": ("--compaction-workers", "compaction worker processes the server starts (0: only remote)"),
     "worker_token": ("--compaction-worker-token", "secret remote workers present (default: random, "
                      "written to <store>/worker-token)"),

@@ -57,14 +57,18 @@ class ConversationBook:
             write_atomically(self._path(conversation.owner, conversation.conversation_id),
                              conversation.model_dump_json())
 
-    def adopt(self, owner: str, conversation_id: str, compaction_id: str, messages_covered: int) -> None:
-        """Make a finished compaction the conversation's prefix if it covers at least as much."""
+    def adopt(self, owner: str, conversation_id: str, compaction_id: str, messages_covered: int) -> str | None:
+        """Make a finished compaction the conversation's prefix if it covers at least as much;
+        the compaction it replaces, if any."""
         with self._lock:
             conversation = self.get_or_create(owner, conversation_id)
-            if messages_covered >= conversation.compaction_messages:
-                conversation.compaction_id = compaction_id
-                conversation.compaction_messages = messages_covered
-                self.save(conversation)
+            if messages_covered < conversation.compaction_messages:
+                return None
+            replaced = conversation.compaction_id
+            conversation.compaction_id = compaction_id
+            conversation.compaction_messages = messages_covered
+            self.save(conversation)
+            return replaced if replaced != compaction_id else None
 
     def _path(self, owner: str, conversation_id: str) -> Path:
         name = hashlib.sha256(f"{owner}\0{conversation_id}".encode()).hexdigest()[:40]

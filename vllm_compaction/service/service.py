@@ -32,6 +32,23 @@ logger = logging.getLogger(__name__)
 
 #: Wait after an automatic compaction of a conversation failed before queuing another (doubling
 #: with each failure in a row).
+#: Seconds a cache is kept from eviction after a request was planned on it (the engine reads the
+#: file when it schedules the request) and after it was made (its client has not read it yet).
+SERVING_HOLD_S = 120.0
+FRESH_HOLD_S = 600.0
+#: Default store limit: what is there now plus half the free disk, at most 64 GiB.
+DEFAULT_STORE_LIMIT_BYTES = 64 << 30
+
+
+def default_store_limit(root: Path) -> int:
+    """The store's size limit when none is given: its current size plus half the free space of
+    its disk, at most ``DEFAULT_STORE_LIMIT_BYTES``."""
+    import shutil
+
+    used = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    return min(DEFAULT_STORE_LIMIT_BYTES, used + shutil.disk_usage(root).free // 2)
+
+
 AUTO_RETRY_BACKOFF_S = 60.0
 
 HEAD_CAP_FACTOR = 3.0
@@ -75,6 +92,8 @@ class CompactionService:
         self.max_model_len = max_model_len
         self.layout, self.block_size = layout, block_size  # how the engine holds prefixes
         self.store = LocalDiskStore(config.store, max_bytes=config.store_max_bytes)
+        if self.store.max_bytes is None:  # unbounded by default would fill the disk in the end
+            self.store.max_bytes = default_store_limit(self.store.root)
         self.metrics = ServiceMetrics()
         self.conversations = ConversationBook(self.store.root / "conversations",
                                               quarantine_root=self.store.root / "quarantine" / "conversations")
@@ -258,6 +277,7 @@ class CompactionService:
 
     def _plan(self, record: JobRecord, continuation_ids: list[int]) -> PrefixPlan:
         self.store.touch_id(record.id)  # the engine reads the file itself: keep LRU order by use
+        self.store.hold(record.id, SERVING_HOLD_S)  # not evicted while the engine loads it
         return PrefixPlan(record.id, int(record.compacted_tokens or 0), (record.digest or "")[:32],
                           continuation_ids, record.original_tokens, record.layout or "padded")
 
@@ -369,6 +389,8 @@ class CompactionService:
 
     def _job_changed(self, record: JobRecord) -> None:
         self.metrics.job_changed(self.book, record)
+        if record.status == JobStatus.succeeded:
+            self.store.hold(record.id, FRESH_HOLD_S)  # made for a client who has not read it yet
         if record.auto and record.conversation_id and record.status.finished:
             key = (record.owner, record.conversation_id)
             if record.status == JobStatus.failed:
@@ -376,7 +398,24 @@ class CompactionService:
             else:
                 self._auto_failures.pop(key, None)
         if record.status == JobStatus.succeeded and record.conversation_id:
-            self.conversations.adopt(record.owner, record.conversation_id, record.id, record.messages_covered)
+            replaced = self.conversations.adopt(record.owner, record.conversation_id, record.id,
+                                                record.messages_covered)
+            self._collect(replaced)
+
+    def _collect(self, compaction_id: str | None) -> None:
+        """Delete a conversation's previous automatic compaction (its cache and record) once a
+        newer one stands in for it: nobody asked for it by id, and nothing serves it any more."""
+        if compaction_id is None:
+            return
+        try:
+            record = self.book.get(compaction_id)
+        except JobError:
+            return
+        if record.auto and record.status.finished:
+            self.book.delete(compaction_id)
+            self.store.delete_id(compaction_id)
+            logger.info("collected compaction %s, superseded in conversation %s", compaction_id,
+                        record.conversation_id)
 
     def _store_token(self) -> str:
         """The worker token shared through the store directory (mode 0600), made on first use."""
