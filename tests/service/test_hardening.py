@@ -239,3 +239,23 @@ def test_a_superseded_automatic_compaction_is_collected(app):
     with pytest.raises(JobError):
         service.book.get(jobs[0].id)
     assert service.store.max_bytes is not None  # a default limit
+
+
+def test_only_the_claim_lets_a_worker_report_on_a_job(app):
+    client = TestClient(app)
+    service = app.state.compaction_service
+    worker = {"Authorization": f"Bearer {service.worker_token}"}
+    assert client.post("/compaction/worker/v1/claim", json={"worker_id": "w"}).status_code == 401
+    job = client.post("/v1/compact", json=body()).json()
+    claimed = client.post("/compaction/worker/v1/claim", json={"worker_id": "w"}, headers=worker).json()
+    assert claimed["id"] == job["id"] and len(claimed["token"]) > 20
+    beat = {"worker_id": "w", "progress": 0.5}
+    url = f"/compaction/worker/v1/jobs/{job['id']}"
+    assert client.post(f"{url}/heartbeat", json=beat, headers=worker).json()["action"] == "cancel"
+    own = {**worker, "X-Job-Token": claimed["token"]}
+    assert client.post(f"{url}/heartbeat", json=beat, headers=own).json()["action"] == "continue"
+    forged = {**worker, "X-Worker-Id": "w", "Content-Type": "application/octet-stream"}
+    assert client.put(f"{url}/result", content=b"poison", headers=forged).status_code == 403
+    assert client.post(f"{url}/fail", json={"worker_id": "w", "error": "x"}, headers=worker).status_code == 403
+    assert client.get(f"/v1/compact/{job['id']}").json()["status"] == "running"
+    assert client.post(f"{url}/fail", json={"worker_id": "w", "error": "x"}, headers=own).status_code == 200

@@ -185,6 +185,16 @@ async def delete_compaction(compaction_id: str, request: Request):
 
 
 # ---------------------------------------------------------------------- workers
+def _claimed(service: CompactionService, compaction_id: str, request: Request) -> bool:
+    """Whether the request carries the claim secret of the job (``X-Job-Token``): the worker
+    token lets a worker claim jobs, only a claim lets it report on or upload one."""
+    try:
+        record = service.book.get(compaction_id)
+    except JobError:
+        return False
+    return record.token_matches(request.headers.get("x-job-token", ""))
+
+
 def worker_service(request: Request) -> CompactionService:
     service = service_of(request)
     if not secrets.compare_digest(_bearer(request).encode(), service.worker_token.encode()):
@@ -209,9 +219,10 @@ async def worker_claim(body: ClaimRequest, service: CompactionService = Depends(
 
 @router.post(f"{WORKER_PREFIX}/jobs/{{compaction_id}}/heartbeat", response_model=HeartbeatReply,
              include_in_schema=False)
-async def worker_heartbeat(compaction_id: str, body: Heartbeat,
+async def worker_heartbeat(compaction_id: str, body: Heartbeat, request: Request,
                            service: CompactionService = Depends(worker_service)):
-    keep = service.book.heartbeat(compaction_id, body.worker_id, body.progress, body.stage)
+    keep = _claimed(service, compaction_id, request) and service.book.heartbeat(compaction_id, body.worker_id,
+                                                                                body.progress, body.stage)
     return HeartbeatReply(action="continue" if keep else "cancel")
 
 
@@ -220,6 +231,8 @@ async def worker_heartbeat(compaction_id: str, body: Heartbeat,
 async def worker_result(compaction_id: str, request: Request,
                         service: CompactionService = Depends(worker_service)):
     worker_id = request.headers.get("x-worker-id", "")
+    if not _claimed(service, compaction_id, request):
+        raise JobError(403, f"this worker holds no claim on compaction {compaction_id!r}", param="X-Job-Token")
     upload = Path(service.store.root) / f".upload-{secrets.token_hex(8)}.tmp"
     size = 0
     try:
@@ -237,8 +250,10 @@ async def worker_result(compaction_id: str, request: Request,
 
 
 @router.post(f"{WORKER_PREFIX}/jobs/{{compaction_id}}/fail", include_in_schema=False)
-async def worker_fail(compaction_id: str, body: FailReport,
+async def worker_fail(compaction_id: str, body: FailReport, request: Request,
                       service: CompactionService = Depends(worker_service)):
+    if not _claimed(service, compaction_id, request):
+        return error_response(403, f"this worker holds no claim on compaction {compaction_id!r}", param="X-Job-Token")
     if body.retryable:
         service.book.retry_or_fail(compaction_id, body.worker_id, body.error)
     else:

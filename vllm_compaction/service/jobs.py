@@ -62,6 +62,7 @@ class JobRecord(Compaction):
     idempotency_key: str | None = None  # the client's, with the digest of the body it came with
     request_digest: str | None = None
     acked: bool = False  # the claiming worker has heartbeated since the claim
+    claim_token: str | None = None  # the claiming worker's secret for this job (never shown to clients)
     auto: bool = False  # queued by the server's auto-compaction, not by a client
     not_before: float | None = None  # a retried job waits for its backoff
 
@@ -73,7 +74,11 @@ class JobRecord(Compaction):
         return WorkerJob(id=self.id, messages=self.messages, ratio=self.ratio_requested,
                          target_tokens=self.target_tokens, method=self.method, queries=self.queries,
                          keep_last_tokens=self.keep_last_tokens, max_head_ratio=self.max_head_ratio or 1.0,
-                         min_layer_share=self.min_layer_share or 0.0)
+                         min_layer_share=self.min_layer_share or 0.0, token=self.claim_token or "")
+
+    def token_matches(self, token: str) -> bool:
+        """Whether ``token`` is this running job's claim secret (constant time)."""
+        return bool(self.claim_token) and secrets.compare_digest(token.encode(), self.claim_token.encode())
 
 
 class JobBook:
@@ -223,6 +228,7 @@ class JobBook:
             self._served[record.owner] = now
             record.status, record.worker_id, record.started_at = JobStatus.running, worker_id, now
             record.lease_expires, record.acked, record.not_before = now + self.ack_s, False, None
+            record.claim_token = secrets.token_urlsafe(24)
             record.attempts += 1
             record.progress, record.stage = 0.0, "starting"
             record.timings["queued_s"] = now - record.submitted_at

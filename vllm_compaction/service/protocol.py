@@ -273,6 +273,8 @@ class WorkerJob(BaseModel):
     keep_last_tokens: int
     max_head_ratio: float = 1.0
     min_layer_share: float = 0.0
+    token: str = Field("", description="the claim's secret: heartbeats, the result and a failure report of "
+                                       "this job must carry it (X-Job-Token)")
 
 
 class Heartbeat(BaseModel):

@@ -272,7 +272,8 @@ class Worker:
     def _heartbeat(self, job: WorkerJob, progress: float, stage: str | None) -> bool:
         try:
             status, body = self._call("POST", f"/jobs/{job.id}/heartbeat",
-                                      {"worker_id": self.worker_id, "progress": min(1.0, progress), "stage": stage})
+                                      {"worker_id": self.worker_id, "progress": min(1.0, progress), "stage": stage},
+                                      headers={"X-Job-Token": job.token})
         except NETWORK_ERRORS:
             return True  # a blip: the lease is longer than one heartbeat
         return status == 200 and body.get("action") == "continue"
@@ -289,7 +290,8 @@ class Worker:
                 try:
                     status, body = self._call("PUT", f"/jobs/{job.id}/result", data=path.read_bytes(),
                                               headers={"Content-Type": "application/octet-stream",
-                                                       "X-Worker-Id": self.worker_id}, timeout=600.0)
+                                                       "X-Worker-Id": self.worker_id, "X-Job-Token": job.token},
+                                              timeout=600.0)
                     break
                 except NETWORK_ERRORS as exc:
                     if attempt + 1 == UPLOAD_ATTEMPTS:
@@ -318,7 +320,7 @@ class Worker:
         logger.warning("compaction %s failed: %s", job.id, reason)
         try:
             self._call("POST", f"/jobs/{job.id}/fail", {"worker_id": self.worker_id, "error": reason[:4000],
-                                                        "retryable": retryable})
+                                                        "retryable": retryable}, headers={"X-Job-Token": job.token})
         except NETWORK_ERRORS:
             pass  # the lease lapses and the server fails the job itself
 
