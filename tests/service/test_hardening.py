@@ -259,3 +259,17 @@ def test_only_the_claim_lets_a_worker_report_on_a_job(app):
     assert client.post(f"{url}/fail", json={"worker_id": "w", "error": "x"}, headers=worker).status_code == 403
     assert client.get(f"/v1/compact/{job['id']}").json()["status"] == "running"
     assert client.post(f"{url}/fail", json={"worker_id": "w", "error": "x"}, headers=own).status_code == 200
+
+
+def test_a_restarted_server_leaves_no_temp_files(tmp_path, checkpoint):
+    path, tokenizer, fingerprint = checkpoint
+    store = tmp_path / "store"
+    (store / "jobs").mkdir(parents=True)
+    leftovers = [store / ".upload-0123.tmp", store / "jobs" / ".cmp_x.json.77.tmp"]
+    for leftover in leftovers:
+        leftover.write_text("half")
+    service = CompactionService(ServiceConfig(store=store), model_path=path, served_model_names=[MODEL],
+                                fingerprint=fingerprint, tokenizer=tokenizer, kv_bytes_per_token=100,
+                                max_model_len=4096)
+    assert not any(p.exists() for p in leftovers)
+    service.lock.release()

@@ -98,6 +98,7 @@ class CompactionService:
         self.conversations = ConversationBook(self.store.root / "conversations",
                                               quarantine_root=self.store.root / "quarantine" / "conversations")
         self.lock = StoreLock(self.store.root)  # a second server on this store refuses to start
+        self._remove_leftovers()
         self.book = JobBook(self.store.root / "jobs", lease_s=config.worker_lease_s, on_change=self._job_changed,
                             max_queued=config.max_queued_jobs, max_queued_per_owner=config.max_queued_per_key,
                             quarantine_root=self.store.root / "quarantine" / "jobs", deadline_s=config.job_timeout_s,
@@ -401,6 +402,15 @@ class CompactionService:
             replaced = self.conversations.adopt(record.owner, record.conversation_id, record.id,
                                                 record.messages_covered)
             self._collect(replaced)
+
+    def _remove_leftovers(self) -> None:
+        """Temporary files of a server that died here (uploads, half-written records): with the
+        store's lock held nobody else writes them, so they can never complete."""
+        root = self.store.root
+        for pattern in (".upload-*.tmp", "jobs/.*.tmp", "conversations/.*.tmp", ".worker-token.*.tmp"):
+            for leftover in root.glob(pattern):
+                leftover.unlink(missing_ok=True)
+                logger.info("removed %s, left by a server that stopped mid-write", leftover.name)
 
     def _collect(self, compaction_id: str | None) -> None:
         """Delete a conversation's previous automatic compaction (its cache and record) once a
