@@ -121,7 +121,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_budgets(args: argparse.Namespace) -> int:
-    from vllm_compaction.budgets.sensitivity import compute_schedule
+    from vllm_compaction.sensitivity import compute_schedule
 
     schedule = compute_schedule(args.model, contexts=args.contexts, context_tokens=args.context_tokens,
                                 base_ratio=args.base_ratio, seed=args.seed)
@@ -131,7 +131,7 @@ def _cmd_budgets(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from vllm_compaction.demo import run_demo
+    from vllm_compaction.vllm.demo import run_demo
 
     return run_demo(model=args.model, ratio=args.ratio, method=args.method, tokens=args.tokens,
                     seed=args.seed)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_compaction.am import CompactedHeads
-from vllm_compaction.budgets.sensitivity import (
+from vllm_compaction.sensitivity import (
     LossContext,
     TargetLoss,
     head_sensitivity_curves,
