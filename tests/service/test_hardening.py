@@ -114,17 +114,6 @@ def test_one_server_per_store(tmp_path):
 
 
 # ---------------------------------------------------------------------- over HTTP, no engine
-@pytest.fixture(scope="module")
-def checkpoint():
-    from transformers import AutoTokenizer
-
-    from vllm_compaction.models import resolve
-    from vllm_compaction.models.fingerprint import checkpoint_fingerprint
-
-    path = resolve(MODEL)
-    return path, AutoTokenizer.from_pretrained(path), checkpoint_fingerprint(path, dtype="float32")
-
-
 @pytest.fixture
 def app(tmp_path, checkpoint):
     path, tokenizer, fingerprint = checkpoint

@@ -16,17 +16,6 @@ HISTORY = [{"role": "user", "content": "The vault code is 7319. " * 20},
 QUESTION = [{"role": "user", "content": "What is the vault code?"}]
 
 
-@pytest.fixture(scope="module")
-def checkpoint():
-    from transformers import AutoTokenizer
-
-    from vllm_compaction.models import resolve
-    from vllm_compaction.models.fingerprint import checkpoint_fingerprint
-
-    path = resolve(MODEL)
-    return path, AutoTokenizer.from_pretrained(path), checkpoint_fingerprint(path, dtype="float32")
-
-
 @pytest.fixture
 def service(tmp_path, checkpoint):
     path, tokenizer, fingerprint = checkpoint
