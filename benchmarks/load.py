@@ -21,6 +21,7 @@ import os
 import random
 import signal
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -230,8 +231,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         stop.set()
         server.stop()
-    result = {"command": "python -m benchmarks.load " + " ".join(argv or []), "args": {k: str(v) for k, v in
-                                                                                    vars(args).items()},
+    command = " ".join(["python -m benchmarks.load", *(sys.argv[1:] if argv is None else argv)])
+    result = {"command": command, "args": {k: str(v) for k, v in vars(args).items()},
               "kills_s": kills, "summary": summarize(rec.rows), "store": check_store(store), "rows": rec.rows}
     save_result(result, args.out, plot=lambda r, png: plot(r["rows"], r["kills_s"], png))
     logger.info("summary: %s", json.dumps({k: v for k, v in result["summary"].items()}, indent=1))

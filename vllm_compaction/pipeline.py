@@ -21,8 +21,8 @@ from vllm_compaction.am import CompactedHeads, compact_heads, score_keys
 from vllm_compaction.budgets import resolve_budgets
 from vllm_compaction.cache import CompactedCache
 from vllm_compaction.models import ModelAdapter, PrefixLayer, load_adapter, resolve_device
-from vllm_compaction.recipes import BUDGET_OPTIONS, DEFAULT_METHOD, RECIPES, resolve_recipe
 from vllm_compaction.queries import PrefixSpec, QueryCollector, parse_sources, resolve_spacing
+from vllm_compaction.recipes import BUDGET_OPTIONS, DEFAULT_METHOD, RECIPES, resolve_recipe
 
 __all__ = ["DEFAULT_METHOD", "PreparedPrefix", "RECIPES", "compact", "compact_prefix", "compact_prepared",
            "prepare_prefix"]
@@ -69,9 +69,6 @@ def compact(
 
     Args:
         model: a known name (``"smollm2-135m"``), a checkpoint folder, or a loaded adapter.
-        device: where to load a named model and run every stage (``"cpu"``, ``"cuda"``,
-            ``"cuda:1"``, ``"auto"``); default the CPU. A loaded adapter runs where its weights
-            are, and a different ``device`` is refused.
         messages: OpenAI-style ``[{"role", "content"}]``; a string is one user message.
         ratio: slots kept per head on average, as a fraction of the content tokens; or
         target_tokens: the same as an absolute number of slots per head.
@@ -86,6 +83,9 @@ def compact(
             at ``ratio`` with its own budgets (default: one chunk).
         on_progress: called with the fraction of layers done (0 after the prefill, then after
             each layer); the compaction worker reports it and may raise from it to cancel.
+        device: where to load a named model and run every stage (``"cpu"``, ``"cuda"``,
+            ``"cuda:1"``, ``"auto"``); default the CPU. A loaded adapter runs where its weights
+            are, and a different ``device`` is refused.
         options: math options for ``compact_heads`` (e.g. ``values="direct"``), budget
             options (``max_head_ratio``, ``min_head_slots``, ``min_layer_share``) and how
             ``global`` budgets rank keys (``score_softmax``, ``score_aggregation``,
