@@ -148,10 +148,11 @@ def test_parse_sources_mixture_and_errors():
     assert spaced.weight == 4 and spaced.source.tokens_per_span == 80
     assert parse_sources("surprise-quote/80")[0].tokens_per_span == 80
     assert parse_sources("surprise-quote")[0].tokens_per_span == SurpriseQuote().tokens_per_span
-    for bad in ("surprise-quote/0", "surprise-quote/", "surprise-quote/x*4", "surprise-quote/-3", "surprise-quote/Auto"):
+    for bad in ("surprise-quote/0", "surprise-quote/", "surprise-quote/x*4", "surprise-quote/-3", "surprise-quote/Auto",
+                "surprise-quote/15"):  # closer than a probe's span of 16 tokens
         with pytest.raises(ValueError, match="spacing is a whole number"):
             parse_sources(bad)
-    for unspaced in ("repeat-prefill/80", "surprise-quote+context-prefill/5", "repeat-prefill/auto"):
+    for unspaced in ("repeat-prefill/80", "surprise-quote+context-prefill/50", "repeat-prefill/auto"):
         with pytest.raises(ValueError, match="sources that probe spans"):
             parse_sources(unspaced)
     for bad in ("surprise-quote*0", "surprise-quote*", "surprise-quote*two", "surprise-quote*17"):
