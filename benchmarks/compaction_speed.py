@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from vllm_compaction.am import CompactedHeads, attention_output_error, compact_heads
+from vllm_compaction.recipes import RECIPES
 
 from benchmarks.output import pyplot
 
@@ -214,7 +215,7 @@ def _split(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _warm_up(layer: dict[str, torch.Tensor], method: str, baseline: bool) -> None:
     """One small untimed run of each implementation (thread pools, allocator, kernels)."""
     k, v, q = (layer[name][:, :256].float() for name in ("keys", "values", "queries"))
-    compact_heads(k, v, q, 16, method=method)
+    compact_heads(k, v, q, 16, method=RECIPES[method].math)
     if baseline:
         baseline_compact(k, v, q, 16, method, dict.fromkeys(STAGE_KEYS, 0.0))
 
@@ -236,7 +237,7 @@ def measure(
             for _ in range(repeats):
                 stages = dict.fromkeys(STAGE_KEYS, 0.0)
                 if who == "ours":
-                    heads = compact_heads(k, v, q[:, fit_idx], t, method=method, timings=stages)
+                    heads = compact_heads(k, v, q[:, fit_idx], t, method=RECIPES[method].math, timings=stages)
                 else:
                     heads = baseline_compact(k, v, q[:, fit_idx], t, method, stages)
                 if best is None or sum(stages[s] for s in STAGE_KEYS) < sum(best[s] for s in STAGE_KEYS):

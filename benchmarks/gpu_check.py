@@ -80,6 +80,7 @@ def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
     import vllm_compaction.am.attention as attention
     from benchmarks.compaction_speed import STAGE_KEYS, baseline_compact
     from vllm_compaction.am import attention_output_error, compact_heads
+    from vllm_compaction.recipes import RECIPES
 
     shape = dict(heads=8, length=60_000, queries=50_000, dim=256) if not args.smoke else \
         dict(heads=2, length=600, queries=500, dim=32)
@@ -89,7 +90,7 @@ def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
     warm = _layer(999, shape["heads"], min(shape["length"], 16_384), min(shape["queries"], 8_192),
                   shape["dim"], device)
     for method in ("am-highest-attn", "am-omp-fast"):
-        compact_heads(warm["keys"], warm["values"], warm["fit"], max(4, budget // 4), method=method)
+        compact_heads(warm["keys"], warm["values"], warm["fit"], max(4, budget // 4), method=RECIPES[method].math)
     del warm
     for method in ("am-highest-attn", "am-omp-fast"):
         stages = dict.fromkeys(STAGE_KEYS, 0.0)
@@ -97,7 +98,7 @@ def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
         for index in range(layers):
             layer = _layer(index, **shape, device=device)
             timings: dict[str, float] = {}
-            heads = compact_heads(layer["keys"], layer["values"], layer["fit"], budget, method=method,
+            heads = compact_heads(layer["keys"], layer["values"], layer["fit"], budget, method=RECIPES[method].math,
                                   timings=timings)
             for key in STAGE_KEYS:
                 stages[key] += timings[key]
@@ -115,7 +116,7 @@ def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
         sub = {k: layer[k][:count] for k in ("keys", "values", "fit", "held_out")}
         clock = dict.fromkeys(STAGE_KEYS, 0.0)
         base = baseline_compact(sub["keys"], sub["values"], sub["fit"], budget, method, clock)
-        ours = compact_heads(sub["keys"], sub["values"], sub["fit"], budget, method=method)
+        ours = compact_heads(sub["keys"], sub["values"], sub["fit"], budget, method=RECIPES[method].math)
         base_err = attention_output_error(base, sub["keys"], sub["values"], sub["held_out"]).output_rel
         ours_err = attention_output_error(ours, sub["keys"], sub["values"], sub["held_out"]).output_rel
         out[method]["paper_algorithm"] = {
@@ -130,10 +131,10 @@ def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
         attention.REFERENCE_BACKEND = backend
         try:
             compact_heads(layer["keys"][:, :4096], layer["values"][:, :4096], layer["fit"][:, :2048], 64,
-                          method="am-highest-attn")  # compile and tune this variant
+                          method=RECIPES["am-highest-attn"].math)  # compile and tune this variant
             timings = {}
-            heads = compact_heads(layer["keys"], layer["values"], layer["fit"], budget, method="am-highest-attn",
-                                  timings=timings)
+            heads = compact_heads(layer["keys"], layer["values"], layer["fit"], budget,
+                                  method=RECIPES["am-highest-attn"].math, timings=timings)
             err = attention_output_error(heads, layer["keys"], layer["values"], layer["held_out"]).output_rel
             variants[backend] = {"reference_s": timings["reference_s"], "total_s": timings["total_s"],
                                  "heldout_output_rel": float(err.mean())}

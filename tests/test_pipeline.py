@@ -7,13 +7,8 @@ import functools
 import pytest
 import torch
 
-from vllm_compaction.pipeline import (
-    DEFAULT_SCORE_WEIGHT_POWER,
-    PreparedPrefix,
-    compact_prefix,
-    compact_prepared,
-    prepare_prefix,
-)
+from vllm_compaction.budgets import DEFAULT_SCORE_WEIGHT_POWER
+from vllm_compaction.pipeline import PreparedPrefix, compact_prefix, compact_prepared, prepare_prefix
 from vllm_compaction.queries import QueryCollector, QueryPlan
 from vllm_compaction.queries.base import PrefixSpec
 from vllm_compaction.reference import ReferenceDecoder
@@ -45,13 +40,27 @@ def test_full_budget_reproduces_full_context_logits(tiny_llama):
     cache = compact_prefix(tiny_llama, IDS, MASK, ratio=1.0, method="am-highest-attn",
                            queries="context-prefill", budgets="uniform", on_policy=False)
     for heads in cache.layers:
-        torch.testing.assert_close(heads.beta, torch.zeros_like(heads.beta), atol=1e-4, rtol=0)
+        assert (heads.beta == 0).all()  # every head exact: no bias at all
     decoder = ReferenceDecoder(tiny_llama)
     cont = [7, 8, 9, 10]
     got = decoder.logits(cache, cont)
     with torch.inference_mode():
         want = tiny_llama.model(input_ids=torch.tensor([IDS + cont])).logits[0, 60:].float()
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_timings_name_every_stage_and_add_up(tiny_llama, on_policy):
+    """Global budgets run the off-policy pass (``queries_s``) for their scores; on-policy runs a
+    second, packed pass (``on_policy_queries_s``, its fits excluded); the total is the sum."""
+    cache = compact_prefix(tiny_llama, IDS, MASK, ratio=0.2, method="kvzip", queries="context-prefill",
+                           on_policy=on_policy)
+    timings = cache.timings
+    want = {"prefill_and_plan_s", "queries_s", "fit_s", "total_s"} | ({"on_policy_queries_s"} if on_policy else set())
+    assert set(timings) == want
+    assert all(v >= 0 for v in timings.values()) and timings["fit_s"] > 0
+    assert timings["total_s"] == pytest.approx(sum(v for k, v in timings.items() if k != "total_s"))
+    assert timings["fit_s"] <= timings["total_s"]
 
 
 def test_prepared_prefix_is_reused_across_ratios(tiny_llama):

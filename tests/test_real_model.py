@@ -9,6 +9,7 @@ from vllm_compaction.am import attention_output_and_mass, attention_output_error
 from vllm_compaction.am.heads import CompactedHeads
 from vllm_compaction.cache import CompactedCache
 from vllm_compaction.corpus import haystack_text
+from vllm_compaction.recipes import RECIPES
 from vllm_compaction.reference import ReferenceDecoder
 
 pytestmark = pytest.mark.slow
@@ -49,7 +50,7 @@ def test_full_budget_reproduces_outputs_and_mass(smollm2, essay_prefix):
     scale = smollm2.layer_scales()[layer]
     want = attention_output_and_mass(queries, keys, values, scale=scale)
     for method in ("am-highest-attn", "am-omp-fast"):
-        heads = compact_heads(keys, values, queries, keys.shape[1], method=method, scale=scale)
+        heads = compact_heads(keys, values, queries, keys.shape[1], method=RECIPES[method].math, scale=scale)
         ck, cbeta, cv, _ = heads.padded()
         got = attention_output_and_mass(queries, ck, cv, scale=scale, beta=cbeta)
         torch.testing.assert_close(got.output, want.output, atol=1e-5, rtol=1e-5)
@@ -66,8 +67,8 @@ def test_am_beats_no_bias_direct_values_on_held_out_queries(smollm2, essay_prefi
         perm = torch.randperm(queries.shape[1], generator=torch.Generator().manual_seed(layer))
         fit, held = queries[:, perm[: len(perm) * 4 // 5]], queries[:, perm[len(perm) * 4 // 5:]]
         t = max(1, round(0.05 * keys.shape[1]))
-        am = compact_heads(keys, values, fit, t, method="am-highest-attn", scale=scales[layer])
-        plain = compact_heads(keys, values, fit, t, method="am-highest-attn", scale=scales[layer],
+        am = compact_heads(keys, values, fit, t, method=RECIPES["am-highest-attn"].math, scale=scales[layer])
+        plain = compact_heads(keys, values, fit, t, method=RECIPES["am-highest-attn"].math, scale=scales[layer],
                               beta="zero", values="direct")
         e_am = attention_output_error(am, keys, values, held, scale=scales[layer]).output_rel
         e_plain = attention_output_error(plain, keys, values, held, scale=scales[layer]).output_rel

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_compaction.recipes import DEFAULT_METHOD, RECIPES, check_method, parse_method, resolve_recipe
+from vllm_compaction.am import attention_output_error, compact_heads
+from vllm_compaction.recipes import DEFAULT_METHOD, RECIPES, check_method, parse_method, resolve, resolve_recipe
 
 LONG_FORM = "am-highest-attn-fast:queries=repeat-prefill+surprise-quote/auto*4,min_layer_share=0.3"
 
@@ -27,10 +28,40 @@ def test_specs_parse_into_a_name_and_typed_overrides():
     ("am:no_such_option=1", "unknown option"),
     ("h2o+:min_layer_share=0.3", "global budgets only"),
     ("am:queries=nonsense", "unknown query source"),
+    ("kvzip:score_softmax=nope", "score_softmax must be"),
+    ("kvzip:score_aggregation=max,score_weight_power=2", "needs score_aggregation='weighted-max'"),
+    ("snapkv:beta=selector", "needs a selector that fits weights"),
 ])
 def test_bad_specs_are_refused_with_a_sentence(spec, match):
     with pytest.raises(ValueError, match=match):
         check_method(spec)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_every_recipe_resolves_and_runs(name):
+    """Every recipe's parts are checked together (its query source, budgets and math options)
+    and its math compacts random heads to their budgets, exactly where the budget is T."""
+    resolved = resolve(name)
+    assert resolved.recipe == RECIPES[name] and resolved.method.name == name
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(3, 40, 8, generator=gen), torch.randn(3, 40, 8, generator=gen)
+    queries = 1.5 * keys[:, torch.randint(0, 40, (60,), generator=gen)] + torch.randn(3, 60, 8, generator=gen)
+    heads = compact_heads(keys, values, queries, [8, 0, 40], method=resolved.method)
+    assert heads.head_budgets.tolist() == [8, 0, 40]
+    exact = attention_output_error(heads, keys, values, queries).output_rel[2]
+    assert exact < 1e-5
+
+
+def test_no_two_recipes_are_the_same_and_shared_math_is_one_object():
+    """A name earns its place by differing end to end (math, queries, budgets, on-policy,
+    options); names that share math share the object, so the difference is visible."""
+    ends = [(r.math, r.queries, r.budgets, r.on_policy, dict(r.options)) for r in RECIPES.values()]
+    assert all(a != b for i, a in enumerate(ends) for b in ends[i + 1:])
+    for i, (a, ra) in enumerate(RECIPES.items()):
+        for b, rb in list(RECIPES.items())[i + 1:]:
+            assert (ra.math == rb.math) == (ra.math is rb.math), (a, b)
+    assert RECIPES["am-highest-attn"].math is RECIPES["am-highest-attn-fast"].math is RECIPES["am"].math
+    assert RECIPES["snapkv"].math is RECIPES["pyramidkv"].math
 
 
 def test_the_default_is_the_recommended_configuration():

@@ -64,9 +64,8 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_compact(args: argparse.Namespace) -> int:
-    from vllm_compaction.budgets import check_budget_options
     from vllm_compaction.pipeline import compact
-    from vllm_compaction.recipes import check_method, resolve_recipe
+    from vllm_compaction.recipes import check_method, resolve
 
     try:
         check_method(args.method)
@@ -79,8 +78,7 @@ def _cmd_compact(args: argparse.Namespace) -> int:
     budget_options = {}
     if args.min_layer_share is not None:
         try:
-            check_budget_options(args.budgets or resolve_recipe(args.method)[0].budgets,
-                                 min_layer_share=args.min_layer_share)
+            resolve(args.method, budgets=args.budgets, options={"min_layer_share": args.min_layer_share})
         except ValueError as error:
             raise CliError(f"--min-layer-share: {error}") from None
         budget_options["min_layer_share"] = args.min_layer_share

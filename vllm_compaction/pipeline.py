@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -18,32 +17,16 @@ import torch
 from tqdm.auto import tqdm
 
 from vllm_compaction.am import CompactedHeads, compact_heads, score_keys
-from vllm_compaction.budgets import resolve_budgets
+from vllm_compaction.budgets import check_score_aggregation, check_score_softmax, resolve_budgets
 from vllm_compaction.cache import CompactedCache
 from vllm_compaction.models import ModelAdapter, PrefixLayer, load_adapter, resolve_device
 from vllm_compaction.queries import PrefixSpec, QueryCollector, parse_sources, resolve_spacing
-from vllm_compaction.recipes import BUDGET_OPTIONS, DEFAULT_METHOD, RECIPES, resolve_recipe
+from vllm_compaction.recipes import DEFAULT_METHOD, RECIPES, ResolvedRecipe, resolve
 
 __all__ = ["DEFAULT_METHOD", "PreparedPrefix", "RECIPES", "compact", "compact_prefix", "compact_prepared",
            "prepare_prefix"]
 
 logger = logging.getLogger(__name__)
-
-
-#: How global budgets normalise a probe query's attention when ranking keys (``key_scores``).
-SCORE_SOFTMAXES = ("prefix", "probe")
-DEFAULT_SCORE_SOFTMAX = "prefix"
-#: How global budgets aggregate a key's attention over the reference queries: KVzip's ``max``,
-#: or ``weighted-max``, where each query's weight scales its attention (``score_keys``). The
-#: default is ``weighted-max`` under the ``prefix`` softmax, which is ``max`` for unweighted
-#: queries: a source weighted ``*k`` weighs in the ranking too (measured on 48 needles:
-#: 46/44/35 at 10/5/2% with the default power 2, 46/41/37 with power 1, 46/40/32 with ``max``).
-SCORE_AGGREGATIONS = ("max", "weighted-max")
-#: ``weighted-max`` raises each source's weight to this power in the ranking only (the fits keep
-#: the weights as given): 0 is the plain max, 1 the weights as the fits count them, and larger
-#: powers let the heaviest source decide the ranking more alone. 2 measured best on 48 needles
-#: (docs/experiments/2026-11-25-needle-probes.md: "Sharper weights in the ranking").
-DEFAULT_SCORE_WEIGHT_POWER = 2.0
 
 
 def compact(
@@ -72,7 +55,7 @@ def compact(
         messages: OpenAI-style ``[{"role", "content"}]``; a string is one user message.
         ratio: slots kept per head on average, as a fraction of the content tokens; or
         target_tokens: the same as an absolute number of slots per head.
-        method: a method spec (``vllm_compaction.recipes``): a name of ``RECIPES`` (math preset +
+        method: a method spec (``vllm_compaction.recipes``): a name of ``RECIPES`` (math +
             queries, budgets, on-policy and default options), optionally with overrides,
             ``"name:key=value,..."``. The default, ``"am"``, is the recommended configuration.
         queries: override the query source (``"repeat-prefill"``, ``"a+b"`` mixtures, ...).
@@ -146,34 +129,6 @@ def _resolve_ratio(ratio: float | None, target_tokens: int | None, n: int) -> fl
     return float(ratio)
 
 
-def _check_score_softmax(softmax: str) -> None:
-    if softmax not in SCORE_SOFTMAXES:
-        raise ValueError(f"score_softmax must be one of {', '.join(SCORE_SOFTMAXES)}, got {softmax!r}")
-
-
-def _check_score_aggregation(aggregation: str, softmax: str) -> None:
-    if aggregation not in SCORE_AGGREGATIONS:
-        raise ValueError(
-            f"score_aggregation must be one of {', '.join(SCORE_AGGREGATIONS)}, got {aggregation!r}"
-        )
-    if aggregation == "weighted-max" and softmax != "prefix":
-        # the probe pass's own scores are a max taken inside the model run, before any weight
-        raise ValueError("score_aggregation='weighted-max' needs score_softmax='prefix'")
-
-
-def _check_score_weight_power(power: float | None, aggregation: str) -> float | None:
-    """The resolved power of the ranking weights: ``DEFAULT_SCORE_WEIGHT_POWER`` when ``None``
-    under ``weighted-max``; ``None`` under ``max``, which has no weight to raise."""
-    if power is None:
-        return DEFAULT_SCORE_WEIGHT_POWER if aggregation == "weighted-max" else None
-    if aggregation != "weighted-max":
-        # the plain max uses no weight, so a power would be silently ignored
-        raise ValueError(f"score_weight_power needs score_aggregation='weighted-max', got {aggregation!r}")
-    if isinstance(power, bool) or not isinstance(power, (int, float)) or not math.isfinite(power) or power < 0:
-        raise ValueError(f"score_weight_power must be a finite number >= 0, got {power!r}")
-    return float(power)
-
-
 @dataclass
 class PreparedPrefix:
     """A prefix after its prefill and query planning, reusable across ratios and methods.
@@ -219,7 +174,7 @@ class PreparedPrefix:
         scales each query's weights by its source's weight (``QueryCollector.weights``) raised
         to ``weight_power``, over the largest one, before the max (``"prefix"`` only; ``None``
         under ``max``)."""
-        _check_score_aggregation(aggregation, softmax)
+        check_score_aggregation(aggregation, softmax)
         keys = self.spec.kv.keys[layer]
         if softmax == "prefix":
             weights = self.collector.weights(layer) if aggregation == "weighted-max" else None
@@ -227,7 +182,7 @@ class PreparedPrefix:
                 weights = weights ** weight_power
             return score_keys(keys, self.off_policy_queries()[layer], scale=scale, aggregation=aggregation,
                               query_weights=weights)
-        _check_score_softmax(softmax)
+        check_score_softmax(softmax)
         probe, static = self.probe_scores()[layer], self.collector.static_queries(layer)
         if static is not None:
             prefix_only = score_keys(keys, static, scale=scale, aggregation="max")
@@ -266,15 +221,161 @@ def compact_prefix(
     **kwargs: Any,
 ) -> CompactedCache:
     """Compact the tokens of ``token_ids [T]`` selected by ``compact_mask [T]`` (see ``compact``)."""
-    recipe, _ = resolve_recipe(method, queries=queries)
+    options = {k: v for k, v in kwargs.items() if k not in _RUN_ARGUMENTS}
+    # every check of the method before the prefill
+    recipe = resolve(method, queries=queries, budgets=kwargs.get("budgets"), on_policy=kwargs.get("on_policy"),
+                     options=options).recipe
     content = int(torch.as_tensor(compact_mask, dtype=torch.bool, device="cpu").sum())
+    queries = recipe.queries
     if content:  # else prepare_prefix says there is nothing to compact
         # a '/auto' probe spacing follows the ratio: plan the probes for this one
-        ratio = _resolve_ratio(kwargs.get("ratio"), kwargs.get("target_tokens"), content)
-        recipe = replace(recipe, queries=resolve_spacing(recipe.queries, ratio))
-    prepared = prepare_prefix(adapter, token_ids, compact_mask, queries=recipe.queries,
-                              query_cap=query_cap, seed=seed)
+        queries = resolve_spacing(queries, _resolve_ratio(kwargs.get("ratio"), kwargs.get("target_tokens"), content))
+    prepared = prepare_prefix(adapter, token_ids, compact_mask, queries=queries, query_cap=query_cap, seed=seed)
     return compact_prepared(prepared, method=method, **kwargs)  # the prepared plan fixes the queries
+
+
+#: The arguments of ``compact_prepared`` that are not options of the method.
+_RUN_ARGUMENTS = ("ratio", "target_tokens", "budgets", "on_policy", "progress", "on_progress", "chunk_tokens")
+
+
+@dataclass
+class _Compaction:
+    """The state one ``compact_prepared`` call passes from stage to stage."""
+
+    prepared: PreparedPrefix
+    plan: ResolvedRecipe
+    method: str
+    ratio: float
+    chunk_tokens: int | None
+    progress: bool
+    on_progress: Callable[[float], None] | None
+    #: ``[L]`` host bools: which layers are compacted.
+    layers: torch.Tensor = field(init=False)
+    #: host masks of the content chunks, and their device copies (which index the keys).
+    chunks: list[torch.Tensor] = field(init=False)
+    chunks_on_device: list[torch.Tensor] = field(init=False)
+    #: device mask of the template tokens, which stay exact.
+    exact_on_device: torch.Tensor = field(init=False)
+    positions: torch.Tensor = field(init=False)
+    scales: list[float] = field(init=False)
+    #: per chunk of the content, ``[L, H]`` budgets (the budgets stage).
+    budgets: list[torch.Tensor] = field(default_factory=list)
+    #: per layer, its slots (the layers stage).
+    compacted: list[CompactedHeads | None] = field(default_factory=list)
+    #: this call's stages, in seconds; the prepared prefix's are merged in at the end.
+    timings: dict[str, float] = field(default_factory=dict)
+    fit_s: float = 0.0
+    cache: CompactedCache | None = None
+
+    def __post_init__(self) -> None:
+        adapter = self.prepared.adapter
+        self.layers = torch.tensor(adapter.compactable_layers, device="cpu")  # host bookkeeping, as the masks
+        self.compacted = [None] * adapter.num_layers
+        mask = self.prepared.spec.compact_mask
+        # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets,
+        # so a long tail cannot starve an early span (e.g. facts stated in the first turn).
+        self.chunks = content_chunks(mask, self.chunk_tokens)
+        self.exact_on_device = (~mask).to(adapter.device)
+        self.chunks_on_device = [chunk.to(adapter.device) for chunk in self.chunks]
+        self.positions = torch.arange(self.prepared.spec.length, device=adapter.device)
+        self.scales = adapter.layer_scales()
+
+
+def _budget_stage(run: _Compaction) -> None:
+    """Head budgets of every chunk; ``global`` ones rank the keys by their reference scores,
+    computed (with the off-policy queries they need) on first use and shared by the chunks."""
+    prepared, adapter, scoring = run.prepared, run.prepared.adapter, run.plan.scoring
+
+    @functools.cache
+    def prefix_scores() -> tuple[torch.Tensor | None, ...]:
+        return tuple(prepared.key_scores(i, run.scales[i], scoring.softmax, scoring.aggregation, scoring.weight_power)
+                     if run.layers[i] else None
+                     for i in range(adapter.num_layers))
+
+    run.budgets = [
+        resolve_budgets(run.plan.recipe.budgets, ratio=run.ratio, n=int(chunk.sum()), layers=run.layers,
+                        num_heads=adapter.num_kv_heads, model_name=adapter.name,
+                        scores=lambda chunk=chunk: [None if s is None else s[:, chunk] for s in prefix_scores()],
+                        **run.plan.budget_options)
+        for chunk in run.chunks
+    ]
+
+
+def _fit_layer(run: _Compaction, layer: int, layer_queries: torch.Tensor) -> PrefixLayer | None:
+    """Compact one layer with its reference queries: the template slots stay exact, every chunk
+    is fitted to its budgets. Returns the compacted layer for the on-policy pass to attend."""
+    kv = run.prepared.spec.kv
+    keys, values = kv.keys[layer], kv.values[layer]
+    if not run.layers[layer]:
+        run.compacted[layer] = CompactedHeads.exact(keys, values, run.positions)
+        return None
+    start = time.perf_counter()
+    exact, positions = run.exact_on_device, run.positions
+    parts = [CompactedHeads.exact(keys[:, exact], values[:, exact], positions[exact])]
+    query_weights = run.prepared.collector.weights(layer)
+    for chunk, budgets in zip(run.chunks_on_device, run.budgets):
+        parts.append(compact_heads(keys[:, chunk], values[:, chunk], layer_queries, budgets[layer],
+                                   method=run.plan.method, scale=run.scales[layer], positions=positions[chunk],
+                                   query_weights=query_weights))
+    run.compacted[layer] = CompactedHeads.concat_slots(parts)
+    run.fit_s += time.perf_counter() - start
+    k, beta, v, idx = run.compacted[layer].padded()
+    return PrefixLayer(k, v, beta, idx)
+
+
+def _layer_stage(run: _Compaction) -> None:
+    """Every layer in order: on-policy, inside one packed forward pass whose queries at layer l
+    come from the layers below, already compacted (its time less the fits is
+    ``on_policy_queries_s``); off-policy, with the prepared prefix's queries."""
+    adapter, collector = run.prepared.adapter, run.prepared.collector
+    bar = tqdm(total=adapter.num_layers, desc=f"{run.method} layers", unit="layer", disable=not run.progress)
+    if run.on_progress is not None:
+        run.on_progress(0.0)
+
+    def on_layer(layer: int, layer_queries: torch.Tensor) -> PrefixLayer | None:
+        bar.update(1)
+        if run.on_progress is not None:
+            run.on_progress(bar.n / adapter.num_layers)
+        return _fit_layer(run, layer, layer_queries)
+
+    start = time.perf_counter()
+    if run.plan.recipe.on_policy:
+        collector.run(run.prepared.spec.kv.exact_prefix(), on_layer=on_layer)
+        run.timings["on_policy_queries_s"] = time.perf_counter() - start - run.fit_s
+    else:
+        for layer, layer_queries in enumerate(run.prepared.off_policy_queries()):
+            on_layer(layer, layer_queries)
+    bar.close()
+
+
+def _record_stage(run: _Compaction) -> None:
+    """The cache, with the options it was made with and the timings of every stage."""
+    prepared, plan = run.prepared, run.plan
+    # prepared.timings gains queries_s when the off-policy pass ran during this call
+    timings = {**prepared.timings, **run.timings, "fit_s": run.fit_s}
+    timings["total_s"] = sum(v for k, v in timings.items() if k != "total_s")
+    span = torch.nonzero(prepared.spec.compact_mask).flatten()
+    run.cache = CompactedCache(
+        layers=run.compacted,
+        logical_length=prepared.spec.length,
+        token_ids=prepared.spec.token_ids.tolist(),
+        compacted_span=(int(span[0]), int(span[-1]) + 1),
+        layer_compacted=run.layers.tolist(),
+        model=prepared.adapter.fingerprint(),
+        method=run.method,
+        ratio=run.ratio,
+        options={**plan.math_options, **plan.budget_options, **plan.scoring.as_options(),
+                 "chunk_tokens": run.chunk_tokens, "query_cap": prepared.collector.cap,
+                 "seed": prepared.collector.seed, "on_policy": plan.recipe.on_policy},
+        query_source=plan.recipe.queries,
+        budgets=plan.recipe.budgets,
+        timings=timings,
+    )
+
+
+#: What ``compact_prepared`` does, in order: budgets (which may run the reference queries),
+#: the layers (on-policy queries and the fits), the cache.
+_STAGES: tuple[Callable[[_Compaction], None], ...] = (_budget_stage, _layer_stage, _record_stage)
 
 
 def compact_prepared(
@@ -292,101 +393,14 @@ def compact_prepared(
 ) -> CompactedCache:
     """Compact a prepared prefix at one ratio with one method (``on_progress``, ``chunk_tokens``:
     see ``compact``)."""
-    adapter, kv, mask = prepared.adapter, prepared.spec.kv, prepared.spec.compact_mask
-    recipe, options = resolve_recipe(method, queries=prepared.queries, budgets=budgets, on_policy=on_policy,
-                                     options=options)
-    budget_options = {k: options.pop(k) for k in BUDGET_OPTIONS if k in options}
-    score_softmax = options.pop("score_softmax", DEFAULT_SCORE_SOFTMAX)
-    score_aggregation = options.pop("score_aggregation", None)
-    if score_aggregation is None:  # an explicit value, even an empty one, is checked below
-        score_aggregation = "weighted-max" if score_softmax == "prefix" else "max"
-    _check_score_softmax(score_softmax)
-    _check_score_aggregation(score_aggregation, score_softmax)
-    score_weight_power = _check_score_weight_power(options.pop("score_weight_power", None), score_aggregation)
+    plan = resolve(method, queries=prepared.queries, budgets=budgets, on_policy=on_policy, options=options)
     n = prepared.num_content
-    ratio = _resolve_ratio(ratio, target_tokens, n)
-    timings: dict[str, float] = {}  # this call's stages; the prepared prefix's are merged at the end
-    layers = torch.tensor(adapter.compactable_layers, device="cpu")  # host bookkeeping, as the masks
-    scales = adapter.layer_scales()
-    device = adapter.device
-    positions = torch.arange(prepared.spec.length, device=device)
-
-    @functools.cache
-    def prefix_scores() -> tuple[torch.Tensor | None, ...]:
-        return tuple(prepared.key_scores(i, scales[i], score_softmax, score_aggregation, score_weight_power)
-                     if layers[i] else None
-                     for i in range(adapter.num_layers))
-
-    # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets, so
-    # a long tail cannot starve an early span (e.g. facts stated in the first turn).
-    chunks = content_chunks(mask, chunk_tokens)  # host masks; their device copies index the keys
-    exact_on_device, chunks_on_device = (~mask).to(device), [chunk.to(device) for chunk in chunks]
-    chunk_budgets = [
-        resolve_budgets(recipe.budgets, ratio=ratio, n=int(chunk.sum()), layers=layers,
-                        num_heads=adapter.num_kv_heads, model_name=adapter.name,
-                        scores=lambda chunk=chunk: [None if s is None else s[:, chunk] for s in prefix_scores()],
-                        **budget_options)
-        for chunk in chunks
-    ]
-    compacted: list[CompactedHeads] = [None] * adapter.num_layers  # type: ignore[list-item]
-    fit_time = [0.0]
-    bar = tqdm(total=adapter.num_layers, desc=f"{method} layers", unit="layer", disable=not progress)
-    if on_progress is not None:
-        on_progress(0.0)
-
-    def compact_layer(layer: int, layer_queries: torch.Tensor) -> PrefixLayer | None:
-        keys, values = kv.keys[layer], kv.values[layer]
-        bar.update(1)
-        if on_progress is not None:
-            on_progress(bar.n / adapter.num_layers)
-        if not layers[layer]:
-            compacted[layer] = CompactedHeads.exact(keys, values, positions)
-            return None
-        start = time.perf_counter()
-        parts = [CompactedHeads.exact(keys[:, exact_on_device], values[:, exact_on_device],
-                                      positions[exact_on_device])]
-        query_weights = prepared.collector.weights(layer)
-        for chunk, budgets_of_chunk in zip(chunks_on_device, chunk_budgets):
-            parts.append(compact_heads(keys[:, chunk], values[:, chunk], layer_queries, budgets_of_chunk[layer],
-                                       method=recipe.math, scale=scales[layer], positions=positions[chunk],
-                                       query_weights=query_weights, **options))
-        compacted[layer] = CompactedHeads.concat_slots(parts)
-        fit_time[0] += time.perf_counter() - start
-        k, beta, v, idx = compacted[layer].padded()
-        return PrefixLayer(k, v, beta, idx)
-
-    start = time.perf_counter()
-    if recipe.on_policy:
-        prepared.collector.run(kv.exact_prefix(), on_layer=compact_layer)
-        timings["on_policy_queries_s"] = time.perf_counter() - start - fit_time[0]
-    else:
-        off_policy = prepared.off_policy_queries()
-        for layer in range(adapter.num_layers):
-            compact_layer(layer, off_policy[layer])
-    bar.close()
-    # prepared.timings gains queries_s when the off-policy pass ran during this call
-    timings = {**prepared.timings, **timings, "fit_s": fit_time[0]}
-    timings["total_s"] = sum(v for k, v in timings.items() if k != "total_s")
-    span = torch.nonzero(mask).flatten()
-    cache = CompactedCache(
-        layers=compacted,
-        logical_length=prepared.spec.length,
-        token_ids=prepared.spec.token_ids.tolist(),
-        compacted_span=(int(span[0]), int(span[-1]) + 1),
-        layer_compacted=layers.tolist(),
-        model=adapter.fingerprint(),
-        method=method,
-        ratio=ratio,
-        options={**options, **budget_options, "score_softmax": score_softmax,
-                 "score_aggregation": score_aggregation,
-                 "score_weight_power": score_weight_power,
-                 "chunk_tokens": chunk_tokens, "query_cap": prepared.collector.cap,
-                 "seed": prepared.collector.seed, "on_policy": recipe.on_policy},
-        query_source=recipe.queries,
-        budgets=recipe.budgets,
-        timings=timings,
-    )
-    logger.info("compacted %d content tokens at %.3f with %s: %d -> %d slots in %.1fs", n, ratio,
-                method, prepared.spec.length * int(layers.sum()) * adapter.num_kv_heads,
-                cache.physical_slots, timings["total_s"])
+    run = _Compaction(prepared, plan, method, _resolve_ratio(ratio, target_tokens, n), chunk_tokens, progress,
+                      on_progress)
+    for stage in _STAGES:
+        stage(run)
+    cache = run.cache
+    logger.info("compacted %d content tokens at %.3f with %s: %d -> %d slots in %.1fs", n, run.ratio,
+                method, prepared.spec.length * int(run.layers.sum()) * prepared.adapter.num_kv_heads,
+                cache.physical_slots, cache.timings["total_s"])
     return cache

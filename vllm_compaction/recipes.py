@@ -1,4 +1,10 @@
-"""Named compaction methods and the one way to write a configuration.
+"""Named compaction methods, the one registry of them, and the one way to write a configuration.
+
+Each recipe is one small declaration composing parts: its math (a ``MethodSpec`` of
+``am.presets``: a selector with its options and a fit), its reference-query source, its
+budgets, whether queries are collected on-policy, and default options. Recipes that share math
+share one ``MethodSpec`` object (``am-highest-attn`` and ``am-highest-attn-fast`` differ only in
+their queries, ``snapkv`` and ``pyramidkv`` only in their budgets).
 
 A method is a recipe name, optionally followed by overrides: ``"am"``,
 ``"am-highest-attn-fast:queries=repeat-prefill+surprise-quote/auto*4,min_layer_share=0.3"``.
@@ -9,7 +15,9 @@ Overrides are ``key=value`` pairs separated by commas: the recipe's ``queries``,
 ``on_policy``, budget options (``min_layer_share``, ``max_head_ratio``, ``min_head_slots``), the
 global ranking's ``score_*`` options, and any option of the math preset (``values``,
 ``value_anchor``, ``seed_share``, ...; see ``am.presets``). Values are parsed as booleans
-(``true``/``false``), numbers, or text.
+(``true``/``false``), numbers, or text. Every check of a method string (its syntax, the recipe
+name, the query source, the budget and ranking options, the math options) is made here, by
+``resolve``, before any work.
 """
 
 from __future__ import annotations
@@ -18,21 +26,45 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
-__all__ = ["BUDGET_OPTIONS", "DEFAULT_METHOD", "PIPELINE_OPTIONS", "RECIPES", "Recipe", "check_method", "parse_method",
-           "resolve_recipe"]
+from vllm_compaction.am.presets import (
+    AM_HIGHEST_ATTENTION,
+    EVICTION_FIT,
+    MERGE_FIT,
+    OMP_FIT,
+    MethodSpec,
+    ResolvedMethod,
+    resolve_method,
+)
+from vllm_compaction.budgets import SCORE_OPTIONS, ScoreOptions, check_budget_options, resolve_score_options
+from vllm_compaction.queries import parse_sources, resolve_spacing
+
+__all__ = ["BUDGET_OPTIONS", "DEFAULT_METHOD", "PIPELINE_OPTIONS", "RECIPES", "Recipe", "ResolvedRecipe",
+           "check_method", "parse_method", "resolve", "resolve_recipe"]
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """What a named method means end to end: math preset, query source, budgets, on-policy,
-    and default options (overridable like any other)."""
+    """What a named method means end to end: its math (``MethodSpec``), query source, budgets,
+    on-policy, and default options (overridable like any other; any mapping, kept read-only)."""
 
-    math: str
+    math: MethodSpec
     queries: str
     budgets: str
     on_policy: bool
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+
+
+# The math, each once. Highest-attention keys score by RMS attention for AM (the paper's
+# AM-HighestAttnKeys), by mean attention for H2O+ and SnapKV (with a max-pool of 7), by max
+# attention for KVzip.
+_OMP = MethodSpec("omp", {"keys_per_step": 1, "refit_interval": 1}, OMP_FIT)
+_OMP_FAST = MethodSpec("omp", {"keys_per_step": 4, "refit_interval": 2, "max_rounds": 32}, OMP_FIT)
+_H2O = MethodSpec("highest-attention", {"aggregation": "mean"}, EVICTION_FIT)
+_SNAPKV = MethodSpec("highest-attention", {"aggregation": "mean", "pool_kernel": 7}, EVICTION_FIT)
+_KVZIP = MethodSpec("highest-attention", {"aggregation": "max"}, EVICTION_FIT)
 
 _SS_RP = "self-study+repeat-prefill"
 #: The recommended configuration (``DEFAULT_METHOD``): highest-attention keys with AM's beta and
@@ -40,31 +72,32 @@ _SS_RP = "self-study+repeat-prefill"
 #: surprising spans (weighted 4, spaced by the ratio), global (KVzip-style) budgets with a 30% floor
 #: per layer. It keeps the most needles measured here (12/11/8 of 12 at 10/5/2% on RULER's prompt,
 #: 47/46/35 of 48 on the bare one); results in benchmarks/README.md.
-AM = Recipe("am-highest-attn-fast", "repeat-prefill+surprise-quote/auto*4", "global", True,
-            MappingProxyType({"min_layer_share": 0.3}))
+AM = Recipe(AM_HIGHEST_ATTENTION, "repeat-prefill+surprise-quote/auto*4", "global", True, {"min_layer_share": 0.3})
 DEFAULT_METHOD = "am"
 
 RECIPES: Mapping[str, Recipe] = MappingProxyType({
     "am": AM,
-    "am-omp": Recipe("am-omp", _SS_RP, "global", True),
-    "am-omp-fast": Recipe("am-omp-fast", _SS_RP, "global", True),
-    "am-highest-attn": Recipe("am-highest-attn", _SS_RP, "global", True),
-    "am-highest-attn-fast": Recipe("am-highest-attn-fast", "repeat-prefill", "global", True),
-    "h2o+": Recipe("h2o+", "context-prefill", "uniform", False),
-    "snapkv": Recipe("snapkv", "mock-question", "uniform", False),
-    "pyramidkv": Recipe("pyramidkv", "mock-question", "pyramid", False),
-    "kvzip": Recipe("kvzip", "repeat-prefill", "global", False),
-    "kvmerger": Recipe("kvmerger", "repeat-prefill", "uniform", False),
-    "random": Recipe("random", "context-prefill", "uniform", False),
-    "truncate": Recipe("truncate", "context-prefill", "uniform", False),
+    "am-omp": Recipe(_OMP, _SS_RP, "global", True),
+    "am-omp-fast": Recipe(_OMP_FAST, _SS_RP, "global", True),
+    "am-highest-attn": Recipe(AM_HIGHEST_ATTENTION, _SS_RP, "global", True),
+    "am-highest-attn-fast": Recipe(AM_HIGHEST_ATTENTION, "repeat-prefill", "global", True),
+    "h2o+": Recipe(_H2O, "context-prefill", "uniform", False),
+    "snapkv": Recipe(_SNAPKV, "mock-question", "uniform", False),
+    # PyramidKV is SnapKV per head; its layer-decreasing budgets are its own.
+    "pyramidkv": Recipe(_SNAPKV, "mock-question", "pyramid", False),
+    # KVzip's cross-head, cross-layer budgets are the global ones.
+    "kvzip": Recipe(_KVZIP, "repeat-prefill", "global", False),
+    "kvmerger": Recipe(MethodSpec("kvmerger", fit=MERGE_FIT), "repeat-prefill", "uniform", False),
+    "random": Recipe(MethodSpec("random", fit=EVICTION_FIT), "context-prefill", "uniform", False),
+    "truncate": Recipe(MethodSpec("truncate", {"keep": "last"}, EVICTION_FIT), "context-prefill", "uniform", False),
 })
 
 #: Overrides that set the recipe itself rather than an option.
 RECIPE_KEYS = ("queries", "budgets", "on_policy")
 #: Options of the head budgets, and with the global ranking's, the options the pipeline takes;
-#: every other option goes to the math preset, which refuses unknown ones.
+#: every other option goes to the math, which refuses unknown ones.
 BUDGET_OPTIONS = ("max_head_ratio", "min_head_slots", "min_layer_share")
-PIPELINE_OPTIONS = (*BUDGET_OPTIONS, "score_softmax", "score_aggregation", "score_weight_power")
+PIPELINE_OPTIONS = (*BUDGET_OPTIONS, *SCORE_OPTIONS)
 
 
 def _value(text: str) -> Any:
@@ -100,11 +133,32 @@ def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
     return name, overrides
 
 
-def resolve_recipe(method: str, *, queries: str | None = None, budgets: str | None = None,
-                   on_policy: bool | None = None, options: Mapping[str, Any] | None = None
-                   ) -> tuple[Recipe, dict[str, Any]]:
-    """The recipe a method spec names, with its overrides applied (its ``options`` the resolved
-    ones), and the options to run it with: the recipe's defaults, then the spec's overrides, then
+@dataclass(frozen=True)
+class ResolvedRecipe:
+    """A method string resolved and checked: what the pipeline runs.
+
+    Attributes:
+        name: the recipe's name.
+        recipe: the recipe with its overrides applied (``options``: every option, merged).
+        method: the math, resolved with ``math_options`` (``compact_heads(method=)``).
+        math_options: the options that went to the math, as given.
+        budget_options: the ``BUDGET_OPTIONS`` given, for ``resolve_budgets``.
+        scoring: the global ranking, resolved (defaults filled in).
+    """
+
+    name: str
+    recipe: Recipe
+    method: ResolvedMethod
+    math_options: Mapping[str, Any]
+    budget_options: Mapping[str, Any]
+    scoring: ScoreOptions
+
+
+def resolve(method: str, *, queries: str | None = None, budgets: str | None = None,
+            on_policy: bool | None = None, options: Mapping[str, Any] | None = None) -> ResolvedRecipe:
+    """The recipe a method spec names, with its overrides applied and every part checked (query
+    source, budget options, ranking options, math options); ``ValueError`` with a sentence
+    otherwise. The options are the recipe's defaults, then the spec's overrides, then
     ``options`` (explicit arguments win, as ``queries``/``budgets``/``on_policy`` given here win
     over the spec's)."""
     name, overrides = parse_method(method)
@@ -112,24 +166,34 @@ def resolve_recipe(method: str, *, queries: str | None = None, budgets: str | No
     picked = {key: overrides.pop(key, None) for key in RECIPE_KEYS}
     given = {"queries": queries, "budgets": budgets, "on_policy": on_policy}
     chosen = {key: given[key] if given[key] is not None else picked[key] for key in RECIPE_KEYS}
-    recipe = replace(base, queries=chosen["queries"] or base.queries, budgets=chosen["budgets"] or base.budgets,
-                     on_policy=base.on_policy if chosen["on_policy"] is None else bool(chosen["on_policy"]))
     defaults = dict(base.options)
-    if recipe.budgets != "global":  # a recipe's layer floor belongs to its global budgets
+    budget_mode = chosen["budgets"] or base.budgets
+    if budget_mode != "global":  # a recipe's layer floor belongs to its global budgets
         defaults.pop("min_layer_share", None)
     merged = {**defaults, **overrides, **dict(options or {})}
-    return replace(recipe, options=MappingProxyType(dict(merged))), merged
+    recipe = replace(base, queries=chosen["queries"] or base.queries, budgets=budget_mode,
+                     on_policy=base.on_policy if chosen["on_policy"] is None else bool(chosen["on_policy"]),
+                     options=merged)
+    parse_sources(resolve_spacing(recipe.queries, 0.1))  # any ratio checks an '/auto'
+    budget_options = {k: merged[k] for k in BUDGET_OPTIONS if k in merged}
+    check_budget_options(recipe.budgets, min_layer_share=budget_options.get("min_layer_share"))
+    scoring = resolve_score_options(merged)
+    math_options = {k: v for k, v in merged.items() if k not in PIPELINE_OPTIONS}
+    return ResolvedRecipe(name, recipe, resolve_method(base.math, math_options, name=name),
+                          MappingProxyType(math_options), MappingProxyType(budget_options), scoring)
+
+
+def resolve_recipe(method: str, *, queries: str | None = None, budgets: str | None = None,
+                   on_policy: bool | None = None, options: Mapping[str, Any] | None = None
+                   ) -> tuple[Recipe, dict[str, Any]]:
+    """``resolve``'s recipe (its ``options`` the resolved ones) and the options to run it with,
+    checked as ``resolve`` checks them."""
+    resolved = resolve(method, queries=queries, budgets=budgets, on_policy=on_policy, options=options)
+    return resolved.recipe, dict(resolved.recipe.options)
 
 
 def check_method(method: str) -> str:
     """``method`` unchanged if it names a recipe with overrides that exist and fit together
-    (the checks ``compact()`` would make before any work); ``ValueError`` otherwise."""
-    from vllm_compaction.am.presets import resolve_method
-    from vllm_compaction.budgets import check_budget_options
-    from vllm_compaction.queries import parse_sources, resolve_spacing
-
-    recipe, options = resolve_recipe(method)
-    check_budget_options(recipe.budgets, min_layer_share=options.get("min_layer_share"))
-    parse_sources(resolve_spacing(recipe.queries, 0.1))
-    resolve_method(recipe.math, {k: v for k, v in options.items() if k not in PIPELINE_OPTIONS})
+    (the checks ``compact()`` makes before any work); ``ValueError`` otherwise."""
+    resolve(method)
     return method

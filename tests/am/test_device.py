@@ -15,7 +15,7 @@ import torch
 
 from vllm_compaction.am import compact_heads
 from vllm_compaction.am.device import CPU_CHUNK_RANGE, CPU_MEMORY_RANGE, CPU_RUNTIME_ROWS, device_limits, runtime_rows
-from vllm_compaction.am.presets import METHODS
+from vllm_compaction.recipes import RECIPES
 
 
 @contextlib.contextmanager
@@ -27,14 +27,14 @@ def meta_default_device():
         torch.set_default_device("cpu")
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", sorted(RECIPES))
 def test_compact_heads_creates_nothing_off_the_input_device(method):
     gen = torch.Generator().manual_seed(0)
     keys, values = torch.randn(3, 60, 16, generator=gen), torch.randn(3, 60, 16, generator=gen)
     queries = torch.randn(3, 90, 16, generator=gen)
     weights = torch.rand(90, generator=gen) + 0.1
     with meta_default_device():
-        heads = compact_heads(keys, values, queries, [6, 0, 60], method=method, query_weights=weights)
+        heads = compact_heads(keys, values, queries, [6, 0, 60], method=RECIPES[method].math, query_weights=weights)
     assert heads.keys.device.type == "cpu" and heads.cu_seqlens.device.type == "cpu"
     assert heads.head_budgets.tolist() == [6, 0, 60]
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_compaction.am import attention_output_and_mass, attention_output_error, compact_heads
+from vllm_compaction.recipes import RECIPES
 
 H, T, N_FIT, N_EVAL, D, BUDGET = 6, 256, 1000, 250, 16, 26
 
@@ -36,14 +37,16 @@ def _structured(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
 @pytest.mark.parametrize("method", ["am-highest-attn", "am-omp-fast"])
 def test_am_beats_its_no_bias_direct_value_counterpart(method):
     keys, values, fit_q, eval_q = _structured(0)
-    am = compact_heads(keys, values, fit_q, BUDGET, method=method)
-    plain = compact_heads(keys, values, fit_q, BUDGET, method=method, beta="zero", values="direct")
+    math = RECIPES[method].math
+    am = compact_heads(keys, values, fit_q, BUDGET, method=math)
+    plain = compact_heads(keys, values, fit_q, BUDGET, method=math, beta="zero", values="direct")
     assert torch.equal(am.indices, plain.indices), "same keys, only beta and values differ"
     err_am = attention_output_error(am, keys, values, eval_q)
     err_plain = attention_output_error(plain, keys, values, eval_q)
     assert (err_am.output_rel < err_plain.output_rel).sum() >= H - 1
     assert (err_am.log_mass_abs < err_plain.log_mass_abs).sum() >= H - 1
-    h2o = attention_output_error(compact_heads(keys, values, fit_q, BUDGET, method="h2o+"), keys, values, eval_q)
+    h2o_heads = compact_heads(keys, values, fit_q, BUDGET, method=RECIPES["h2o+"].math)
+    h2o = attention_output_error(h2o_heads, keys, values, eval_q)
     assert (err_am.output_rel < h2o.output_rel).sum() >= H - 1
 
 
@@ -51,7 +54,7 @@ def test_concatenated_attention_error_is_bounded_by_output_and_mass_errors():
     """With y/m the block's output/mass, f/M the appended block's and a = m / (m + M):
     ||Attn([C; K_f]) - Attn([K; K_f])|| <= a ||y_hat - y|| + |log m_hat - log m| / 4 * ||y_hat - f||."""
     keys, values, fit_q, eval_q = _structured(1)
-    heads = compact_heads(keys, values, fit_q, BUDGET, method="am-highest-attn")
+    heads = compact_heads(keys, values, fit_q, BUDGET, method=RECIPES["am-highest-attn"].math)
     ck, cbeta, cv, _ = heads.padded()
     gen = torch.Generator().manual_seed(2)
     kf, vf = 1.5 * torch.randn(H, 40, D, generator=gen), torch.randn(H, 40, D, generator=gen)

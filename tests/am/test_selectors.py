@@ -7,10 +7,12 @@ import math
 import pytest
 import torch
 
-from vllm_compaction.am import SELECTORS, compact_heads, score_keys
+from vllm_compaction.am import SELECTORS, MethodSpec, compact_heads, resolve_method, score_keys
 from vllm_compaction.am.attention import reference_attention
+from vllm_compaction.am.presets import EVICTION_FIT
 from vllm_compaction.am.selectors import KVMergerSelector, OMPSelector, SelectionProblem
 from vllm_compaction.am.selectors.omp import _GreedyMassFit
+from vllm_compaction.recipes import RECIPES
 
 
 def _problem(
@@ -31,9 +33,22 @@ def _problem(
     return SelectionProblem(keys, values, queries, scale, torch.full((h,), budget), ref)
 
 
-def test_registry_names_match_classes():
-    assert set(SELECTORS) == {"highest-attention", "omp", "random", "truncate", "kvmerger"}
-    assert all(cls.name == name for name, cls in SELECTORS.items())
+@pytest.mark.parametrize("name", list(SELECTORS))
+def test_each_selector_resolves_by_its_name_and_runs(name):
+    """A spec naming a selector resolves to that class with its defaults (the name a class
+    declares is the one a ``MethodSpec`` gives), and ``selector=`` swaps to it from any spec,
+    dropping the spec's own selector options; the result keeps its budgets."""
+    cls = SELECTORS[name]
+    resolved = resolve_method(MethodSpec(name), {})
+    assert type(resolved.selector) is cls and resolved.selector.name == name and resolved.selector == cls()
+    other = next(r.math for r in RECIPES.values()  # an eviction spec with options, of another selector
+                 if r.math.selector != name and r.math.selector_options and r.math.fit == EVICTION_FIT)
+    swapped = resolve_method(other, {"selector": name})
+    assert type(swapped.selector) is cls and swapped.selector == cls()
+    p = _problem(6, aggregation=resolved.selector.score_aggregation, features=resolved.selector.needs_features)
+    sel = resolved.selector.select(p)
+    assert sel.lengths.tolist() == [16, 16, 16]
+    assert all(len(set(row.tolist())) == 16 for row in sel.indices), "no key kept twice"
 
 
 def test_omp_mass_residual_never_increases():
@@ -106,7 +121,7 @@ def test_kvmerger_clusters_are_consecutive_runs_with_anchor_and_merged_value():
 @pytest.mark.parametrize("keep", ["first", "last"])
 def test_truncate_keeps_a_contiguous_span(keep):
     keys = torch.randn(2, 10, 4)
-    heads = compact_heads(keys, keys, torch.empty(2, 0, 4), [3, 0], method="truncate", keep=keep)
+    heads = compact_heads(keys, keys, torch.empty(2, 0, 4), [3, 0], method=RECIPES["truncate"].math, keep=keep)
     assert heads.head(0)[3].tolist() == ([0, 1, 2] if keep == "first" else [7, 8, 9])
     assert heads.head(1)[3].numel() == 0
 
@@ -114,7 +129,7 @@ def test_truncate_keeps_a_contiguous_span(keep):
 def test_random_is_seeded():
     keys = torch.randn(2, 50, 4)
     pick = lambda seed: compact_heads(
-        keys, keys, torch.empty(2, 0, 4), 10, method="random", seed=seed
+        keys, keys, torch.empty(2, 0, 4), 10, method=RECIPES["random"].math, seed=seed
     ).indices  # noqa: E731
     assert torch.equal(pick(1), pick(1)) and not torch.equal(pick(1), pick(2))
 
@@ -122,7 +137,7 @@ def test_random_is_seeded():
 @pytest.mark.parametrize("method,aggregation", [("am-highest-attn", "rms"), ("h2o+", "mean"), ("kvzip", "max")])
 def test_highest_attention_keeps_the_top_scored_keys(method, aggregation):
     p = _problem(4)
-    heads = compact_heads(p.keys, p.values, p.queries, 12, method=method)
+    heads = compact_heads(p.keys, p.values, p.queries, 12, method=RECIPES[method].math)
     scores = score_keys(p.keys, p.queries, aggregation=aggregation)
     for h in range(3):
         want = torch.topk(scores[h], 12).indices.sort().values

@@ -28,13 +28,15 @@ def test_kernel_cases_compiled():
 @pytest.mark.parametrize("method", ["am-highest-attn", "am-omp-fast", "kvzip", "snapkv", "kvmerger"])
 def test_compact_heads_on_cuda_agrees_with_the_cpu(method):
     from vllm_compaction.am import attention_output_error, compact_heads
+    from vllm_compaction.recipes import RECIPES
 
+    math = RECIPES[method].math
     gen = torch.Generator().manual_seed(0)
     keys, values = torch.randn(3, 300, 64, generator=gen), torch.randn(3, 300, 64, generator=gen)
     queries = 2.0 * torch.randn(3, 500, 64, generator=gen)
     budgets = [30, 0, 300]  # a compacted, an empty and an exact head
-    cpu = compact_heads(keys, values, queries[:, :400], budgets, method=method)
-    gpu = compact_heads(keys.cuda(), values.cuda(), queries[:, :400].cuda(), budgets, method=method)
+    cpu = compact_heads(keys, values, queries[:, :400], budgets, method=math)
+    gpu = compact_heads(keys.cuda(), values.cuda(), queries[:, :400].cuda(), budgets, method=math)
     assert gpu.keys.is_cuda and gpu.cu_seqlens.is_cuda
     assert torch.equal(gpu.cu_seqlens.cpu(), cpu.cu_seqlens)
     err_cpu = attention_output_error(cpu, keys, values, queries[:, 400:]).output_rel
@@ -73,9 +75,10 @@ def test_device_limits_follow_free_memory():
 
 def test_random_keys_draw_on_the_device():
     from vllm_compaction.am import compact_heads
+    from vllm_compaction.recipes import RECIPES
 
     keys = torch.randn(2, 100, 16, device="cuda")
-    heads = compact_heads(keys, keys, keys[:, :10], [10, 20], method="random")
+    heads = compact_heads(keys, keys, keys[:, :10], [10, 20], method=RECIPES["random"].math)
     assert heads.indices.is_cuda and heads.head_budgets.tolist() == [10, 20]
     for h in range(2):  # distinct, sorted positions within a head
         idx = heads.head(h)[3]

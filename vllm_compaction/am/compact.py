@@ -21,7 +21,7 @@ from vllm_compaction.am.attention import FEATURE_DTYPE, check_query_weights, ref
 from vllm_compaction.am.device import device_limits
 from vllm_compaction.am.fit import SelectedFeatures, fit_beta, fit_values
 from vllm_compaction.am.heads import CompactedHeads
-from vllm_compaction.am.presets import ResolvedMethod, resolve_method
+from vllm_compaction.am.presets import AM_HIGHEST_ATTENTION, MethodSpec, ResolvedMethod, resolve_method
 from vllm_compaction.am.selectors.base import Selection, SelectionProblem, slot_mask
 
 __all__ = ["STAGES", "compact_heads"]
@@ -180,6 +180,20 @@ def _compact_group(
     return Selection(indices=sel.indices, lengths=sel.lengths, beta=beta, values=fitted)
 
 
+def _resolve(method: MethodSpec | ResolvedMethod, options: dict[str, Any]) -> ResolvedMethod:
+    """The method to run; a name is refused with where its math is (the names are recipes, a
+    layer above this package)."""
+    if isinstance(method, ResolvedMethod):
+        if options:
+            raise ValueError(f"a ResolvedMethod is resolved already: give its options to resolve_method, "
+                             f"not to compact_heads ({', '.join(sorted(options))})")
+        return method
+    if isinstance(method, str):
+        raise TypeError(f"compact_heads takes the math of a method, a MethodSpec, not the name {method!r}: "
+                        f"use vllm_compaction.recipes.RECIPES[{method!r}].math")
+    return resolve_method(method, options)
+
+
 def _pack(keys: torch.Tensor, padded: Selection, positions: torch.Tensor) -> CompactedHeads:
     """Sort each head's slots by key index and pack them varlen (padding dropped)."""
     h, total, d = keys.shape
@@ -199,7 +213,7 @@ def compact_heads(
     budget: int | Sequence[int] | torch.Tensor,
     /,
     *,
-    method: str = "am-highest-attn",
+    method: MethodSpec | ResolvedMethod = AM_HIGHEST_ATTENTION,
     scale: float | None = None,
     positions: torch.Tensor | None = None,
     memory_limit: int | None = None,
@@ -218,7 +232,10 @@ def compact_heads(
         per KV head. May be empty (``n = 0``) only for methods that never look at them.
     budget : one int ``t`` for every head, or ``H`` ints ``t_h`` (a sequence or tensor),
         each in ``[0, T]``.
-    method : a ``METHODS`` preset (``"am-highest-attn"``, ``"am-omp-fast"``, ``"snapkv"``...).
+    method : the math, a ``MethodSpec`` (default: AM-HighestAttnKeys); a named method's is
+        ``vllm_compaction.recipes.RECIPES[name].math`` (``"am-omp-fast"``, ``"snapkv"``...).
+        Or a ``ResolvedMethod`` (``resolve_method``), resolved once for many calls, which
+        takes no ``options``.
     scale : softmax scale, default ``1/sqrt(d)``.
     positions : ``[T]`` int64 original positions reported as ``indices`` (default ``0..T-1``).
     memory_limit : bytes allowed for large intermediates (head groups, OMP's features, cached
@@ -227,7 +244,7 @@ def compact_heads(
     query_weights : ``[n]`` or ``[H, n]`` positive weights: query ``i`` counts ``w_i`` times
         in the key scores (rms, mean), the beta fit, OMP and the value fit, exactly as if its
         row were repeated ``w_i`` times (integer weights), at the cost of one row.
-    **options : overrides of the preset: selector fields (``aggregation``, ``pool_kernel``,
+    **options : overrides of the ``MethodSpec``: selector fields (``aggregation``, ``pool_kernel``,
         ``keys_per_step``, ``refit_interval``, ``seed``, ``keep``, ``sigma``...), fit fields
         (``beta``, ``beta_bounds``, ``beta_iters``, ``values``) or ``selector``.
 
@@ -241,7 +258,7 @@ def compact_heads(
     budgets = _check_budgets(budget, h, total)
     weights = check_query_weights(query_weights, queries)
     pos = _check_positions(positions, total, keys.device)
-    plan = resolve_method(method, options)
+    plan = _resolve(method, options)
     scale = resolve_scale(scale, d)
     if memory_limit is None:
         memory_limit = device_limits(keys.device).memory_limit
@@ -249,7 +266,7 @@ def compact_heads(
         raise ValueError(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
     work = ((budgets > 0) & (budgets < total)).nonzero()[:, 0]
     if plan.needs_reference and queries.shape[1] == 0 and work.numel():
-        raise ValueError(f"method {method!r} needs at least one reference query per head")
+        raise ValueError(f"method {plan.name!r} needs at least one reference query per head")
     clock = dict.fromkeys(STAGES, 0.0)
     start = time.perf_counter()
     dev, t_max = keys.device, int(budgets.max()) if h else 0
@@ -273,5 +290,5 @@ def compact_heads(
     clock["total_s"] = _clock(keys.device)() - start
     if timings is not None:
         timings.update(clock)
-    logger.debug("compact_heads %s H=%d T=%d n=%d budgets=%s: %s", method, h, total, n, budgets.tolist(), clock)
+    logger.debug("compact_heads %s H=%d T=%d n=%d budgets=%s: %s", plan.name, h, total, n, budgets.tolist(), clock)
     return heads

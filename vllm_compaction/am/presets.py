@@ -1,8 +1,12 @@
-"""Method presets: a selector with its options plus how ``beta`` and ``C_v`` are obtained.
+"""The parts a method's math is composed of: a selector with its options, and a fit.
 
-``METHODS`` maps a method name to a frozen ``MethodSpec``; ``resolve_method`` applies caller
-options on top (selector fields, ``FitOptions`` fields, or ``selector=`` to swap the selector,
-which drops the preset's selector options) and validates everything with a sentence.
+A ``MethodSpec`` declares the math of one method: which selector keeps the keys (a
+``SELECTORS`` name and its options) and how ``beta`` and ``C_v`` are obtained (``FitOptions``;
+the fits the named methods share are constants here). The names live one layer up, in
+``vllm_compaction.recipes.RECIPES``, where each recipe holds its ``MethodSpec`` with its query
+source and budgets. ``resolve_method`` applies caller options on top of a spec (selector
+fields, ``FitOptions`` fields, or ``selector=`` to swap the selector, which drops the spec's
+selector options) and validates everything with a sentence.
 """
 
 from __future__ import annotations
@@ -16,7 +20,19 @@ from typing import Any
 
 from vllm_compaction.am.selectors import SELECTORS, Selector
 
-__all__ = ["BETA_MODES", "METHODS", "VALUE_MODES", "FitOptions", "MethodSpec", "ResolvedMethod", "resolve_method"]
+__all__ = [
+    "AM_FIT",
+    "AM_HIGHEST_ATTENTION",
+    "BETA_MODES",
+    "EVICTION_FIT",
+    "MERGE_FIT",
+    "OMP_FIT",
+    "VALUE_MODES",
+    "FitOptions",
+    "MethodSpec",
+    "ResolvedMethod",
+    "resolve_method",
+]
 
 BETA_MODES = ("nnls", "zero", "selector")
 VALUE_MODES = ("lstsq", "direct", "selector")
@@ -73,43 +89,36 @@ class FitOptions:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A named method: ``selector`` (a ``SELECTORS`` key) with options, and its fit."""
+    """The math of a method: ``selector`` (a ``SELECTORS`` key) with ``selector_options`` (its
+    fields; any mapping, kept read-only), and its ``fit``. A declaration: ``resolve_method``
+    checks it, with a caller's options on top, before any work."""
 
     selector: str
     selector_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     fit: FitOptions = FitOptions()
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "selector_options", MappingProxyType(dict(self.selector_options)))
 
-def _spec(selector: str, fit: FitOptions, **selector_options: Any) -> MethodSpec:
-    return MethodSpec(selector, MappingProxyType(selector_options), fit)
 
-
-_AM_HAK = FitOptions(beta="nnls", beta_bounds=(-3.0, 3.0), beta_iters=2, values="lstsq")
-_AM_OMP = FitOptions(beta="selector", values="lstsq")
-_EVICT = FitOptions(beta="zero", values="direct")
-
-METHODS: Mapping[str, MethodSpec] = MappingProxyType(
-    {
-        "am-highest-attn": _spec("highest-attention", _AM_HAK, aggregation="rms"),
-        "am-highest-attn-fast": _spec("highest-attention", _AM_HAK, aggregation="rms"),
-        "am-omp": _spec("omp", _AM_OMP, keys_per_step=1, refit_interval=1),
-        "am-omp-fast": _spec("omp", _AM_OMP, keys_per_step=4, refit_interval=2, max_rounds=32),
-        "h2o+": _spec("highest-attention", _EVICT, aggregation="mean"),
-        "snapkv": _spec("highest-attention", _EVICT, aggregation="mean", pool_kernel=7),
-        # PyramidKV's layer-decreasing budgets are decided upstream; per head it is SnapKV.
-        "pyramidkv": _spec("highest-attention", _EVICT, aggregation="mean", pool_kernel=7),
-        # KVzip's global (cross-head, cross-layer) budgets are decided upstream.
-        "kvzip": _spec("highest-attention", _EVICT, aggregation="max"),
-        "kvmerger": _spec("kvmerger", FitOptions(beta="zero", values="selector")),
-        "random": _spec("random", _EVICT),
-        "truncate": _spec("truncate", _EVICT, keep="last"),
-    }
-)
+#: Attention Matching's fits: bounded NNLS for ``beta`` (paper: ``[-3, 3]``, 2 steps) and
+#: output-matching least squares for the values.
+AM_FIT = FitOptions(beta="nnls", beta_bounds=(-3.0, 3.0), beta_iters=2, values="lstsq")
+#: AM with OMP: OMP's own weights are the biases; the values are fitted as in ``AM_FIT``.
+OMP_FIT = FitOptions(beta="selector", values="lstsq")
+#: Eviction (the baselines): the kept keys as they were, no bias, their original values.
+EVICTION_FIT = FitOptions(beta="zero", values="direct")
+#: Merging (KVMerger): no bias, the values the selector merged.
+MERGE_FIT = FitOptions(beta="zero", values="selector")
+#: The paper's AM-HighestAttnKeys (keys of highest RMS attention, then ``AM_FIT``), the math
+#: ``compact_heads`` runs when no method is given.
+AM_HIGHEST_ATTENTION = MethodSpec("highest-attention", {"aggregation": "rms"}, AM_FIT)
 
 
 @dataclass(frozen=True)
 class ResolvedMethod:
-    """A method ready to run: the selector instance and the fit options."""
+    """A method ready to run: the selector instance and the fit options; ``name`` says which
+    method it is in messages and logs."""
 
     name: str
     selector: Selector
@@ -121,25 +130,29 @@ class ResolvedMethod:
         return self.selector.needs_reference or self.fit.beta == "nnls" or self.fit.values == "lstsq"
 
 
-def resolve_method(method: str, options: Mapping[str, Any]) -> ResolvedMethod:
-    """The preset ``method`` with ``options`` applied on top; ``ValueError`` on bad input."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
-    spec = METHODS[method]
-    options = dict(options)
+def resolve_method(spec: MethodSpec, options: Mapping[str, Any] | None = None, *,
+                   name: str | None = None) -> ResolvedMethod:
+    """``spec`` with ``options`` applied on top; ``ValueError`` with a sentence on bad input.
+
+    ``name`` (default: the selector's) names the method in messages and in the result."""
+    if not isinstance(spec, MethodSpec):
+        raise TypeError(f"a method's math is a MethodSpec (named ones: vllm_compaction.recipes.RECIPES[name].math), "
+                        f"got {spec!r}")
+    name = spec.selector if name is None else name
+    options = dict(options or {})
     selector_name = options.pop("selector", spec.selector)
     if selector_name not in SELECTORS:
         raise ValueError(f"unknown selector {selector_name!r}; valid selectors: {', '.join(SELECTORS)}")
     selector_cls = SELECTORS[selector_name]
     selector_fields = {f.name for f in dataclasses.fields(selector_cls)}
     fit_fields = {f.name for f in dataclasses.fields(FitOptions)}
-    unknown = sorted(set(options) - selector_fields - fit_fields)
+    base_selector = dict(spec.selector_options) if selector_name == spec.selector else {}
+    unknown = sorted((set(options) | set(base_selector)) - selector_fields - fit_fields)
     if unknown:
         valid = sorted(selector_fields | fit_fields | {"selector"})
         raise ValueError(
-            f"unknown option(s) {', '.join(unknown)} for method {method!r}; valid options: {', '.join(valid)}"
+            f"unknown option(s) {', '.join(unknown)} for method {name!r}; valid options: {', '.join(valid)}"
         )
-    base_selector = dict(spec.selector_options) if selector_name == spec.selector else {}
     base_selector.update({k: v for k, v in options.items() if k in selector_fields})
     selector = selector_cls(**base_selector)
     fit = dataclasses.replace(spec.fit, **{k: v for k, v in options.items() if k in fit_fields})
@@ -147,4 +160,4 @@ def resolve_method(method: str, options: Mapping[str, Any]) -> ResolvedMethod:
         raise ValueError(f"beta='selector' needs a selector that fits weights (omp), not {selector_name!r}")
     if fit.values == "selector" and not getattr(selector_cls, "provides_values", False):
         raise ValueError(f"values='selector' needs a selector that builds values (kvmerger), not {selector_name!r}")
-    return ResolvedMethod(name=method, selector=selector, fit=fit)
+    return ResolvedMethod(name=name, selector=selector, fit=fit)

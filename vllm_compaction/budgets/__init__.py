@@ -1,4 +1,5 @@
-"""Head budgets: uniform, global (KVzip-style), pyramid, or a per-model schedule."""
+"""Head budgets: uniform, global (KVzip-style), pyramid, or a per-model schedule; and how the
+global ranking scores keys (``scoring``)."""
 
 from __future__ import annotations
 
@@ -17,17 +18,39 @@ from vllm_compaction.budgets.allocate import (
     uniform_budgets,
 )
 from vllm_compaction.budgets.schedule import Schedule, load_schedule, packaged_schedule
+from vllm_compaction.budgets.scoring import (
+    DEFAULT_SCORE_SOFTMAX,
+    DEFAULT_SCORE_WEIGHT_POWER,
+    SCORE_AGGREGATIONS,
+    SCORE_OPTIONS,
+    SCORE_SOFTMAXES,
+    ScoreOptions,
+    check_score_aggregation,
+    check_score_softmax,
+    check_score_weight_power,
+    resolve_score_options,
+)
 
 __all__ = [
     "BUDGET_MODES",
+    "DEFAULT_SCORE_SOFTMAX",
+    "DEFAULT_SCORE_WEIGHT_POWER",
+    "SCORE_AGGREGATIONS",
+    "SCORE_OPTIONS",
+    "SCORE_SOFTMAXES",
     "Schedule",
+    "ScoreOptions",
     "cap_and_fill",
     "check_budget_options",
+    "check_score_aggregation",
+    "check_score_softmax",
+    "check_score_weight_power",
     "global_budgets",
     "load_schedule",
     "packaged_schedule",
     "pyramid_budgets",
     "resolve_budgets",
+    "resolve_score_options",
     "shares_to_budgets",
     "total_budget",
     "uniform_budgets",

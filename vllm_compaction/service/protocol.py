@@ -53,11 +53,12 @@ def check_queries(queries: str) -> str:
 
 def check_layer_share(method: str, min_layer_share: float | None) -> None:
     """ValueError unless ``min_layer_share`` is unset, 0, or used with a global-budget method."""
-    from vllm_compaction.budgets import check_budget_options
-    from vllm_compaction.recipes import RECIPES, resolve_recipe
+    from vllm_compaction.recipes import RECIPES, resolve
 
+    if min_layer_share is None:
+        return
     try:
-        check_budget_options(resolve_recipe(method)[0].budgets, min_layer_share=min_layer_share)
+        resolve(method, options={"min_layer_share": min_layer_share})
     except ValueError as error:  # name the methods: API users choose a method, not a budget mode
         global_methods = ", ".join(m for m, r in RECIPES.items() if r.budgets == "global")
         raise ValueError(f"{error} (method {method!r}; methods with global budgets: {global_methods})") from None
