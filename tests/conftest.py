@@ -86,3 +86,37 @@ def niah_cases(smollm2):
         cache = compact_prepared(prepared, ratio=0.1, method="am-highest-attn-fast")
         cases.append((inst, prompt, cache))
     return cases
+
+
+# ---------------------------------------------------------------- the live compaction server
+# One `vllm-compaction serve` process (SmolLM2, two API keys, a local worker) shared by the
+# end-to-end tests in server/ and the fault and abuse tests in faults/: started on first use.
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    from server.servers import compaction_server
+
+    root = tmp_path_factory.mktemp("compaction-server")
+    process = compaction_server(root / "store", root / "server.log")
+    process.start()
+    yield process
+    process.stop()
+
+
+def _client(server, key: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from server.servers import API_KEYS
+
+    return _client(server, API_KEYS[0])
+
+
+@pytest.fixture(scope="session")
+def other_client(server):
+    from server.servers import API_KEYS
+
+    return _client(server, API_KEYS[1])
