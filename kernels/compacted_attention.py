@@ -24,7 +24,8 @@ row's natural-log LSE. With one split the first kernel writes the output itself.
 
 Pages are the views ``[num_blocks, H, block_size, D]`` of ``PagedPrefixPages`` (any strides,
 the last dimension contiguous, keys and values with the same strides). ``import triton``
-happens on first call; ``compacted_attention_reference`` is the plain-torch twin.
+happens on first call; ``compacted_attention_reference`` is the plain-torch twin (tested against
+``vllm_compaction.am.attention_output_and_mass``).
 """
 
 from __future__ import annotations

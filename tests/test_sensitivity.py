@@ -1,5 +1,6 @@
-"""Head sensitivity curves on tiny random models: shapes, exact replay of the lower layers,
-base column zero, non-compacted layers without curves."""
+"""Head sensitivity curves on tiny random models: a curve point is the loss change it claims to be
+(measured independently), exact replay of the lower layers, base column zero, shapes,
+non-compacted layers without curves."""
 
 from __future__ import annotations
 
@@ -92,3 +93,32 @@ def test_bad_grid_and_method(tiny_llama):
         head_sensitivity_curves(tiny_llama, [_context(0)], method="nope", progress=False)
     with pytest.raises(ValueError, match="at least one context"):
         head_sensitivity_curves(tiny_llama, [], progress=False)
+
+
+def test_a_curve_point_is_the_loss_change_of_compacting_that_head_alone(tiny_llama):
+    """On an exact cache (base ratio 1), the ratio-0 point of head h of layer l is the change in
+    the target's NLL when that head loses every compacted token and nothing else changes,
+    measured here by one plain forward; the ratio-1 point is 0 (the head stays exact)."""
+    ctx = _context(1)
+    curves = head_sensitivity_curves(tiny_llama, [ctx], ratios=(0.0, 1.0), base_ratio=1.0,
+                                     queries="context-prefill", progress=False)
+    kv = tiny_llama.prefill(ctx.prefix_ids, capture_queries=False)
+    length, target = len(ctx.prefix_ids), torch.tensor(ctx.target_ids)
+
+    def nll(prefix: list[PrefixLayer]) -> float:
+        logits = tiny_llama.forward(ctx.target_ids, torch.arange(length, length + len(target)), prefix=prefix,
+                                    logits_to_keep=len(target)).logits
+        return float(torch.nn.functional.cross_entropy(logits[ctx.score_from - 1:-1], target[ctx.score_from:]))
+
+    exact = kv.exact_prefix()
+    baseline = nll(exact)
+    heads = tiny_llama.num_kv_heads
+    for layer in range(tiny_llama.num_layers):
+        for h in range(heads):
+            dropped = list(exact)
+            bias = exact[layer].bias.clone()
+            bias[h, ctx.compact_mask] = float("-inf")
+            dropped[layer] = PrefixLayer(exact[layer].keys, exact[layer].values, bias, exact[layer].positions)
+            assert float(curves.curves[layer * heads + h, 0]) == pytest.approx(nll(dropped) - baseline, abs=1e-5)
+    assert (curves.curves[:, 1] == 0).all()
+    assert curves.curves[:, 0].abs().max() > 1e-3  # the heads matter: the check above is not 0 == 0

@@ -14,6 +14,7 @@ from vllm_compaction.am.attention import max_pool_scores, reference_attention, r
 
 
 def _naive(q, k, v, scale, beta=None):
+    """Softmax attention in float64 by the textbook formula: the check of the reference itself."""
     logits = scale * q.double() @ k.double().transpose(1, 2)
     if beta is not None:
         logits = logits + beta.double()[:, None, :]
@@ -29,6 +30,30 @@ def test_output_and_mass_match_naive_with_bias_and_large_logits():
     out, lse = _naive(q, k, v, 0.5, beta)
     torch.testing.assert_close(got.output.double(), out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.log_mass.double(), lse, rtol=1e-5, atol=1e-4)
+
+
+def test_float64_reference_is_exact_to_float64_rounding():
+    """``dtype=float64`` computes in float64 throughout, as the oracles need."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(3, n, 8, generator=gen, dtype=torch.float64) for n in (20, 30, 30))
+    beta = torch.randn(3, 30, generator=gen, dtype=torch.float64)
+    beta[1, 5:] = float("-inf")
+    got = attention_output_and_mass(q, k, v, scale=0.7, beta=beta, dtype=torch.float64)
+    out, lse = _naive(q, k, v, 0.7, beta)
+    assert got.output.dtype == torch.float64 and got.log_mass.dtype == torch.float64
+    torch.testing.assert_close(got.output, out, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(got.log_mass, lse, rtol=1e-13, atol=1e-13)
+
+
+def test_reference_pass_output_and_mass_equal_the_float_reference():
+    """The fitting pass (log2 logits, in-place exp, row-split GEMMs) against the reference."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, n, 16, generator=gen) for n in (300, 120, 120))
+    k[:, 3] *= 30.0  # logits past exp's range without the shift
+    ref = attention_output_and_mass(q, k, v, scale=0.25, dtype=torch.float64)
+    got = reference_attention(k, v, q, scale=0.25, aggregation="rms")
+    torch.testing.assert_close(got.output.double(), ref.output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.log_mass.double(), ref.log_mass, rtol=1e-6, atol=1e-5)
 
 
 def test_empty_block_has_zero_output_and_minus_inf_mass():
@@ -126,7 +151,8 @@ def test_reference_pass_is_the_same_when_rows_are_split_for_threads(threads):
     exact outputs, mass, features and every score."""
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(3, n, 8, generator=gen) for n in (421, 2048, 2048))
-    out, lse = _naive(q, k, v, 0.3)
+    want = attention_output_and_mass(q, k, v, scale=0.3, dtype=torch.float64)
+    out, lse = want.output, want.log_mass
     a = torch.softmax(0.3 * q.double() @ k.double().transpose(1, 2), -1)
     want = {"rms": a.square().mean(1).sqrt(), "mean": a.mean(1), "max": a.amax(1)}
     before = torch.get_num_threads()

@@ -123,7 +123,7 @@ def lengths(num_kv_heads, *, seed, empty=True, full=None):
     return table
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_decode_over_prefix_and_suffix(dtype, group):
     kv, ref = build(dtype=dtype, num_kv_heads=2, group=group, head_dim=64,
@@ -156,7 +156,7 @@ def test_every_head_empty_but_the_suffix():
     check(kv, ref, torch.float32, 2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_widened_pages_add_the_suffix_bias(dtype):
     """Widened pages: every suffix key adds its beta (hi + lo coordinates); masked slots
     (``MASKED_BETA``, the padding of padded prefixes) get exactly no weight."""

@@ -1,5 +1,6 @@
 """Cases of the fused reference-pass kernels (``kernels/reference_attention.py``) against the
-torch pass of ``vllm_compaction.am.attention`` (float32) and float64 sums, run by
+torch pass of ``vllm_compaction.am.attention`` (float32) and its float64 reference
+``attention_output_and_mass``, run by
 ``test_kernel_cases.py`` in a fresh interpreter (``TRITON_INTERPRET=1`` on a CPU, compiled on a GPU)."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from benchmarks.source_tree import alias_kernels
 alias_kernels()
 
 import vllm_compaction.am.attention as attention  # noqa: E402
-from vllm_compaction.am import compact_heads  # noqa: E402
+from vllm_compaction.am import attention_output_and_mass, compact_heads  # noqa: E402
+from vllm_compaction.recipes import RECIPES  # noqa: E402
 from vllm_compaction_kernels.reference_attention import reference_attention_triton  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -30,11 +32,14 @@ def inputs(heads, keys, queries, dim, seed=0):
 
 
 def float64_stats(k, v, q, scale):
+    """Shift, shifted mass, output, attention weights and shifted features in float64, from
+    the reference's output and log mass (the features only need the logits again)."""
+    ref = attention_output_and_mass(q, k, v, scale=scale, dtype=torch.float64)
     logits = (q.double() @ k.double().transpose(1, 2)) * scale
     shift = logits.amax(-1)
-    p = torch.exp(logits - shift[..., None])
-    mass = p.sum(-1)
-    return shift, mass, (p @ v.double()) / mass[..., None], p / mass[..., None], p
+    features = torch.exp(logits - shift[..., None])
+    weights = torch.exp(logits - ref.log_mass[..., None])
+    return shift, torch.exp(ref.log_mass - shift), ref.output, weights, features
 
 
 @pytest.mark.parametrize("dim", [16, 40, 64, 256])
@@ -81,7 +86,7 @@ def test_compact_heads_with_the_fused_pass_equals_the_torch_pass(method):
     for backend in ("torch", "triton:ieee"):
         attention.REFERENCE_BACKEND = backend
         try:
-            results[backend] = compact_heads(k, v, q, [7, 19], method=method)
+            results[backend] = compact_heads(k, v, q, [7, 19], method=RECIPES[method].math)
         finally:
             attention.REFERENCE_BACKEND = "auto"
     ref, got = results["torch"], results["triton:ieee"]

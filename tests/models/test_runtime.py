@@ -1,11 +1,13 @@
-"""The attention runtime is exact: prefixes, logical positions, segments, sliding windows."""
+"""The attention runtime is exact: prefixes, logical positions, segments, sliding windows; its
+attention and prefix scores equal the float reference ``attention_output_and_mass``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm_compaction.models.runtime import PrefixLayer
+from vllm_compaction.am import attention_output_and_mass
+from vllm_compaction.models.runtime import AttentionRun, PrefixLayer, _attend, _score_prefix
 
 
 def _stock_logits(adapter, ids):
@@ -56,3 +58,57 @@ def test_greedy_generation_matches_stock_model(tiny_llama):
     for _ in range(6):
         seq.append(int(_stock_logits(tiny_llama, seq)[-1].argmax()))
     assert new == seq[len(ids):]
+
+
+def _random_run(seed: int, *, length: int = 7, kv_heads: int = 2, group: int = 3, dim: int = 8):
+    """Queries ``[H, G, L, d]`` and keys/values of a run at positions 20..20+L-1 after a compacted
+    prefix of uneven heads (lengths 5 and 2 of 5 slots, ``-inf`` padding) with random betas."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    bias = 2.0 * rand(kv_heads, 5)
+    bias[1, 2:] = float("-inf")
+    positions = torch.tensor([[0, 3, 9, 14, 19], [2, 17, -1, -1, -1]])
+    prefix = PrefixLayer(rand(kv_heads, 5, dim), rand(kv_heads, 5, dim), bias, positions)
+    run = AttentionRun(positions=torch.arange(20, 20 + length), segments=torch.zeros(length, dtype=torch.int64),
+                       prefix=[prefix])
+    return rand(kv_heads, group, length, dim), rand(kv_heads, length, dim), rand(kv_heads, length, dim), prefix, run
+
+
+def _reference_rows(q, keys, values, prefix, run, scale, window):
+    """Per run token: ``attention_output_and_mass`` (float64) over the prefix slots in its window
+    and the run keys up to itself; returns outputs ``[H, G, L, d]``, log mass ``[H, G, L]`` and
+    the prefix slots' biased logits ``[H, G, L, P]``."""
+    h, g, length, d = q.shape
+    out = torch.zeros(h, g, length, d, dtype=torch.float64)
+    log_mass = torch.zeros(h, g, length, dtype=torch.float64)
+    prefix_logits = torch.zeros(h, g, length, prefix.keys.shape[1], dtype=torch.float64)
+    for i in range(length):
+        pos = int(run.positions[i])
+        bias = prefix.bias.double()
+        if window:
+            bias = bias.masked_fill(pos - prefix.positions >= window, float("-inf"))
+        own = torch.zeros(h, i + 1, dtype=torch.float64)
+        if window:
+            own = own.masked_fill(pos - run.positions[: i + 1] >= window, float("-inf")).expand(h, -1)
+        ref = attention_output_and_mass(q[:, :, i], torch.cat([prefix.keys, keys[:, : i + 1]], 1),
+                                        torch.cat([prefix.values, values[:, : i + 1]], 1), scale=scale,
+                                        beta=torch.cat([bias, own], 1), dtype=torch.float64)
+        out[:, :, i], log_mass[:, :, i] = ref.output, ref.log_mass
+        prefix_logits[:, :, i] = scale * q[:, :, i].double() @ prefix.keys.double().transpose(1, 2) + bias[:, None]
+    return out, log_mass, prefix_logits
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_runtime_attention_and_prefix_scores_equal_the_float_reference(window):
+    """The reference decoder's attention (SDPA over an additive mask) and KVzip's prefix scores
+    against ``attention_output_and_mass``: compacted prefix with betas and uneven heads, GQA,
+    causal run tokens, sliding windows over both."""
+    q, keys, values, prefix, run = _random_run(0)
+    scale = 0.4
+    out, log_mass, prefix_logits = _reference_rows(q, keys, values, prefix, run, scale, window)
+    got = _attend(q, prefix, keys, values, run.positions, run.segments, run, scale, window)
+    torch.testing.assert_close(got.double(), out, rtol=1e-5, atol=1e-5)
+    run.score_rows = torch.tensor([False, True, True, False, False, True, True])
+    scores = _score_prefix(q, prefix, keys, run.positions, run.segments, run, scale, window)
+    weights = torch.exp(prefix_logits - log_mass[..., None])[:, :, run.score_rows]  # [H, G, marked, P]
+    torch.testing.assert_close(scores.double(), weights.amax(dim=(1, 2)), rtol=1e-5, atol=1e-6)

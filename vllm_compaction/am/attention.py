@@ -2,9 +2,10 @@
 
 Conventions (paper, appendix "Attention Matching Details"): for a query ``q`` and a key block
 ``K`` the scaled logits are ``l = scale * q K^T (+ beta)``, the *mass* is ``sum_j exp(l_j)`` and
-the locally normalised output is ``exp(l) V / mass``. Everything is computed in float32 with
-the per-query max shift ``s = max_j l_j`` ("Stable computation"): the *shifted* features
-``exp(l - s)`` and the *shifted* mass ``sum_j exp(l_j - s)`` are what the fits use, and
+the locally normalised output is ``exp(l) V / mass``. Everything is computed in float32 (the
+reference ``attention_output_and_mass`` also in float64, for oracles) with the per-query max
+shift ``s = max_j l_j`` ("Stable computation"): the *shifted* features ``exp(l - s)`` and the
+*shifted* mass ``sum_j exp(l_j - s)`` are what the fits use, and
 ``log mass = s + log(shifted mass)``.
 
 All functions are batched over ``H`` KV heads (leading dimension) and process queries in
@@ -388,8 +389,8 @@ class AttentionResult(NamedTuple):
     """Attention of queries over one key block.
 
     Attributes:
-        output: ``[H, n, d]`` fp32 locally normalised attention output (0 for an empty block).
-        log_mass: ``[H, n]`` fp32 log attention mass (``-inf`` for an empty block).
+        output: ``[H, n, d]`` locally normalised attention output (0 for an empty block).
+        log_mass: ``[H, n]`` log attention mass (``-inf`` for an empty block).
     """
 
     output: torch.Tensor
@@ -403,8 +404,14 @@ def attention_output_and_mass(
     *,
     scale: float | None = None,
     beta: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionResult:
     """Reference biased attention ``softmax(scale * q K^T + beta) V`` and its log mass.
+
+    This is the float reference every other attention of the package is tested against (the
+    reference decoder's runtime, the kernels' torch twin, the fitting pass
+    ``reference_attention``): plain GEMMs and a max-shifted softmax, nothing fused, so that a
+    disagreement points at the optimised implementation.
 
     Parameters
     ----------
@@ -412,26 +419,32 @@ def attention_output_and_mass(
     keys, values : ``[H, t, d]`` (padded slots allowed, with ``beta = -inf``).
     scale : softmax scale, default ``1/sqrt(d)``.
     beta : ``[H, t]`` per-slot logit bias (``-inf`` masks a slot), default 0.
+    dtype : the dtype of the computation and of the result: float32 (the fits' precision),
+        or float64 for an oracle whose own rounding must not hide a 1e-6 disagreement.
     """
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
     if keys.shape != values.shape or keys.dim() != 3 or queries.dim() != 3:
         raise ValueError(f"keys/values must be equal [H, t, d], got {tuple(keys.shape)}, {tuple(values.shape)}")
     if queries.shape[0] != keys.shape[0] or queries.shape[2] != keys.shape[2]:
         raise ValueError(f"queries {tuple(queries.shape)} do not match keys {tuple(keys.shape)}")
     h, t, d = keys.shape
     n = queries.shape[1]
-    qs, kt, v = queries.float() * resolve_scale(scale, d), keys.float().transpose(1, 2), values.float()
-    bias = None if beta is None else beta.float().reshape(h, 1, t)
+    qs = queries.to(dtype) * resolve_scale(scale, d)
+    kt, v = keys.to(dtype).transpose(1, 2), values.to(dtype)
+    bias = None if beta is None else beta.to(dtype).reshape(h, 1, t)
     output = qs.new_zeros(h, n, d)
     log_mass = qs.new_full((h, n), float("-inf"))
     if t == 0:
         return AttentionResult(output, log_mass)
-    for sl in query_chunks(n, 4 * t, chunk_bytes_per_head(keys)):
+    tiny = torch.finfo(dtype).tiny
+    for sl in query_chunks(n, qs.element_size() * t, chunk_bytes_per_head(keys)):
         logits = torch.bmm(qs[:, sl], kt)
         if bias is not None:
             logits += bias
         p, s = _shifted_exp_(logits)
         m = p.sum(-1, keepdim=True)
-        output[:, sl] = torch.bmm(p, v) / m.clamp_min(TINY)
+        output[:, sl] = torch.bmm(p, v) / m.clamp_min(tiny)
         log_mass[:, sl] = (s + m.log())[..., 0]
     return AttentionResult(output, log_mass)
 
