@@ -249,9 +249,17 @@ def test_metrics_and_openapi(server):
     assert {"CompactRequest", "Compaction"} <= schema["components"]["schemas"].keys()
 
 
-def test_restart_finds_stored_caches_and_a_separate_worker_serves_it(server, client, fact_compaction):
+def test_a_killed_server_restarts_with_its_jobs_and_a_separate_worker_runs_them(server, client, tokenizer,
+                                                                                 fact_compaction):
+    """kill -9 of the whole server (API server, engine, local worker) with one job running and one
+    queued: after the restart the stored caches serve, both jobs are back in the queue, a worker
+    started by hand runs them, and no temp file of the killed server is left in the store."""
     _, job = fact_compaction
-    server.stop()
+    running = compact(client, messages=planted_conversation(tokenizer, 1500, seed=5), ratio=0.2, **METHOD)
+    wait_status(client, running["id"], ("running",))
+    queued = compact(client, prompt="A note to keep: the boat leaves at dawn.", ratio=0.5, **METHOD)
+    os.killpg(server.process.pid, signal.SIGKILL)
+    server.process.wait()
     server.flags += ["--compaction-workers", "0"]  # jobs now wait for a worker started by hand
     server.start()
     found = client.get(f"/compact/{job['id']}", cast_to=object)
@@ -259,20 +267,25 @@ def test_restart_finds_stored_caches_and_a_separate_worker_serves_it(server, cli
     reply = ask(client, [{"role": "user", "content": QUESTION}], compaction_id=job["id"])
     assert ANSWER in reply.choices[0].message.content
     assert job["id"] in {j["id"] for j in client.get("/compact", cast_to=object)["data"]}
-
-    queued = compact(client, prompt="A note to keep: the boat leaves at dawn.", ratio=0.5, **METHOD)
     time.sleep(3.0)
-    assert client.get(f"/compact/{queued['id']}", cast_to=object)["status"] == "queued"
+    for pending in (running, queued):  # the server's death is not the job's: no attempt counted
+        record = client.get(f"/compact/{pending['id']}", cast_to=object)
+        assert record["status"] == "queued" and record["attempts"] == 0, record
+
     worker_cmd = [sys.executable, "-m", "vllm_compaction.cli", "worker", "--server", server.url]
     refused = subprocess.run(worker_cmd + ["--token", "wrong-token-0123456789"], capture_output=True, text=True,
                              timeout=120)
     assert refused.returncode == 2 and "refused the worker token" in refused.stderr
-    store = server.flags[server.flags.index("--compaction-store") + 1]
-    worker = subprocess.Popen(worker_cmd + ["--store", store])  # reads <store>/worker-token
+    store = Path(server.flags[server.flags.index("--compaction-store") + 1])
+    worker = subprocess.Popen(worker_cmd + ["--store", str(store)])  # reads <store>/worker-token
     try:
-        done = wait_finished(client, queued["id"], timeout_s=300)
-        assert done["status"] == "succeeded" and done.get("worker_id") is None
-        assert _worker_id(server, done).endswith(f":{worker.pid}")
+        for pending in (queued, running):
+            done = wait_finished(client, pending["id"], timeout_s=600)
+            assert done["status"] == "succeeded" and done.get("worker_id") is None, done
+            assert _worker_id(server, done).endswith(f":{worker.pid}")
     finally:
         worker.terminate()
         worker.wait(timeout=30)
+    leftovers = [p for p in store.rglob("*.tmp") if "quarantine" not in p.parts]
+    assert not leftovers, leftovers
+    assert ask(client, [{"role": "user", "content": QUESTION}], compaction_id=running["id"]).choices[0].message.content
