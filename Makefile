@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.vllm-compaction-installed
 CLI := $(VENV)/bin/vllm-compaction
 
-.PHONY: setup model demo test test-fast docs bench gpu-check clean
+.PHONY: setup model demo test test-fast lint format docs bench gpu-check clean
 
 setup: $(STAMP) model
 
@@ -26,8 +26,18 @@ model: $(STAMP)
 demo: setup
 	$(CLI) demo
 
-test: setup docs
+test: setup docs lint
 	$(PYTHON) -m pytest -q --durations=15
+
+# seconds, before the suite: formatting, lint and types (config in pyproject.toml)
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
+	$(VENV)/bin/mypy
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format --quiet .
+	$(VENV)/bin/ruff check --quiet --fix .
 
 # the documentation site; --strict turns a broken link or a missing page into a failure
 docs: $(STAMP)

@@ -28,21 +28,37 @@ logger = logging.getLogger("benchmarks.agent_session")
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "smollm2-135m"
 FACTS = [
-    ("The secret code of the vault is 7319.", "What is the secret code of the vault?", "7319"),
-    ("The project's codename is Bluebird.", "What is the project's codename?", "Bluebird"),
+    (
+        "The secret code of the vault is 7319.",
+        "What is the secret code of the vault?",
+        "7319",
+    ),
+    (
+        "The project's codename is Bluebird.",
+        "What is the project's codename?",
+        "Bluebird",
+    ),
     ("The team meets in room 42.", "In which room does the team meet?", "42"),
 ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threshold", type=int, default=512, help="auto-compaction threshold (tokens)")
+    parser.add_argument(
+        "--threshold", type=int, default=512, help="auto-compaction threshold (tokens)"
+    )
     parser.add_argument("--ratio", type=float, default=0.1)
-    parser.add_argument("--target-tokens", type=int, default=None,
-                        help="compact to this many content slots per head instead of --ratio")
+    parser.add_argument(
+        "--target-tokens",
+        type=int,
+        default=None,
+        help="compact to this many content slots per head instead of --ratio",
+    )
     parser.add_argument("--method", default="am-highest-attn")
     parser.add_argument("--queries", default="repeat-prefill")
-    parser.add_argument("--turn-tokens", type=int, default=150, help="essay tokens added per turn")
+    parser.add_argument(
+        "--turn-tokens", type=int, default=150, help="essay tokens added per turn"
+    )
     parser.add_argument("--target-multiple", type=float, default=4.0)
     parser.add_argument("--max-turns", type=int, default=40)
     parser.add_argument("--out", default=str(RESULTS / "agent_session.json"))
@@ -60,76 +76,170 @@ def main() -> None:
     essay = haystack_text(args.turn_tokens * (args.max_turns + 2), tokenizer, seed=7)
     chunks = _chunks(essay, tokenizer, args.turn_tokens)
     work = Path(tempfile.mkdtemp(prefix="agent-session-"))
-    server = ServerProcess(MODEL, [
-        "--dtype", "float32", "--max-model-len", "8192", "--enforce-eager", "--kv-cache-memory-bytes",
-        str(1 << 30), "--max-num-seqs", "8", "--seed", "0", "--compaction-store", str(work / "store"),
-        "--auto-compact-threshold-tokens", str(args.threshold), "--auto-compact-ratio", str(args.ratio),
-        "--auto-compact-method", args.method, "--auto-compact-queries", args.queries,
-        *(["--auto-compact-target-tokens", str(args.target_tokens)] if args.target_tokens else []),
-    ], work / "server.log")
+    server = ServerProcess(
+        MODEL,
+        [
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "8192",
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(1 << 30),
+            "--max-num-seqs",
+            "8",
+            "--seed",
+            "0",
+            "--compaction-store",
+            str(work / "store"),
+            "--auto-compact-threshold-tokens",
+            str(args.threshold),
+            "--auto-compact-ratio",
+            str(args.ratio),
+            "--auto-compact-method",
+            args.method,
+            "--auto-compact-queries",
+            args.queries,
+            *(
+                ["--auto-compact-target-tokens", str(args.target_tokens)]
+                if args.target_tokens
+                else []
+            ),
+        ],
+        work / "server.log",
+    )
     server.start()
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0, timeout=600)
+    client = openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key="bench", max_retries=0, timeout=600
+    )
     conversation = "agent-session"
-    history = [{"role": "user", "content": "Remember these facts: " + " ".join(f for f, _, _ in FACTS)
-                + " Then we will read some essays together."}]
+    history = [
+        {
+            "role": "user",
+            "content": "Remember these facts: "
+            + " ".join(f for f, _, _ in FACTS)
+            + " Then we will read some essays together.",
+        }
+    ]
     turns = []
     try:
         for turn in tqdm(range(args.max_turns), desc="turns"):
             reply = _chat(client, history, conversation_id=conversation)
             usage = reply.usage.model_dump()
-            history.append({"role": "assistant", "content": reply.choices[0].message.content or "OK."})
+            history.append(
+                {
+                    "role": "assistant",
+                    "content": reply.choices[0].message.content or "OK.",
+                }
+            )
             compaction_id, waited = _wait_for_compaction(client, conversation)
-            record = {"turn": turn, "logical_tokens": usage.get("logical_prompt_tokens", usage["prompt_tokens"]),
-                      "physical_tokens": usage.get("physical_prompt_tokens", usage["prompt_tokens"]),
-                      "served_from": usage.get("compaction_id"), "compaction_wait_s": waited,
-                      "probes": _probe(client, history, compaction_id)}
+            record = {
+                "turn": turn,
+                "logical_tokens": usage.get(
+                    "logical_prompt_tokens", usage["prompt_tokens"]
+                ),
+                "physical_tokens": usage.get(
+                    "physical_prompt_tokens", usage["prompt_tokens"]
+                ),
+                "served_from": usage.get("compaction_id"),
+                "compaction_wait_s": waited,
+                "probes": _probe(client, history, compaction_id),
+            }
             turns.append(record)
-            logger.warning("turn %d: logical %d, physical %d, compacted probes %s, full %s", turn,
-                           record["logical_tokens"], record["physical_tokens"],
-                           [p["compacted"] for p in record["probes"]], [p["full"] for p in record["probes"]])
+            logger.warning(
+                "turn %d: logical %d, physical %d, compacted probes %s, full %s",
+                turn,
+                record["logical_tokens"],
+                record["physical_tokens"],
+                [p["compacted"] for p in record["probes"]],
+                [p["full"] for p in record["probes"]],
+            )
             if record["logical_tokens"] >= args.target_multiple * args.threshold:
                 break
-            history.append({"role": "user", "content": f"Tool output:\n{chunks[turn]}\n\nSummarize it in one line."})
+            history.append(
+                {
+                    "role": "user",
+                    "content": f"Tool output:\n{chunks[turn]}\n\nSummarize it in one line.",
+                }
+            )
         jobs = client.get("/compact", cast_to=object)["data"]
     finally:
         server.stop()
     result = {
-        "command": "python -m benchmarks.agent_session " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None),
-        "model": MODEL, "threshold_tokens": args.threshold, "ratio": None if args.target_tokens else args.ratio,
-        "target_tokens": args.target_tokens, "method": args.method,
-        "queries": args.queries, "turns": turns,
-        "compactions": [{k: j[k] for k in ("id", "status", "original_tokens", "compacted_tokens", "ratio",
-                                           "messages_covered", "timings", "error")} for j in jobs],
+        "command": "python -m benchmarks.agent_session "
+        + " ".join(
+            f"--{k.replace('_', '-')} {v}"
+            for k, v in vars(args).items()
+            if k != "out" and v is not None
+        ),
+        "model": MODEL,
+        "threshold_tokens": args.threshold,
+        "ratio": None if args.target_tokens else args.ratio,
+        "target_tokens": args.target_tokens,
+        "method": args.method,
+        "queries": args.queries,
+        "turns": turns,
+        "compactions": [
+            {
+                k: j[k]
+                for k in (
+                    "id",
+                    "status",
+                    "original_tokens",
+                    "compacted_tokens",
+                    "ratio",
+                    "messages_covered",
+                    "timings",
+                    "error",
+                )
+            }
+            for j in jobs
+        ],
         "final_logical_over_threshold": turns[-1]["logical_tokens"] / args.threshold,
         "compacted_probe_accuracy": _accuracy(turns, "compacted"),
         "history": history,
         "full_probe_accuracy": _accuracy(turns, "full"),
     }
     out = save_result(result, args.out, plot=_plot)
-    print(f"wrote {out}: logical {turns[-1]['logical_tokens']} tokens = "
-          f"{result['final_logical_over_threshold']:.1f} x the {args.threshold}-token cap; fact answers "
-          f"compacted {result['compacted_probe_accuracy']}, full history {result['full_probe_accuracy']}")
+    print(
+        f"wrote {out}: logical {turns[-1]['logical_tokens']} tokens = "
+        f"{result['final_logical_over_threshold']:.1f} x the {args.threshold}-token cap; fact answers "
+        f"compacted {result['compacted_probe_accuracy']}, full history {result['full_probe_accuracy']}"
+    )
 
 
 def _chunks(text: str, tokenizer, n_tokens: int) -> list[str]:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return [tokenizer.decode(ids[i:i + n_tokens]) for i in range(0, len(ids) - n_tokens + 1, n_tokens)]
+    return [
+        tokenizer.decode(ids[i : i + n_tokens])
+        for i in range(0, len(ids) - n_tokens + 1, n_tokens)
+    ]
 
 
 def _chat(client, messages, max_tokens: int = 32, **extra):
-    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
-                                          extra_body=extra or None)
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body=extra or None,
+    )
 
 
 def _wait_for_compaction(client, conversation: str) -> tuple[str | None, float]:
     """Wait until no compaction of the conversation is pending; the newest succeeded one's id."""
     start = time.perf_counter()
     while True:
-        jobs = [j for j in client.get("/compact", cast_to=object)["data"] if j["conversation_id"] == conversation]
+        jobs = [
+            j
+            for j in client.get("/compact", cast_to=object)["data"]
+            if j["conversation_id"] == conversation
+        ]
         if not any(j["status"] in ("queued", "running") for j in jobs):
             done = [j for j in jobs if j["status"] == "succeeded"]
-            newest = max(done, key=lambda j: j["messages_covered"])["id"] if done else None
+            newest = (
+                max(done, key=lambda j: j["messages_covered"])["id"] if done else None
+            )
             return newest, time.perf_counter() - start
         time.sleep(1.0)
 
@@ -138,14 +248,28 @@ def _probe(client, history, compaction_id: str | None) -> list[dict]:
     probes = []
     for _, question, answer in FACTS:
         messages = history + [{"role": "user", "content": question}]
-        compacted = _chat(client, messages, 16, **({"compaction_id": compaction_id} if compaction_id else {}))
+        compacted = _chat(
+            client,
+            messages,
+            16,
+            **({"compaction_id": compaction_id} if compaction_id else {}),
+        )
         try:
             full = _chat(client, messages, 16).choices[0].message.content
-        except Exception as exc:  # longer than the model window: only the compacted prefix can answer
+        except (
+            Exception
+        ) as exc:  # longer than the model window: only the compacted prefix can answer
             full = f"<{type(exc).__name__}>"
         text = compacted.choices[0].message.content
-        probes.append({"question": question, "compacted": _says(text, answer), "full": _says(full, answer),
-                       "compacted_answer": text, "full_answer": full})
+        probes.append(
+            {
+                "question": question,
+                "compacted": _says(text, answer),
+                "full": _says(full, answer),
+                "compacted_answer": text,
+                "full_answer": full,
+            }
+        )
     return probes
 
 
@@ -165,17 +289,44 @@ def _plot(result: dict, path: Path) -> None:
         return
     turns = result["turns"]
     x = [t["turn"] for t in turns]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[3, 1])
-    top.plot(x, [t["logical_tokens"] for t in turns], "o-", label="logical prompt tokens")
-    top.plot(x, [t["physical_tokens"] for t in turns], "s-", label="physical prompt tokens (KV)")
-    top.axhline(result["threshold_tokens"], color="gray", ls="--", label="auto-compaction threshold")
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(8, 6), sharex=True, height_ratios=[3, 1]
+    )
+    top.plot(
+        x, [t["logical_tokens"] for t in turns], "o-", label="logical prompt tokens"
+    )
+    top.plot(
+        x,
+        [t["physical_tokens"] for t in turns],
+        "s-",
+        label="physical prompt tokens (KV)",
+    )
+    top.axhline(
+        result["threshold_tokens"],
+        color="gray",
+        ls="--",
+        label="auto-compaction threshold",
+    )
     top.set_ylabel("tokens")
     top.legend()
-    size = (f"to {result['target_tokens']} slots per head" if result.get("target_tokens")
-            else f"at {result['ratio']:.0%}")
+    size = (
+        f"to {result['target_tokens']} slots per head"
+        if result.get("target_tokens")
+        else f"at {result['ratio']:.0%}"
+    )
     top.set_title(f"Agent session, auto-compaction {size} ({result['method']})")
-    bottom.plot(x, [sum(p["compacted"] for p in t["probes"]) for t in turns], "o-", label="compacted")
-    bottom.plot(x, [sum(p["full"] for p in t["probes"]) for t in turns], "x--", label="full history")
+    bottom.plot(
+        x,
+        [sum(p["compacted"] for p in t["probes"]) for t in turns],
+        "o-",
+        label="compacted",
+    )
+    bottom.plot(
+        x,
+        [sum(p["full"] for p in t["probes"]) for t in turns],
+        "x--",
+        label="full history",
+    )
     bottom.set_ylabel(f"facts right / {len(FACTS)}")
     bottom.set_xlabel("turn")
     bottom.legend()

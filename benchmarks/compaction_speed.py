@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.output import pyplot
 from vllm_compaction.am import CompactedHeads, attention_output_error, compact_heads
 from vllm_compaction.recipes import RECIPES
-
-from benchmarks.output import pyplot
 
 logger = logging.getLogger("benchmarks.compaction_speed")
 
@@ -44,7 +43,9 @@ OMP_FAST = {"am-highest-attn": None, "am-omp-fast": (4, 2)}
 def _rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (half-split convention) of ``x [H, L, d]`` at ``positions [L]``."""
     d = x.shape[-1]
-    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    inv_freq = 10000.0 ** (
+        -torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d
+    )
     ang = positions.float()[:, None] * inv_freq[None, :]  # [L, d/2]
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
@@ -75,7 +76,12 @@ def synthesize_layer(
     raw[:, torch.randint(1, t, (3,), generator=gen, device=dev)] *= 2.0  # outliers
     keys = _rope(raw, torch.arange(t, device=dev))
     sink = randn(h, d)
-    keys[:, 0] = sink / sink.norm(dim=-1, keepdim=True) * keys[:, 1:].norm(dim=-1).mean(-1, keepdim=True) * 1.5
+    keys[:, 0] = (
+        sink
+        / sink.norm(dim=-1, keepdim=True)
+        * keys[:, 1:].norm(dim=-1).mean(-1, keepdim=True)
+        * 1.5
+    )
     values = topics[:, seg] @ randn(h, d, d) / math.sqrt(d) + 0.3 * randn(h, t, d)
     values[:, 0] *= 0.1  # sinks carry little value
     recent = (t - 1 - (rand(n) ** 3 * t)).long().clamp(0, t - 1)
@@ -83,8 +89,18 @@ def synthesize_layer(
     target = torch.where(rand(n) < 0.5, recent, anywhere)  # [n]
     sharp = 0.8 + 0.4 * rand(h, 1, 1)  # per-head sharpness
     k_t, k_s = keys[:, target], keys[:, :1]  # [H, n, d], [H, 1, d]
-    a = sharp * 9.0 * (0.4 + 0.8 * rand(h, n, 1)) / (k_t.square().sum(-1, keepdim=True) * scale)
-    b = sharp * 11.0 * (0.5 + 0.7 * rand(h, n, 1)) / (k_s.square().sum(-1, keepdim=True) * scale)
+    a = (
+        sharp
+        * 9.0
+        * (0.4 + 0.8 * rand(h, n, 1))
+        / (k_t.square().sum(-1, keepdim=True) * scale)
+    )
+    b = (
+        sharp
+        * 11.0
+        * (0.5 + 0.7 * rand(h, n, 1))
+        / (k_s.square().sum(-1, keepdim=True) * scale)
+    )
     queries = a * k_t + b * k_s + 0.8 * randn(h, n, d)
     return {"keys": keys, "values": values, "queries": queries}
 
@@ -94,7 +110,8 @@ def load_inputs(path: Path | None, args: argparse.Namespace) -> dict[str, Any]:
     if path is not None:
         blob = torch.load(path, map_location="cpu")
         layers = [
-            {"keys": k, "values": v, "queries": q} for k, v, q in zip(blob["keys"], blob["values"], blob["queries"])
+            {"keys": k, "values": v, "queries": q}
+            for k, v, q in zip(blob["keys"], blob["values"], blob["queries"])
         ]
         return {
             "layers": layers[: args.layers],
@@ -104,7 +121,10 @@ def load_inputs(path: Path | None, args: argparse.Namespace) -> dict[str, Any]:
         }
     gen = torch.Generator().manual_seed(args.seed)
     count = args.layers or 2
-    layers = [synthesize_layer(args.heads, args.length, args.queries, args.dim, gen) for _ in range(count)]
+    layers = [
+        synthesize_layer(args.heads, args.length, args.queries, args.dim, gen)
+        for _ in range(count)
+    ]
     return {
         "layers": layers,
         "source": "synthetic (benchmarks.compaction_speed.synthesize_layer)",
@@ -117,10 +137,14 @@ def load_inputs(path: Path | None, args: argparse.Namespace) -> dict[str, Any]:
 def _lstsq(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.linalg.lstsq`` with the QR driver the paper's CUDA runs use (``gels``); the CPU
     default (``gelsy``) truncates singular values below ``eps * max(n, t)`` and fits worse."""
-    return torch.linalg.lstsq(a, b, driver="gels" if a.device.type == "cpu" else None).solution
+    return torch.linalg.lstsq(
+        a, b, driver="gels" if a.device.type == "cpu" else None
+    ).solution
 
 
-def _baseline_nnls(m: torch.Tensor, y: torch.Tensor, lower: float, upper: float, iters: int) -> torch.Tensor:
+def _baseline_nnls(
+    m: torch.Tensor, y: torch.Tensor, lower: float, upper: float, iters: int
+) -> torch.Tensor:
     """Paper Algorithm "NNLS via Projected Gradient Descent" for one head."""
     w = _lstsq(m, y[:, None])[:, 0].clamp(lower, upper)
     if iters:
@@ -134,7 +158,9 @@ def _baseline_nnls(m: torch.Tensor, y: torch.Tensor, lower: float, upper: float,
     return w
 
 
-def _baseline_omp(phi: torch.Tensor, mass: torch.Tensor, t: int, k: int, tau: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _baseline_omp(
+    phi: torch.Tensor, mass: torch.Tensor, t: int, k: int, tau: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Paper Algorithm "OMP Key Selection (Periodic Refit)" for one head, lstsq at every refit,
     with the beta >= -7 drop rule and the e^7 cap."""
     lo, hi = math.exp(-7.0), math.exp(7.0)
@@ -169,7 +195,12 @@ def _now(device: torch.device) -> float:
 
 
 def baseline_compact(
-    keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, method: str, clock: dict[str, float]
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor,
+    t: int,
+    method: str,
+    clock: dict[str, float],
 ) -> CompactedHeads:
     """The per-head reference pipeline (Python loop over heads), timed by stage into ``clock``."""
     out_k, out_b, out_v, out_i = [], [], [], []
@@ -195,10 +226,19 @@ def baseline_compact(
         cv = _lstsq(x, target)
         clock["values_s"] += _now(keys.device) - mark
         order = idx.argsort()
-        out_k.append(keys[h, idx[order]]), out_b.append(beta[order]), out_v.append(cv[order]), out_i.append(idx[order])
+        (
+            out_k.append(keys[h, idx[order]]),
+            out_b.append(beta[order]),
+            out_v.append(cv[order]),
+            out_i.append(idx[order]),
+        )
     lengths = [t] * keys.shape[0]
     return CompactedHeads.from_padded(
-        torch.stack(out_k), torch.stack(out_b), torch.stack(out_v), torch.stack(out_i), lengths
+        torch.stack(out_k),
+        torch.stack(out_b),
+        torch.stack(out_v),
+        torch.stack(out_i),
+        lengths,
     )
 
 
@@ -221,7 +261,12 @@ def _warm_up(layer: dict[str, torch.Tensor], method: str, baseline: bool) -> Non
 
 
 def measure(
-    layers: list[dict[str, torch.Tensor]], ratio: float, method: str, baseline: bool, repeats: int, seed: int
+    layers: list[dict[str, torch.Tensor]],
+    ratio: float,
+    method: str,
+    baseline: bool,
+    repeats: int,
+    seed: int,
 ) -> dict[str, Any]:
     """Per-KV-head seconds (best of ``repeats``) and held-out errors of ours and the baseline."""
     runs: dict[str, dict[str, Any]] = {}
@@ -230,17 +275,30 @@ def measure(
         clock = dict.fromkeys(STAGE_KEYS, 0.0)
         errs_out, errs_mass, heads_total = [], [], 0
         for li, layer in enumerate(layers):
-            k, v, q = layer["keys"].float(), layer["values"].float(), layer["queries"].float()
+            k, v, q = (
+                layer["keys"].float(),
+                layer["values"].float(),
+                layer["queries"].float(),
+            )
             fit_idx, eval_idx = _split(q.shape[1], seed + li)
             t = max(1, round(ratio * k.shape[1]))
             best: dict[str, float] | None = None
             for _ in range(repeats):
                 stages = dict.fromkeys(STAGE_KEYS, 0.0)
                 if who == "ours":
-                    heads = compact_heads(k, v, q[:, fit_idx], t, method=RECIPES[method].math, timings=stages)
+                    heads = compact_heads(
+                        k,
+                        v,
+                        q[:, fit_idx],
+                        t,
+                        method=RECIPES[method].math,
+                        timings=stages,
+                    )
                 else:
                     heads = baseline_compact(k, v, q[:, fit_idx], t, method, stages)
-                if best is None or sum(stages[s] for s in STAGE_KEYS) < sum(best[s] for s in STAGE_KEYS):
+                if best is None or sum(stages[s] for s in STAGE_KEYS) < sum(
+                    best[s] for s in STAGE_KEYS
+                ):
                     best = stages
             for s in STAGE_KEYS:
                 clock[s] += best[s]
@@ -252,7 +310,8 @@ def measure(
         runs[who] = {
             "per_head_s": total / heads_total,
             "stages_per_head_s": {s: clock[s] / heads_total for s in STAGE_KEYS},
-            "key_selection_per_head_s": (clock["reference_s"] + clock["select_s"]) / heads_total,
+            "key_selection_per_head_s": (clock["reference_s"] + clock["select_s"])
+            / heads_total,
             "heldout_output_rel": sum(errs_out) / len(errs_out),
             "heldout_mass_rel": sum(errs_mass) / len(errs_mass),
             "heldout_output_rel_per_head": errs_out,
@@ -274,11 +333,17 @@ def scaling(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     """Ours (and the baseline where affordable) versus T at ratio 0.1 and versus the ratio."""
     gen = torch.Generator().manual_seed(args.seed + 1)
     out: dict[str, list[dict[str, Any]]] = {"T": [], "ratio": []}
-    points = [("T", t, 0.1) for t in args.scale_lengths] + [("ratio", args.length, r) for r in args.scale_ratios]
+    points = [("T", t, 0.1) for t in args.scale_lengths] + [
+        ("ratio", args.length, r) for r in args.scale_ratios
+    ]
     for axis, length, ratio in points:
-        layer = synthesize_layer(args.heads, length, int(args.queries * length / args.length), args.dim, gen)
+        layer = synthesize_layer(
+            args.heads, length, int(args.queries * length / args.length), args.dim, gen
+        )
         for method in METHODS:
-            with_base = args.scale_baseline and (method != "am-omp-fast" or ratio * length <= args.omp_baseline_max_t)
+            with_base = args.scale_baseline and (
+                method != "am-omp-fast" or ratio * length <= args.omp_baseline_max_t
+            )
             row = measure([layer], ratio, method, with_base, 1, args.seed)
             out[axis].append({"T": length, "ratio": ratio, "method": method, **row})
     return out
@@ -297,36 +362,78 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 pts = [(r[axis], r[who]["per_head_s"]) for r in rows if who in r]
                 if pts:
                     ax.plot(*zip(*pts), style, label=f"{method} ({who})")
-        ax.set_xlabel("T (ratio 0.1)" if axis == "T" else f"ratio t/T (T={result['inputs']['T']})")
+        ax.set_xlabel(
+            "T (ratio 0.1)" if axis == "T" else f"ratio t/T (T={result['inputs']['T']})"
+        )
         ax.set_ylabel("seconds per KV head")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"compact_heads vs per-head baseline (torch threads={result['machine']['threads']})")
+    fig.suptitle(
+        f"compact_heads vs per-head baseline (torch threads={result['machine']['threads']})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kv", type=Path, default=None, help="torch.save'd dict of per-layer keys/values/queries")
-    p.add_argument("--quick", action="store_true", help="small shapes, one layer, few scaling points")
-    p.add_argument("--layers", type=int, default=None, help="layers to use (default: all of --kv, 2 synthesised)")
+    p.add_argument(
+        "--kv",
+        type=Path,
+        default=None,
+        help="torch.save'd dict of per-layer keys/values/queries",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small shapes, one layer, few scaling points",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers to use (default: all of --kv, 2 synthesised)",
+    )
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--length", type=int, default=2000, help="T of synthesised inputs")
-    p.add_argument("--queries", type=int, default=12500, help="n per KV head (80%% fit, 20%% held out)")
+    p.add_argument(
+        "--queries",
+        type=int,
+        default=12500,
+        help="n per KV head (80%% fit, 20%% held out)",
+    )
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--ratio", type=float, default=0.1, help="t / T of the main comparison")
-    p.add_argument("--repeats", type=int, default=1, help="best-of repeats per measurement")
-    p.add_argument("--queries-s", type=float, default=None, help="seconds spent generating the queries")
+    p.add_argument(
+        "--ratio", type=float, default=0.1, help="t / T of the main comparison"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="best-of repeats per measurement"
+    )
+    p.add_argument(
+        "--queries-s",
+        type=float,
+        default=None,
+        help="seconds spent generating the queries",
+    )
     p.add_argument("--no-scaling", dest="scaling", action="store_false")
     p.add_argument("--no-scale-baseline", dest="scale_baseline", action="store_false")
-    p.add_argument("--omp-baseline-max-t", type=int, default=200, help="skip slower OMP baselines in scaling")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument(
+        "--omp-baseline-max-t",
+        type=int,
+        default=200,
+        help="skip slower OMP baselines in scaling",
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "compaction_speed.json")
     args = p.parse_args(argv)
-    args.scale_lengths, args.scale_ratios = (500, 1000, 2000, 4000), (0.02, 0.05, 0.1, 0.2)
+    args.scale_lengths, args.scale_ratios = (
+        (500, 1000, 2000, 4000),
+        (0.02, 0.05, 0.1, 0.2),
+    )
     if args.quick:
         args.layers, args.length, args.queries = 1, 1000, 5000
         args.scale_lengths, args.scale_ratios = (250, 500, 1000), (0.05, 0.2)
@@ -341,7 +448,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     inputs = load_inputs(args.kv, args)
     layers = inputs.pop("layers")
     h, t_len, d = layers[0]["keys"].shape
-    queries_s = args.queries_s if args.queries_s is not None else inputs.pop("queries_s")
+    queries_s = (
+        args.queries_s if args.queries_s is not None else inputs.pop("queries_s")
+    )
     inputs.pop("queries_s", None)
     result: dict[str, Any] = {
         "inputs": {**inputs, "layers": len(layers), "H": h, "T": t_len, "d": d,

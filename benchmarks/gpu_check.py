@@ -25,15 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
-import os
 import platform
 import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from benchmarks.source_tree import alias_kernels
 
@@ -65,15 +64,20 @@ def _bench_ms(fn: Callable[[], Any], device: torch.device, smoke: bool) -> float
 
 
 # ----------------------------------------------------------------------------- 1. compaction
-def _layer(seed: int, heads: int, length: int, queries: int, dim: int, device: torch.device) -> dict:
+def _layer(
+    seed: int, heads: int, length: int, queries: int, dim: int, device: torch.device
+) -> dict:
     from benchmarks.compaction_speed import synthesize_layer
 
     gen = torch.Generator(device=device).manual_seed(seed)
     layer = synthesize_layer(heads, length, queries, dim, gen)
     perm = torch.randperm(queries, generator=gen, device=device)
     cut = int(0.8 * queries)
-    return {**layer, "fit": layer["queries"][:, perm[:cut]].contiguous(),
-            "held_out": layer["queries"][:, perm[cut:]].contiguous()}
+    return {
+        **layer,
+        "fit": layer["queries"][:, perm[:cut]].contiguous(),
+        "held_out": layer["queries"][:, perm[cut:]].contiguous(),
+    }
 
 
 def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
@@ -82,15 +86,32 @@ def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
     from vllm_compaction.am import attention_output_error, compact_heads
     from vllm_compaction.recipes import RECIPES
 
-    shape = dict(heads=8, length=60_000, queries=50_000, dim=256) if not args.smoke else \
-        dict(heads=2, length=600, queries=500, dim=32)
+    shape = (
+        dict(heads=8, length=60_000, queries=50_000, dim=256)
+        if not args.smoke
+        else dict(heads=2, length=600, queries=500, dim=32)
+    )
     layers, budget = (8, 1_200) if not args.smoke else (2, 12)
-    out: dict[str, Any] = {"setting": {**shape, "layers": layers, "t": budget, "fit_fraction": 0.8}}
+    out: dict[str, Any] = {
+        "setting": {**shape, "layers": layers, "t": budget, "fit_fraction": 0.8}
+    }
     # compile and tune the kernels on a layer of the same head size (autotuning keys on it)
-    warm = _layer(999, shape["heads"], min(shape["length"], 16_384), min(shape["queries"], 8_192),
-                  shape["dim"], device)
+    warm = _layer(
+        999,
+        shape["heads"],
+        min(shape["length"], 16_384),
+        min(shape["queries"], 8_192),
+        shape["dim"],
+        device,
+    )
     for method in ("am-highest-attn", "am-omp-fast"):
-        compact_heads(warm["keys"], warm["values"], warm["fit"], max(4, budget // 4), method=RECIPES[method].math)
+        compact_heads(
+            warm["keys"],
+            warm["values"],
+            warm["fit"],
+            max(4, budget // 4),
+            method=RECIPES[method].math,
+        )
     del warm
     for method in ("am-highest-attn", "am-omp-fast"):
         stages = dict.fromkeys(STAGE_KEYS, 0.0)
@@ -98,46 +119,97 @@ def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
         for index in range(layers):
             layer = _layer(index, **shape, device=device)
             timings: dict[str, float] = {}
-            heads = compact_heads(layer["keys"], layer["values"], layer["fit"], budget, method=RECIPES[method].math,
-                                  timings=timings)
+            heads = compact_heads(
+                layer["keys"],
+                layer["values"],
+                layer["fit"],
+                budget,
+                method=RECIPES[method].math,
+                timings=timings,
+            )
             for key in STAGE_KEYS:
                 stages[key] += timings[key]
-            errors += attention_output_error(heads, layer["keys"], layer["values"], layer["held_out"]
-                                             ).output_rel.tolist()
+            errors += attention_output_error(
+                heads, layer["keys"], layer["values"], layer["held_out"]
+            ).output_rel.tolist()
             del layer, heads
         total = sum(stages.values())
-        out[method] = {"stages_s": stages, "total_s": total, "heads": layers * shape["heads"],
-                       "heldout_output_rel": sum(errors) / len(errors), "heldout_output_rel_per_head": errors}
-        logger.info("%s: %d heads in %.2f s %s, held-out error %.4f", method, layers * shape["heads"], total,
-                    {k: round(v, 2) for k, v in stages.items()}, out[method]["heldout_output_rel"])
+        out[method] = {
+            "stages_s": stages,
+            "total_s": total,
+            "heads": layers * shape["heads"],
+            "heldout_output_rel": sum(errors) / len(errors),
+            "heldout_output_rel_per_head": errors,
+        }
+        logger.info(
+            "%s: %d heads in %.2f s %s, held-out error %.4f",
+            method,
+            layers * shape["heads"],
+            total,
+            {k: round(v, 2) for k, v in stages.items()},
+            out[method]["heldout_output_rel"],
+        )
     # the paper's per-head algorithm on the first heads of layer 0 (it takes seconds per head)
     layer = _layer(0, **shape, device=device)
     for method, count in (("am-highest-attn", 2), ("am-omp-fast", 1)):
         sub = {k: layer[k][:count] for k in ("keys", "values", "fit", "held_out")}
         clock = dict.fromkeys(STAGE_KEYS, 0.0)
-        base = baseline_compact(sub["keys"], sub["values"], sub["fit"], budget, method, clock)
-        ours = compact_heads(sub["keys"], sub["values"], sub["fit"], budget, method=RECIPES[method].math)
-        base_err = attention_output_error(base, sub["keys"], sub["values"], sub["held_out"]).output_rel
-        ours_err = attention_output_error(ours, sub["keys"], sub["values"], sub["held_out"]).output_rel
+        base = baseline_compact(
+            sub["keys"], sub["values"], sub["fit"], budget, method, clock
+        )
+        ours = compact_heads(
+            sub["keys"], sub["values"], sub["fit"], budget, method=RECIPES[method].math
+        )
+        base_err = attention_output_error(
+            base, sub["keys"], sub["values"], sub["held_out"]
+        ).output_rel
+        ours_err = attention_output_error(
+            ours, sub["keys"], sub["values"], sub["held_out"]
+        ).output_rel
         out[method]["paper_algorithm"] = {
-            "heads": count, "per_head_s": sum(clock.values()) / count, "stages_s": clock,
-            "heldout_output_rel": base_err.tolist(), "ours_heldout_output_rel": ours_err.tolist()}
-        logger.info("%s paper algorithm: %.2f s/head, error %s vs ours %s", method, sum(clock.values()) / count,
-                    [round(e, 4) for e in base_err.tolist()], [round(e, 4) for e in ours_err.tolist()])
+            "heads": count,
+            "per_head_s": sum(clock.values()) / count,
+            "stages_s": clock,
+            "heldout_output_rel": base_err.tolist(),
+            "ours_heldout_output_rel": ours_err.tolist(),
+        }
+        logger.info(
+            "%s paper algorithm: %.2f s/head, error %s vs ours %s",
+            method,
+            sum(clock.values()) / count,
+            [round(e, 4) for e in base_err.tolist()],
+            [round(e, 4) for e in ours_err.tolist()],
+        )
     # the reference pass's implementations on layer 0 (am-highest-attn: the reference pass is most of it)
     variants = {}
     default = attention.REFERENCE_BACKEND
     for backend in ("torch", "triton:tf32", "triton:tf32x3", "triton:ieee"):
         attention.REFERENCE_BACKEND = backend
         try:
-            compact_heads(layer["keys"][:, :4096], layer["values"][:, :4096], layer["fit"][:, :2048], 64,
-                          method=RECIPES["am-highest-attn"].math)  # compile and tune this variant
+            compact_heads(
+                layer["keys"][:, :4096],
+                layer["values"][:, :4096],
+                layer["fit"][:, :2048],
+                64,
+                method=RECIPES["am-highest-attn"].math,
+            )  # compile and tune this variant
             timings = {}
-            heads = compact_heads(layer["keys"], layer["values"], layer["fit"], budget,
-                                  method=RECIPES["am-highest-attn"].math, timings=timings)
-            err = attention_output_error(heads, layer["keys"], layer["values"], layer["held_out"]).output_rel
-            variants[backend] = {"reference_s": timings["reference_s"], "total_s": timings["total_s"],
-                                 "heldout_output_rel": float(err.mean())}
+            heads = compact_heads(
+                layer["keys"],
+                layer["values"],
+                layer["fit"],
+                budget,
+                method=RECIPES["am-highest-attn"].math,
+                timings=timings,
+            )
+            err = attention_output_error(
+                heads, layer["keys"], layer["values"], layer["held_out"]
+            ).output_rel
+            variants[backend] = {
+                "reference_s": timings["reference_s"],
+                "total_s": timings["total_s"],
+                "heldout_output_rel": float(err.mean()),
+            }
         except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a result too
             variants[backend] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         finally:
@@ -148,16 +220,31 @@ def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 # ----------------------------------------------------------------------------- 2. decode
-DECODE_SHAPES = [(64, 4096, 32, 8, 128), (16, 16384, 32, 8, 128), (1, 32768, 32, 8, 128), (64, 4096, 8, 1, 256)]
+DECODE_SHAPES = [
+    (64, 4096, 32, 8, 128),
+    (16, 16384, 32, 8, 128),
+    (1, 32768, 32, 8, 128),
+    (64, 4096, 8, 1, 256),
+]
 
 
-def _pages(num_blocks: int, heads: int, width: int, block: int, device: torch.device, dtype: torch.dtype,
-           layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _pages(
+    num_blocks: int,
+    heads: int,
+    width: int,
+    block: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    layers: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer key and value views ``[B, H, block, width]`` of vLLM's Triton layout (logical
     ``[B, H, N, 2 * width]``, physically ``[B, N, H, 2 * width]``), random finite contents."""
     out = []
     for _ in range(layers):
-        raw = torch.randn(num_blocks, block, heads, 2 * width, device=device, dtype=dtype) * 0.5
+        raw = (
+            torch.randn(num_blocks, block, heads, 2 * width, device=device, dtype=dtype)
+            * 0.5
+        )
         logical = raw.permute(0, 2, 1, 3)
         out.append((logical[..., :width], logical[..., width:]))
     return out
@@ -168,19 +255,36 @@ def decode_section(args: argparse.Namespace, device: torch.device) -> dict:
 
     from vllm_compaction.cache import PagedPacking
     from vllm_compaction.vllm.paged_prefix import PagedPrefixPages
-    from vllm_compaction_kernels.compacted_attention import choose_splits, compacted_attention
+    from vllm_compaction_kernels.compacted_attention import (
+        choose_splits,
+        compacted_attention,
+    )
 
     dtype, block = torch.bfloat16, 16
-    shapes = DECODE_SHAPES if not args.smoke else [(2, 256, 4, 2, 64), (1, 512, 4, 1, 64)]
-    configs = [(64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2)] if not args.smoke else [(64, 4, 2)]
+    shapes = (
+        DECODE_SHAPES if not args.smoke else [(2, 256, 4, 2, 64), (1, 512, 4, 1, 64)]
+    )
+    configs = (
+        [(64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2)]
+        if not args.smoke
+        else [(64, 4, 2)]
+    )
     rows = []
     for reqs, tokens, num_q, num_kv, dim in shapes:
         gen = torch.Generator(device=device).manual_seed(tokens)
-        row: dict[str, Any] = {"requests": reqs, "tokens": tokens, "q_heads": num_q, "kv_heads": num_kv, "d": dim}
+        row: dict[str, Any] = {
+            "requests": reqs,
+            "tokens": tokens,
+            "q_heads": num_q,
+            "kv_heads": num_kv,
+            "d": dim,
+        }
         kv_bytes = 2 * reqs * tokens * num_kv * dim * 2
         query = torch.randn(reqs, num_q, dim, device=device, dtype=dtype, generator=gen)
         # SDPA (flash) on dense K/V: the bandwidth bar
-        k = torch.randn(reqs, num_kv, tokens, dim, device=device, dtype=dtype, generator=gen)
+        k = torch.randn(
+            reqs, num_kv, tokens, dim, device=device, dtype=dtype, generator=gen
+        )
         v = torch.randn_like(k)
         q4 = query[:, :, None, :]
 
@@ -201,20 +305,41 @@ def decode_section(args: argparse.Namespace, device: torch.device) -> dict:
         # ours over the same tokens in shuffled pages (no prefix)
         blocks_per_req = -(-tokens // block)
         pages = _pages(reqs * blocks_per_req + 1, num_kv, dim, block, device, dtype, 1)
-        table = torch.randperm(reqs * blocks_per_req, device=device, generator=gen).view(reqs, -1).to(torch.int32)
+        table = (
+            torch.randperm(reqs * blocks_per_req, device=device, generator=gen)
+            .view(reqs, -1)
+            .to(torch.int32)
+        )
         seq_lens = torch.full((reqs,), tokens, dtype=torch.int32, device=device)
         starts = torch.arange(reqs + 1, dtype=torch.int32, device=device)
         out = torch.empty_like(query)
         best = None
         for block_n, warps, stages in configs:
+
             def ours(bn=block_n, w=warps, s=stages):
-                return compacted_attention(query, pages[0][0], pages[0][1], table, seq_lens, starts,
-                                           scale=dim ** -0.5, head_dim=dim, max_query_len=1, max_keys=tokens,
-                                           block_n=bn, num_warps=w, num_stages=s, out=out)
+                return compacted_attention(
+                    query,
+                    pages[0][0],
+                    pages[0][1],
+                    table,
+                    seq_lens,
+                    starts,
+                    scale=dim**-0.5,
+                    head_dim=dim,
+                    max_query_len=1,
+                    max_keys=tokens,
+                    block_n=bn,
+                    num_warps=w,
+                    num_stages=s,
+                    out=out,
+                )
+
             try:
                 ms = _bench_ms(ours, device, args.smoke)
             except Exception as exc:  # noqa: BLE001
-                row.setdefault("config_errors", []).append(f"{block_n}/{warps}/{stages}: {exc}"[:300])
+                row.setdefault("config_errors", []).append(
+                    f"{block_n}/{warps}/{stages}: {exc}"[:300]
+                )
                 continue
             if best is None or ms < best[0]:
                 best = (ms, (block_n, warps, stages))
@@ -223,47 +348,121 @@ def decode_section(args: argparse.Namespace, device: torch.device) -> dict:
             row["paged_GBps"] = kv_bytes / best[0] / 1e6
             row["paged_vs_sdpa"] = sdpa_ms / best[0]
         bn, warps, stages = best[1] if best is not None else configs[0]
-        del pages
+        pages = None  # free this shape's pages before the next one
         # the same rows as a packed prefix (each head t = tokens), and a 10% prefix with uneven heads
         for label, share in (("prefix_full", 1.0), ("prefix_10pct", 0.1)):
             layers = 2
             lengths = []
             for _ in range(reqs):
                 if share == 1.0:
-                    lengths.append(torch.full((layers, num_kv), tokens, dtype=torch.long))
+                    lengths.append(
+                        torch.full((layers, num_kv), tokens, dtype=torch.long)
+                    )
                 else:
-                    weights = torch.rand(layers, num_kv, generator=torch.Generator().manual_seed(len(lengths))) ** 2
-                    per = (weights / weights.sum(1, keepdim=True) * share * tokens * num_kv).round().long()
+                    weights = (
+                        torch.rand(
+                            layers,
+                            num_kv,
+                            generator=torch.Generator().manual_seed(len(lengths)),
+                        )
+                        ** 2
+                    )
+                    per = (
+                        (
+                            weights
+                            / weights.sum(1, keepdim=True)
+                            * share
+                            * tokens
+                            * num_kv
+                        )
+                        .round()
+                        .long()
+                    )
                     lengths.append(per.clamp_min(1))
             packings = [PagedPacking(t, dim, block) for t in lengths]
             total_blocks = sum(p.num_blocks for p in packings)
-            layer_pages = _pages(total_blocks + 1, num_kv, dim, block, device, dtype, layers)
-            pp = PagedPrefixPages([k for k, _ in layer_pages], [v for _, v in layer_pages], dim)
+            layer_pages = _pages(
+                total_blocks + 1, num_kv, dim, block, device, dtype, layers
+            )
+            pp = PagedPrefixPages(
+                [k for k, _ in layer_pages], [v for _, v in layer_pages], dim
+            )
             ids, first = [], 0
             for p in packings:
                 ids.append(torch.arange(first, first + p.num_blocks))
                 first += p.num_blocks
             tables = pp.kernel_tables(packings, ids)
             max_keys = 1 + max(int(p.head_lengths[1].max()) for p in packings)
-            suffix_table = torch.full((reqs, 1), total_blocks, dtype=torch.int32, device=device)
+            suffix_table = torch.full(
+                (reqs, 1), total_blocks, dtype=torch.int32, device=device
+            )
             one = torch.ones(reqs, dtype=torch.int32, device=device)
 
             def prefixed(t=tables, lp=layer_pages, st=suffix_table, o=one, mk=max_keys):
-                return compacted_attention(query, lp[1][0], lp[1][1], st, o, starts, scale=dim ** -0.5,
-                                           head_dim=dim, max_query_len=1, max_keys=mk, prefix=t, layer=1,
-                                           block_n=bn, num_warps=warps, num_stages=stages, out=out)
+                return compacted_attention(
+                    query,
+                    lp[1][0],
+                    lp[1][1],
+                    st,
+                    o,
+                    starts,
+                    scale=dim**-0.5,
+                    head_dim=dim,
+                    max_query_len=1,
+                    max_keys=mk,
+                    prefix=t,
+                    layer=1,
+                    block_n=bn,
+                    num_warps=warps,
+                    num_stages=stages,
+                    out=out,
+                )
+
             ms = _bench_ms(prefixed, device, args.smoke)
-            rows_read = sum(int(p.head_lengths[1].sum()) for p in packings) + reqs * num_kv
+            rows_read = (
+                sum(int(p.head_lengths[1].sum()) for p in packings) + reqs * num_kv
+            )
             # the same call with another pipeline depth and with twice the splits, for tuning
             variants = {}
-            for name, kw in (("stages3", dict(num_stages=3)), ("splits_x2", dict(num_splits=2 * choose_splits(
-                    reqs * num_kv, max_keys, tables.total_rows[1] + reqs * num_kv, device)))):
+            for name, kw in (
+                ("stages3", dict(num_stages=3)),
+                (
+                    "splits_x2",
+                    dict(
+                        num_splits=2
+                        * choose_splits(
+                            reqs * num_kv,
+                            max_keys,
+                            tables.total_rows[1] + reqs * num_kv,
+                            device,
+                        )
+                    ),
+                ),
+            ):
                 call = {**dict(block_n=bn, num_warps=warps, num_stages=stages), **kw}
                 try:
-                    variants[name] = _bench_ms(lambda c=call, t=tables, lp=layer_pages, st=suffix_table, o=one,
-                                               mk=max_keys: compacted_attention(
-                        query, lp[1][0], lp[1][1], st, o, starts, scale=dim ** -0.5, head_dim=dim, max_query_len=1,
-                        max_keys=mk, prefix=t, layer=1, out=out, **c), device, args.smoke)
+                    variants[name] = _bench_ms(
+                        lambda c=call, t=tables, lp=layer_pages, st=suffix_table, o=one, mk=max_keys: (
+                            compacted_attention(
+                                query,
+                                lp[1][0],
+                                lp[1][1],
+                                st,
+                                o,
+                                starts,
+                                scale=dim**-0.5,
+                                head_dim=dim,
+                                max_query_len=1,
+                                max_keys=mk,
+                                prefix=t,
+                                layer=1,
+                                out=out,
+                                **c,
+                            )
+                        ),
+                        device,
+                        args.smoke,
+                    )
                 except Exception as exc:  # noqa: BLE001
                     variants[name] = f"{exc}"[:200]
             row[f"{label}_variants_ms"] = variants
@@ -272,60 +471,121 @@ def decode_section(args: argparse.Namespace, device: torch.device) -> dict:
             if share < 1.0:
                 row["prefix_10pct_speedup_vs_sdpa_full"] = sdpa_ms / ms
             del layer_pages, pp, tables
-        logger.info("decode %s", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+        logger.info(
+            "decode %s",
+            {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
+        )
         rows.append(row)
     return {"dtype": "bfloat16", "block_size": block, "shapes": rows}
 
 
 # ----------------------------------------------------------------------------- 3. compact()
 def compact_section(args: argparse.Namespace, device: torch.device) -> dict:
-    from benchmarks.synthetic_model import LLAMA3_8B, TINY, synthetic_llama, synthetic_messages
+    from benchmarks.synthetic_model import (
+        LLAMA3_8B,
+        TINY,
+        synthetic_llama,
+        synthetic_messages,
+    )
     from vllm_compaction.pipeline import compact
 
     shape, layers, tokens = (LLAMA3_8B, 2, 32_768) if not args.smoke else (TINY, 2, 300)
     adapter = synthetic_llama(shape, layers=layers, device=device)
     messages = synthetic_messages(tokens, seed=0)
-    compact(adapter, synthetic_messages(256, seed=1), ratio=0.1, method="am-highest-attn-fast")  # warm up
-    out: dict[str, Any] = {"model": f"random-weight Llama, Llama-3-8B layer shapes, {layers} layers"
-                           if not args.smoke else "tiny", "tokens": tokens}
+    compact(
+        adapter,
+        synthetic_messages(256, seed=1),
+        ratio=0.1,
+        method="am-highest-attn-fast",
+    )  # warm up
+    out: dict[str, Any] = {
+        "model": f"random-weight Llama, Llama-3-8B layer shapes, {layers} layers"
+        if not args.smoke
+        else "tiny",
+        "tokens": tokens,
+    }
     for method in ("am-highest-attn-fast", "am-omp-fast"):
         _sync(device)
         start = time.perf_counter()
-        cache = compact(adapter, messages, ratio=0.1, method=method, queries="repeat-prefill")
+        cache = compact(
+            adapter, messages, ratio=0.1, method=method, queries="repeat-prefill"
+        )
         _sync(device)
-        out[method] = {"wall_s": time.perf_counter() - start, "timings": cache.timings,
-                       "slots": cache.physical_slots, "logical_length": cache.logical_length,
-                       "cache_device": str(cache.layers[0].keys.device)}
-        logger.info("compact() %s: %.1f s %s", method, out[method]["wall_s"],
-                    {k: round(v, 2) for k, v in cache.timings.items()})
+        out[method] = {
+            "wall_s": time.perf_counter() - start,
+            "timings": cache.timings,
+            "slots": cache.physical_slots,
+            "logical_length": cache.logical_length,
+            "cache_device": str(cache.layers[0].keys.device),
+        }
+        logger.info(
+            "compact() %s: %.1f s %s",
+            method,
+            out[method]["wall_s"],
+            {k: round(v, 2) for k, v in cache.timings.items()},
+        )
     return out
 
 
 # ----------------------------------------------------------------------------- 4. tests
 def tests_section(args: argparse.Namespace, device: torch.device) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "-rfE", "--tb=short",
-           "tests/cuda"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "cuda",
+        "-p",
+        "no:cacheprovider",
+        "-rfE",
+        "--tb=short",
+        "tests/cuda",
+    ]
     start = time.perf_counter()
-    budget = args.test_timeout if args.deadline is None else max(30.0, args.deadline - (time.time() - args.started))
+    budget = (
+        args.test_timeout
+        if args.deadline is None
+        else max(30.0, args.deadline - (time.time() - args.started))
+    )
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget)
     tail = (proc.stdout + proc.stderr)[-6000:]
     logger.info("pytest -m cuda: exit %d\n%s", proc.returncode, tail[-1500:])
-    return {"command": " ".join(cmd[2:]), "exit_code": proc.returncode, "seconds": time.perf_counter() - start,
-            "summary": tail.strip().splitlines()[-1] if tail.strip() else "", "output_tail": tail}
+    return {
+        "command": " ".join(cmd[2:]),
+        "exit_code": proc.returncode,
+        "seconds": time.perf_counter() - start,
+        "summary": tail.strip().splitlines()[-1] if tail.strip() else "",
+        "output_tail": tail,
+    }
 
 
-SECTIONS = {"compaction": compaction_section, "decode": decode_section, "compact": compact_section,
-            "tests": tests_section}
+SECTIONS = {
+    "compaction": compaction_section,
+    "decode": decode_section,
+    "compact": compact_section,
+    "tests": tests_section,
+}
 
 
 def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: " + ", ".join(SECTIONS))
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of this script)")
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help="comma-separated: " + ", ".join(SECTIONS),
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny shapes (a CPU check of this script)"
+    )
     parser.add_argument("--test-timeout", type=float, default=300.0)
-    parser.add_argument("--deadline", type=float, default=None, help="seconds the whole check may take: the "
-                        "tests get what is left")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds the whole check may take: the tests get what is left",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu_check.json")
     args = parser.parse_args(argv)
     args.started = time.time()
@@ -333,10 +593,16 @@ def main(argv: list[str] | None = None) -> dict:
     import triton
 
     result: dict[str, Any] = {
-        "command": "python -m benchmarks.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-        "created": time.strftime("%Y-%m-%d %H:%M:%S"), "sections": {},
+        "command": "python -m benchmarks.gpu_check "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "sections": {},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for name in [s.strip() for s in args.sections.split(",") if s.strip()]:
@@ -345,7 +611,10 @@ def main(argv: list[str] | None = None) -> dict:
             result["sections"][name] = SECTIONS[name](args, device)
         except Exception as exc:  # noqa: BLE001 - recorded; the next section still runs
             logger.exception("section %s failed", name)
-            result["sections"][name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+            result["sections"][name] = {
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
         result["sections"][name]["section_s"] = time.perf_counter() - start
         if device.type == "cuda":
             torch.cuda.empty_cache()

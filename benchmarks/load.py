@@ -66,20 +66,35 @@ def _running_jobs(store: Path) -> int:
     return count
 
 
-def session(index: int, args: argparse.Namespace, url: str, store: Path, text: str, stop: threading.Event,
-            rec: Recorder, start: float) -> None:
+def session(
+    index: int,
+    args: argparse.Namespace,
+    url: str,
+    store: Path,
+    text: str,
+    stop: threading.Event,
+    rec: Recorder,
+    start: float,
+) -> None:
     import openai
 
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS[index % 2], max_retries=0, timeout=600)
+    client = openai.OpenAI(
+        base_url=f"{url}/v1", api_key=KEYS[index % 2], max_retries=0, timeout=600
+    )
     rng = random.Random(index)
     plain = index % 10 == 9
     history: list[dict[str, str]] = []
     cursor = rng.randrange(0, max(1, len(text) - 4000))
     turn = 0
     while not stop.is_set():
-        chunk = text[cursor:cursor + args.turn_chars]
+        chunk = text[cursor : cursor + args.turn_chars]
         cursor = (cursor + args.turn_chars) % max(1, len(text) - args.turn_chars)
-        messages = [{"role": "user", "content": f"Note {turn}: {chunk}\nReply with one short sentence."}]
+        messages = [
+            {
+                "role": "user",
+                "content": f"Note {turn}: {chunk}\nReply with one short sentence.",
+            }
+        ]
         extra = None
         if not plain:
             history += messages
@@ -88,9 +103,15 @@ def session(index: int, args: argparse.Namespace, url: str, store: Path, text: s
         sent = time.monotonic()
         status, ttft, usage, reply = 200, None, {}, ""
         try:
-            stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=args.max_tokens,
-                                                    temperature=0, stream=True, extra_body=extra,
-                                                    stream_options={"include_usage": True})
+            stream = client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=args.max_tokens,
+                temperature=0,
+                stream=True,
+                extra_body=extra,
+                stream_options={"include_usage": True},
+            )
             for event in stream:
                 if ttft is None and event.choices and event.choices[0].delta.content:
                     ttft = time.monotonic() - sent
@@ -104,10 +125,26 @@ def session(index: int, args: argparse.Namespace, url: str, store: Path, text: s
             status = -1
         physical = usage.get("physical_prompt_tokens")
         logical = usage.get("logical_prompt_tokens")
-        kind = "plain" if plain else ("compacted" if physical is not None and logical and physical < logical
-                                      else "uncompacted")
-        rec.add(session=index, turn=turn, t=sent - start, status=status, ttft=ttft, kind=kind, busy=busy,
-                physical=physical, logical=logical or usage.get("prompt_tokens"))
+        kind = (
+            "plain"
+            if plain
+            else (
+                "compacted"
+                if physical is not None and logical and physical < logical
+                else "uncompacted"
+            )
+        )
+        rec.add(
+            session=index,
+            turn=turn,
+            t=sent - start,
+            status=status,
+            ttft=ttft,
+            kind=kind,
+            busy=busy,
+            physical=physical,
+            logical=logical or usage.get("prompt_tokens"),
+        )
         if not plain:
             history.append({"role": "assistant", "content": reply or "Noted."})
             if (logical or 0) > args.max_logical:  # start over before the model window
@@ -119,7 +156,11 @@ def kill_worker(store: Path) -> int | None:
     """SIGKILL a local worker: the pid from a running job's record, else any worker process."""
     import subprocess
 
-    found = subprocess.run(["pgrep", "-f", "vllm_compaction.service.worker"], capture_output=True, text=True)
+    found = subprocess.run(
+        ["pgrep", "-f", "vllm_compaction.service.worker"],
+        capture_output=True,
+        text=True,
+    )
     pids = [int(p) for p in found.stdout.split()]
     if not pids:
         return None
@@ -140,23 +181,42 @@ def check_store(store: Path) -> dict[str, Any]:
             continue
     succeeded = [j for j in jobs if j["status"] == "succeeded"]
     missing = [j["id"] for j in succeeded if not cache_store.contains_id(j["id"])]
-    broken = [j["id"] for j in succeeded if j["id"] not in missing and cache_store.verify_id(j["id"]) is not None]
-    return {"jobs": len(jobs), "succeeded": len(succeeded), "failed": sum(j["status"] == "failed" for j in jobs),
-            "retried": sum(j.get("attempts", 0) > 1 for j in jobs), "missing_caches": missing,
-            "corrupt_caches": broken, "temp_files": [p.name for p in store.rglob("*.tmp")]}
+    broken = [
+        j["id"]
+        for j in succeeded
+        if j["id"] not in missing and cache_store.verify_id(j["id"]) is not None
+    ]
+    return {
+        "jobs": len(jobs),
+        "succeeded": len(succeeded),
+        "failed": sum(j["status"] == "failed" for j in jobs),
+        "retried": sum(j.get("attempts", 0) > 1 for j in jobs),
+        "missing_caches": missing,
+        "corrupt_caches": broken,
+        "temp_files": [p.name for p in store.rglob("*.tmp")],
+    }
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"requests": len(rows), "status_counts": {}}
     for row in rows:
-        out["status_counts"][str(row["status"])] = out["status_counts"].get(str(row["status"]), 0) + 1
+        out["status_counts"][str(row["status"])] = (
+            out["status_counts"].get(str(row["status"]), 0) + 1
+        )
     out["errors_5xx"] = sum(1 for r in rows if r["status"] >= 500)
     for kind in ("plain", "compacted", "uncompacted"):
         for busy in (False, True):
-            ttfts = [r["ttft"] for r in rows if r["kind"] == kind and r["busy"] == busy and r["ttft"] is not None]
+            ttfts = [
+                r["ttft"]
+                for r in rows
+                if r["kind"] == kind and r["busy"] == busy and r["ttft"] is not None
+            ]
             out[f"{kind}_{'busy' if busy else 'idle'}"] = {
-                "n": len(ttfts), "ttft_p50_s": _percentile(ttfts, 0.5), "ttft_p99_s": _percentile(ttfts, 0.99),
-                "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None}
+                "n": len(ttfts),
+                "ttft_p50_s": _percentile(ttfts, 0.5),
+                "ttft_p99_s": _percentile(ttfts, 0.99),
+                "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+            }
     return out
 
 
@@ -165,8 +225,16 @@ def plot(rows: list[dict[str, Any]], kills: list[float], path: Path) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(10, 4))
-    for kind, color in (("plain", "tab:gray"), ("uncompacted", "tab:orange"), ("compacted", "tab:blue")):
-        pts = [(r["t"], r["ttft"]) for r in rows if r["kind"] == kind and r["ttft"] is not None]
+    for kind, color in (
+        ("plain", "tab:gray"),
+        ("uncompacted", "tab:orange"),
+        ("compacted", "tab:blue"),
+    ):
+        pts = [
+            (r["t"], r["ttft"])
+            for r in rows
+            if r["kind"] == kind and r["ttft"] is not None
+        ]
         if pts:
             ax.scatter(*zip(*pts), s=6, label=kind, color=color, alpha=0.6)
     for t in kills:
@@ -185,12 +253,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--kills", type=int, default=2)
-    parser.add_argument("--threshold", type=int, default=700, help="auto-compaction threshold (physical tokens)")
-    parser.add_argument("--target-tokens", type=int, default=192, help="content slots per head kept")
-    parser.add_argument("--method", default="am-highest-attn-fast", help="method of the automatic compactions")
+    parser.add_argument(
+        "--threshold",
+        type=int,
+        default=700,
+        help="auto-compaction threshold (physical tokens)",
+    )
+    parser.add_argument(
+        "--target-tokens", type=int, default=192, help="content slots per head kept"
+    )
+    parser.add_argument(
+        "--method",
+        default="am-highest-attn-fast",
+        help="method of the automatic compactions",
+    )
     parser.add_argument("--turn-chars", type=int, default=600)
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--max-logical", type=int, default=3000, help="a session starts over above this length")
+    parser.add_argument(
+        "--max-logical",
+        type=int,
+        default=3000,
+        help="a session starts over above this length",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "load.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -203,16 +287,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     text = haystack_text(20_000, AutoTokenizer.from_pretrained(resolve(MODEL)), seed=3)
     root = Path(tempfile.mkdtemp(prefix="load-"))
     store = root / "store"
-    server = ServerProcess(MODEL, [
-        "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--kv-cache-memory-bytes",
-        str(2 << 30), "--max-num-seqs", str(min(args.sessions, 64)), "--api-key", *KEYS,
-        "--compaction-store", str(store), "--auto-compact-threshold-tokens", str(args.threshold),
-        "--auto-compact-target-tokens", str(args.target_tokens), "--auto-compact-method", args.method,
-    ], root / "server.log")
+    server = ServerProcess(
+        MODEL,
+        [
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "4096",
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(2 << 30),
+            "--max-num-seqs",
+            str(min(args.sessions, 64)),
+            "--api-key",
+            *KEYS,
+            "--compaction-store",
+            str(store),
+            "--auto-compact-threshold-tokens",
+            str(args.threshold),
+            "--auto-compact-target-tokens",
+            str(args.target_tokens),
+            "--auto-compact-method",
+            args.method,
+        ],
+        root / "server.log",
+    )
     server.start()
     rec, stop, start = Recorder(), threading.Event(), time.monotonic()
-    threads = [threading.Thread(target=session, args=(i, args, server.url, store, text, stop, rec, start),
-                                daemon=True) for i in range(args.sessions)]
+    threads = [
+        threading.Thread(
+            target=session,
+            args=(i, args, server.url, store, text, stop, rec, start),
+            daemon=True,
+        )
+        for i in range(args.sessions)
+    ]
     kills: list[float] = []
     try:
         for thread in threads:
@@ -231,11 +340,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         stop.set()
         server.stop()
-    command = " ".join(["python -m benchmarks.load", *(sys.argv[1:] if argv is None else argv)])
-    result = {"command": command, "args": {k: str(v) for k, v in vars(args).items()},
-              "kills_s": kills, "summary": summarize(rec.rows), "store": check_store(store), "rows": rec.rows}
-    save_result(result, args.out, plot=lambda r, png: plot(r["rows"], r["kills_s"], png))
-    logger.info("summary: %s", json.dumps({k: v for k, v in result["summary"].items()}, indent=1))
+    command = " ".join(
+        ["python -m benchmarks.load", *(sys.argv[1:] if argv is None else argv)]
+    )
+    result = {
+        "command": command,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "kills_s": kills,
+        "summary": summarize(rec.rows),
+        "store": check_store(store),
+        "rows": rec.rows,
+    }
+    save_result(
+        result, args.out, plot=lambda r, png: plot(r["rows"], r["kills_s"], png)
+    )
+    logger.info(
+        "summary: %s",
+        json.dumps({k: v for k, v in result["summary"].items()}, indent=1),
+    )
     logger.info("store: %s", result["store"])
     return result
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 logger = logging.getLogger("benchmarks")
 
@@ -23,8 +24,11 @@ def pyplot():
     return plt
 
 
-def save_result(result: dict[str, Any], out: str | Path,
-                plot: Callable[[dict[str, Any], Path], None] | None = None) -> Path:
+def save_result(
+    result: dict[str, Any],
+    out: str | Path,
+    plot: Callable[[dict[str, Any], Path], None] | None = None,
+) -> Path:
     """Write ``result`` as JSON at ``out`` (folders created) and, given ``plot``, a PNG beside it."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

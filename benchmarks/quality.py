@@ -23,11 +23,11 @@ import hashlib
 import json
 import logging
 import statistics
-import time
 import textwrap
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from tqdm.auto import tqdm
 
@@ -43,34 +43,57 @@ class SweepError(ValueError):
     or combine that was made with other settings or instances, a JSON that is not a result."""
 
 
-def completed_instances(previous: dict, args: argparse.Namespace) -> dict[tuple[str, int], dict]:
+def completed_instances(
+    previous: dict, args: argparse.Namespace
+) -> dict[tuple[str, int], dict]:
     """The instances of an earlier (possibly partial) result that this run may keep, keyed by
     (task, seed): their baselines, rows and prompt hash. Raises SweepError when the result was
     made with another model, length, method list or ratio list, whose rows would not compare."""
     from vllm_compaction.eval.variants import parse_variants
 
     methods = [v.label for v in parse_variants(args.methods)]
-    wanted = dict(model=args.model, tokens=args.tokens, methods=methods,
-                  ratios=[float(r) for r in args.ratios.split(",")])
+    wanted = dict(
+        model=args.model,
+        tokens=args.tokens,
+        methods=methods,
+        ratios=[float(r) for r in args.ratios.split(",")],
+    )
     done: dict[tuple[str, int], dict] = {}
     try:
         for key, value in wanted.items():
             if previous.get(key) != value:
-                raise SweepError(f"cannot resume: the earlier result has {key}={previous.get(key)!r}, "
-                                 f"this run {value!r}")
+                raise SweepError(
+                    f"cannot resume: the earlier result has {key}={previous.get(key)!r}, "
+                    f"this run {value!r}"
+                )
         for task in args.tasks.split(","):
             for seed in range(args.seed, args.seed + args.instances):
-                base = [b for b in previous.get("baselines", []) if b["task"] == task and b["seed"] == seed]
-                rows = [r for r in previous.get("rows", []) if r["task"] == task and r["seed"] == seed]
+                base = [
+                    b
+                    for b in previous.get("baselines", [])
+                    if b["task"] == task and b["seed"] == seed
+                ]
+                rows = [
+                    r
+                    for r in previous.get("rows", [])
+                    if r["task"] == task and r["seed"] == seed
+                ]
                 if len(base) == 2 and len(rows) == len(methods) * len(wanted["ratios"]):
-                    done[(task, seed)] = dict(baselines=base, rows=rows, prompt=base[0]["prompt"])
+                    done[(task, seed)] = dict(
+                        baselines=base, rows=rows, prompt=base[0]["prompt"]
+                    )
     except (AttributeError, KeyError, TypeError) as exc:
-        raise SweepError(f"cannot resume: not a result of this benchmark ({exc!r})") from None
+        raise SweepError(
+            f"cannot resume: not a result of this benchmark ({exc!r})"
+        ) from None
     return done
 
 
-def run(args: argparse.Namespace, on_instance: Callable[[dict], None] | None = None,
-        previous: dict | None = None) -> dict:
+def run(
+    args: argparse.Namespace,
+    on_instance: Callable[[dict], None] | None = None,
+    previous: dict | None = None,
+) -> dict:
     """Every task x instance x method x ratio; ``on_instance`` gets the result so far (marked
     ``"partial": true``) after each instance, so a long sweep that stops keeps what it measured.
     Given ``previous`` (such a result), its completed instances are kept, not recomputed. The
@@ -98,63 +121,136 @@ def run(args: argparse.Namespace, on_instance: Callable[[dict], None] | None = N
     rows, baselines = [], []
     prompt_hash: dict[tuple[str, int], str] = {}
     remaining = len(tasks) * len(seeds) - len(done)
-    bar = tqdm(total=remaining * (2 + len(variants) * len(ratios)), desc="quality", unit="run")
+    bar = tqdm(
+        total=remaining * (2 + len(variants) * len(ratios)), desc="quality", unit="run"
+    )
     for task in tasks:
         for seed in seeds:
             inst = make_task(task, adapter.tokenizer, args.tokens, seed=seed)
             prompt = task_prompt(adapter, inst)
-            digest = hashlib.sha256(json.dumps([prompt.prefix_ids, prompt.continuation_ids]).encode()).hexdigest()[:16]
-            assert prompt_hash.setdefault((task, seed), digest) == digest  # identical for every method
+            digest = hashlib.sha256(
+                json.dumps([prompt.prefix_ids, prompt.continuation_ids]).encode()
+            ).hexdigest()[:16]
+            assert (
+                prompt_hash.setdefault((task, seed), digest) == digest
+            )  # identical for every method
             if (task, seed) in done:
                 kept = done[(task, seed)]
                 if kept["prompt"] != digest:
-                    raise SweepError(f"cannot resume: {task} seed {seed} has another prompt now "
-                                     f"({digest}) than in the earlier result ({kept['prompt']})")
+                    raise SweepError(
+                        f"cannot resume: {task} seed {seed} has another prompt now "
+                        f"({digest}) than in the earlier result ({kept['prompt']})"
+                    )
                 baselines += kept["baselines"]
                 rows += kept["rows"]
                 continue
-            answer_tokens = inst.answer_tokens or args.max_new_tokens  # free-form tasks answer at length
+            answer_tokens = (
+                inst.answer_tokens or args.max_new_tokens
+            )  # free-form tasks answer at length
             full_kv = adapter.prefill(prompt.prefix_ids, capture_queries=False)
-            full = decoder.generate(full_kv, prompt.continuation_ids, max_new_tokens=answer_tokens)
-            template_only = [t for t, m in zip(prompt.prefix_ids, prompt.compact_mask.tolist()) if not m]
-            none = decoder.generate(adapter.prefill(template_only, capture_queries=False), prompt.continuation_ids,
-                                    max_new_tokens=answer_tokens)
+            full = decoder.generate(
+                full_kv, prompt.continuation_ids, max_new_tokens=answer_tokens
+            )
+            template_only = [
+                t
+                for t, m in zip(prompt.prefix_ids, prompt.compact_mask.tolist())
+                if not m
+            ]
+            none = decoder.generate(
+                adapter.prefill(template_only, capture_queries=False),
+                prompt.continuation_ids,
+                max_new_tokens=answer_tokens,
+            )
             for name, gen in (("full-context", full), ("no-context", none)):
-                baselines.append(dict(task=task, seed=seed, method=name, answer=gen.text, score=inst.score(gen.text),
-                                      prompt=digest, prefix_tokens=len(prompt.prefix_ids)))
+                baselines.append(
+                    dict(
+                        task=task,
+                        seed=seed,
+                        method=name,
+                        answer=gen.text,
+                        score=inst.score(gen.text),
+                        prompt=digest,
+                        prefix_tokens=len(prompt.prefix_ids),
+                    )
+                )
                 bar.update(1)
             prepared = {}  # one prefill + query plan per query source, shared by methods and ratios
             for variant in variants:
                 kwargs = variant.kwargs()
-                requested = kwargs.pop("queries", None) or RECIPES[variant.method].queries
+                requested = (
+                    kwargs.pop("queries", None) or RECIPES[variant.method].queries
+                )
                 for ratio in ratios:
-                    queries = resolve_spacing(requested, ratio)  # '/auto' plans per ratio
+                    queries = resolve_spacing(
+                        requested, ratio
+                    )  # '/auto' plans per ratio
                     if queries not in prepared:
-                        prepared[queries] = prepare_prefix(adapter, prompt.prefix_ids, prompt.compact_mask,
-                                                           queries=queries, seed=seed)
+                        prepared[queries] = prepare_prefix(
+                            adapter,
+                            prompt.prefix_ids,
+                            prompt.compact_mask,
+                            queries=queries,
+                            seed=seed,
+                        )
                     start = time.perf_counter()
                     cache = compact_prepared(prepared[queries], ratio=ratio, **kwargs)
                     seconds = time.perf_counter() - start
-                    gen = decoder.generate(cache, prompt.continuation_ids, max_new_tokens=answer_tokens)
-                    recon = reconstruction(decoder, full_kv, cache, prompt.continuation_ids, full.token_ids)
+                    gen = decoder.generate(
+                        cache, prompt.continuation_ids, max_new_tokens=answer_tokens
+                    )
+                    recon = reconstruction(
+                        decoder, full_kv, cache, prompt.continuation_ids, full.token_ids
+                    )
                     lengths = cache.head_lengths[cache.layer_compacted]
-                    rows.append(dict(task=task, seed=seed, method=variant.label, ratio=ratio, prompt=digest,
-                                     answer=gen.text, score=inst.score(gen.text), compaction_s=seconds,
-                                     timings=cache.timings, physical_slots=cache.physical_slots,
-                                     max_head=int(lengths.max()), min_head=int(lengths.min()),
-                                     log_ppl_full=recon.log_ppl_full, log_ppl_compacted=recon.log_ppl_compacted,
-                                     kl=recon.kl))
+                    rows.append(
+                        dict(
+                            task=task,
+                            seed=seed,
+                            method=variant.label,
+                            ratio=ratio,
+                            prompt=digest,
+                            answer=gen.text,
+                            score=inst.score(gen.text),
+                            compaction_s=seconds,
+                            timings=cache.timings,
+                            physical_slots=cache.physical_slots,
+                            max_head=int(lengths.max()),
+                            min_head=int(lengths.min()),
+                            log_ppl_full=recon.log_ppl_full,
+                            log_ppl_compacted=recon.log_ppl_compacted,
+                            kl=recon.kl,
+                        )
+                    )
                     bar.update(1)
             if on_instance is not None:
-                on_instance({**_result(args, tasks, ratios, variants, list(rows), list(baselines)), "partial": True})
+                on_instance(
+                    {
+                        **_result(
+                            args, tasks, ratios, variants, list(rows), list(baselines)
+                        ),
+                        "partial": True,
+                    }
+                )
     bar.close()
     return _result(args, tasks, ratios, variants, rows, baselines)
 
 
-def _result(args, tasks, ratios, variants, rows: list[dict], baselines: list[dict]) -> dict:
-    return dict(model=args.model, tokens=args.tokens, instances=args.instances, seed=args.seed, tasks=tasks,
-                ratios=ratios, methods=[v.label for v in variants], summary=summarize(rows, baselines),
-                baselines=baselines, rows=rows, created=time.time())
+def _result(
+    args, tasks, ratios, variants, rows: list[dict], baselines: list[dict]
+) -> dict:
+    return dict(
+        model=args.model,
+        tokens=args.tokens,
+        instances=args.instances,
+        seed=args.seed,
+        tasks=tasks,
+        ratios=ratios,
+        methods=[v.label for v in variants],
+        summary=summarize(rows, baselines),
+        baselines=baselines,
+        rows=rows,
+        created=time.time(),
+    )
 
 
 def combine(results: list[dict]) -> dict:
@@ -168,32 +264,62 @@ def combine(results: list[dict]) -> dict:
         for other in results[1:]:
             for key in ("model", "tokens", "tasks"):
                 if other[key] != first[key]:
-                    raise SweepError(f"cannot combine: {key} {other[key]!r} differs from {first[key]!r}")
-        instances = {(b["task"], b["seed"], b["method"]): (b["prompt"], b["score"]) for b in first["baselines"]}
+                    raise SweepError(
+                        f"cannot combine: {key} {other[key]!r} differs from {first[key]!r}"
+                    )
+        instances = {
+            (b["task"], b["seed"], b["method"]): (b["prompt"], b["score"])
+            for b in first["baselines"]
+        }
         methods: list[str] = []
         for result in results[1:]:
-            mine = {(b["task"], b["seed"], b["method"]): (b["prompt"], b["score"]) for b in result["baselines"]}
+            mine = {
+                (b["task"], b["seed"], b["method"]): (b["prompt"], b["score"])
+                for b in result["baselines"]
+            }
             if mine != instances:
-                differ = sorted({k[:2] for k in set(mine) ^ set(instances)} |
-                                {k[:2] for k in set(mine) & set(instances) if mine[k] != instances[k]})
-                raise SweepError(f"cannot combine: the runs differ on instances {differ[:5]} "
-                                 "(missing, or another prompt or baseline answer)")
+                differ = sorted(
+                    {k[:2] for k in set(mine) ^ set(instances)}
+                    | {
+                        k[:2]
+                        for k in set(mine) & set(instances)
+                        if mine[k] != instances[k]
+                    }
+                )
+                raise SweepError(
+                    f"cannot combine: the runs differ on instances {differ[:5]} "
+                    "(missing, or another prompt or baseline answer)"
+                )
         for result in results:
             for method in result["methods"]:
                 if method in methods:
                     raise SweepError(f"cannot combine: {method} is in two of the runs")
                 methods.append(method)
         rows = [row for result in results for row in result["rows"]]
-        ratios = sorted({r for result in results for r in result["ratios"]}, reverse=True)
+        ratios = sorted(
+            {r for result in results for r in result["ratios"]}, reverse=True
+        )
     except (KeyError, TypeError) as exc:
-        raise SweepError(f"cannot combine: not a result of this benchmark ({exc!r})") from None
-    return dict(model=first["model"], tokens=first["tokens"], instances=first["instances"], seed=first["seed"],
-                tasks=first["tasks"], ratios=ratios, methods=methods, summary=summarize(rows, first["baselines"]),
-                baselines=first["baselines"], rows=rows, created=time.time())
+        raise SweepError(
+            f"cannot combine: not a result of this benchmark ({exc!r})"
+        ) from None
+    return dict(
+        model=first["model"],
+        tokens=first["tokens"],
+        instances=first["instances"],
+        seed=first["seed"],
+        tasks=first["tasks"],
+        ratios=ratios,
+        methods=methods,
+        summary=summarize(rows, first["baselines"]),
+        baselines=first["baselines"],
+        rows=rows,
+        created=time.time(),
+    )
 
 
 def _total(scores: list[float | None]) -> str | None:
-    """"hits/n", or None for a task that scores nothing (free-form answers)."""
+    """ "hits/n", or None for a task that scores nothing (free-form answers)."""
     if any(score is None for score in scores):
         return None
     return f"{sum(scores):g}/{len(scores)}"
@@ -205,7 +331,7 @@ def summarize(rows: list[dict], baselines: list[dict]) -> dict:
     out: dict = defaultdict(dict)
     for b in baselines:
         out[b["task"]].setdefault(b["method"], []).append(b["score"])
-    for task, methods in out.items():
+    for methods in out.values():
         for name in list(methods):
             methods[name] = _total(methods[name])
     groups: dict = defaultdict(list)
@@ -216,7 +342,7 @@ def summarize(rows: list[dict], baselines: list[dict]) -> dict:
             "score": _total([r["score"] for r in group]),
             "compaction_s": statistics.mean(r["compaction_s"] for r in group),
             "log_ppl_ratio": statistics.mean(r["log_ppl_compacted"] for r in group)
-                             / max(1e-9, statistics.mean(r["log_ppl_full"] for r in group)),
+            / max(1e-9, statistics.mean(r["log_ppl_full"] for r in group)),
             "kl": statistics.mean(r["kl"] for r in group),
         }
     return dict(out)
@@ -236,14 +362,20 @@ def plot(result: dict, path: Path) -> None:
     # per task's width, and the figure grows by its height
     legend_cols = max(1, len(tasks))
     # a method string with options is longer than a column: break it after its commas
-    labels = {m: "\n".join(textwrap.wrap(m.replace(",", ", "), 60)) for m in result["methods"]}
+    labels = {
+        m: "\n".join(textwrap.wrap(m.replace(",", ", "), 60)) for m in result["methods"]
+    }
     lines = sum(label.count("\n") + 1 for label in labels.values())
     legend_rows = -(-(lines + 2) // legend_cols)
     legend_h = 0.14 * legend_rows + 0.15
-    fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 7.5 + legend_h), squeeze=False)
+    fig, axes = plt.subplots(
+        2, len(tasks), figsize=(5 * len(tasks), 7.5 + legend_h), squeeze=False
+    )
     near_10 = min(result["ratios"], key=lambda r: abs(r - 0.1))
     # the default cycle repeats after 10 colours: a combined table has more methods than that
-    palette = plt.cm.tab10.colors if len(result["methods"]) <= 10 else plt.cm.tab20.colors
+    palette = (
+        plt.cm.tab10.colors if len(result["methods"]) <= 10 else plt.cm.tab20.colors
+    )
     palette = [palette[i % len(palette)] for i in range(len(result["methods"]))]
     for col, task in enumerate(tasks):
         summary = result["summary"][task]
@@ -258,13 +390,27 @@ def plot(result: dict, path: Path) -> None:
         for method, color in zip(result["methods"], palette):
             per_ratio = summary[method]
             xs = sorted(float(r) for r in per_ratio)
-            top.plot(xs, [value(per_ratio[str(x)]) for x in xs], marker="o", color=color, label=labels[method])
+            top.plot(
+                xs,
+                [value(per_ratio[str(x)]) for x in xs],
+                marker="o",
+                color=color,
+                label=labels[method],
+            )
             if str(near_10) in per_ratio:
                 at = per_ratio[str(near_10)]
-                bottom.scatter([at["compaction_s"]], [value(at)], color=color, label=labels[method])
-        references = ((("full-context", "--"), ("no-context", ":")) if scored else (("full-context", "--"),))
+                bottom.scatter(
+                    [at["compaction_s"]], [value(at)], color=color, label=labels[method]
+                )
+        references = (
+            (("full-context", "--"), ("no-context", ":"))
+            if scored
+            else (("full-context", "--"),)
+        )
         for name, style in references:
-            level = _fraction(summary[name]) if scored else 1.0  # the full cache's own ratio is 1
+            level = (
+                _fraction(summary[name]) if scored else 1.0
+            )  # the full cache's own ratio is 1
             top.axhline(level, color="k", linestyle=style, label=name)
             bottom.axhline(level, color="k", linestyle=style)
         log_scale(top)
@@ -286,19 +432,37 @@ def parser(**defaults) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", default="niah")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--methods", default="am-highest-attn-fast,kvzip,am-highest-attn-fast:budgets=uniform")
+    p.add_argument(
+        "--methods",
+        default="am-highest-attn-fast,kvzip,am-highest-attn-fast:budgets=uniform",
+    )
     p.add_argument("--ratios", default="0.1,0.05,0.02")
     p.add_argument("--instances", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokens", type=int, default=2000)
-    p.add_argument("--max-new-tokens", type=int, default=12,
-                   help="answer length of the scored tasks (essay-questions answers at length: 96)")
-    p.add_argument("--quick", action="store_true", help="CI size: 2 instances of 600 tokens, ratio 0.2")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=12,
+        help="answer length of the scored tasks (essay-questions answers at length: 96)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="CI size: 2 instances of 600 tokens, ratio 0.2",
+    )
     p.add_argument("--out", default=str(RESULTS / "quality.json"))
-    p.add_argument("--combine", nargs="+", metavar="RESULT.json",
-                   help="run nothing: merge these results (same instances, other methods) into --out and plot")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the instances already completed in --out (same settings) and run the rest")
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        metavar="RESULT.json",
+        help="run nothing: merge these results (same instances, other methods) into --out and plot",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the instances already completed in --out (same settings) and run the rest",
+    )
     p.set_defaults(**defaults)
     return p
 
@@ -319,8 +483,14 @@ def main(argv: list[str] | None = None, **defaults) -> dict:
         if args.combine:
             result = combine([_load(f) for f in args.combine])
         else:
-            previous = _load(args.out) if args.resume and Path(args.out).exists() else None
-            result = run(args, on_instance=lambda partial: save_result(partial, args.out), previous=previous)
+            previous = (
+                _load(args.out) if args.resume and Path(args.out).exists() else None
+            )
+            result = run(
+                args,
+                on_instance=lambda partial: save_result(partial, args.out),
+                previous=previous,
+            )
     except SweepError as exc:
         raise SystemExit(f"benchmarks.quality: {exc}") from None
     out = save_result(result, args.out, plot)

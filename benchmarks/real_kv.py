@@ -30,10 +30,14 @@ def main() -> None:
     parser.add_argument("--layers", default="6,12,18,24")
     parser.add_argument("--queries", default="repeat-prefill+context-prefill")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/real_kv.pt"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/real_kv.pt")
+    )
     args = parser.parse_args()
     if "*" in args.queries:  # the speed benchmark fits the saved rows as they are
-        parser.error("--queries: the saved queries carry no weights; drop the '*k' of a source")
+        parser.error(
+            "--queries: the saved queries carry no weights; drop the '*k' of a source"
+        )
     logging.basicConfig(level=logging.INFO)
     adapter = load_adapter(args.model)
     text = haystack_text(args.tokens, adapter.tokenizer, seed=args.seed)
@@ -49,13 +53,23 @@ def main() -> None:
         "values": [kv.values[i][:, mask].contiguous() for i in layers],
         "queries": [queries[i].contiguous() for i in layers],
         "queries_s": seconds / (adapter.num_layers * adapter.num_kv_heads),
-        "meta": {"model": args.model, "tokens": int(mask.sum()), "layers": layers, "queries": args.queries,
-                 "scales": [adapter.layer_scales()[i] for i in layers]},
+        "meta": {
+            "model": args.model,
+            "tokens": int(mask.sum()),
+            "layers": layers,
+            "queries": args.queries,
+            "scales": [adapter.layer_scales()[i] for i in layers],
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(blob, args.out)
-    logger.info("wrote %s: T=%d, n=%d per KV head, queries %.1fs in all", args.out, int(mask.sum()),
-                blob["queries"][0].shape[1], seconds)
+    logger.info(
+        "wrote %s: T=%d, n=%d per KV head, queries %.1fs in all",
+        args.out,
+        int(mask.sum()),
+        blob["queries"][0].shape[1],
+        seconds,
+    )
 
 
 if __name__ == "__main__":

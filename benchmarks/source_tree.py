@@ -19,10 +19,15 @@ KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
 def alias_kernels() -> None:
     """Make ``import vllm_compaction_kernels`` load ``kernels/`` when it is not installed."""
-    if "vllm_compaction_kernels" in sys.modules or importlib.util.find_spec("vllm_compaction_kernels"):
+    if "vllm_compaction_kernels" in sys.modules or importlib.util.find_spec(
+        "vllm_compaction_kernels"
+    ):
         return
-    spec = importlib.util.spec_from_file_location("vllm_compaction_kernels", KERNELS / "__init__.py",
-                                                  submodule_search_locations=[str(KERNELS)])
+    spec = importlib.util.spec_from_file_location(
+        "vllm_compaction_kernels",
+        KERNELS / "__init__.py",
+        submodule_search_locations=[str(KERNELS)],
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["vllm_compaction_kernels"] = module
     spec.loader.exec_module(module)

@@ -37,7 +37,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["PrefixTables", "compacted_attention", "compacted_attention_reference", "choose_splits"]
+__all__ = [
+    "PrefixTables",
+    "compacted_attention",
+    "compacted_attention_reference",
+    "choose_splits",
+]
 
 LOG2_E = 1.0 / math.log(2.0)
 LN_2 = math.log(2.0)
@@ -90,22 +95,59 @@ def _build() -> tuple[Any, Any]:
         import triton
         import triton.language as tl
     except ImportError as exc:
-        raise RuntimeError("compacted_attention needs Triton; without it use compacted_attention_reference") from exc
+        raise RuntimeError(
+            "compacted_attention needs Triton; without it use compacted_attention_reference"
+        ) from exc
     interpret = _interpreting(triton)
     if interpret in _KERNELS:
         return _KERNELS[interpret]
 
     @triton.jit
-    def _attend(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, stat_ptr,
-                block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-                region_base_ptr, head_rows_ptr, beta_rows_ptr, beta_ptr,
-                scale_log2, prefix_shift, num_kv_heads,
-                s_qt, s_qh, s_kb, s_kh, s_ks, s_ot, s_oh, s_lt, s_bt, s_rb,
-                BLOCK_SIZE: tl.constexpr, REGION_ROWS: tl.constexpr,
-                HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_PREFIX: tl.constexpr,
-                SUFFIX_BIAS: tl.constexpr, ELEM_SIZE: tl.constexpr, ROW_MULTIPLE: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, STORE_LSE: tl.constexpr):
+    def _attend(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        lse_ptr,
+        part_ptr,
+        stat_ptr,
+        block_table_ptr,
+        seq_lens_ptr,
+        query_start_loc_ptr,
+        region_base_ptr,
+        head_rows_ptr,
+        beta_rows_ptr,
+        beta_ptr,
+        scale_log2,
+        prefix_shift,
+        num_kv_heads,
+        s_qt,
+        s_qh,
+        s_kb,
+        s_kh,
+        s_ks,
+        s_ot,
+        s_oh,
+        s_lt,
+        s_bt,
+        s_rb,
+        BLOCK_SIZE: tl.constexpr,
+        REGION_ROWS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr,
+        HAS_PREFIX: tl.constexpr,
+        SUFFIX_BIAS: tl.constexpr,
+        ELEM_SIZE: tl.constexpr,
+        ROW_MULTIPLE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
+        STORE_LSE: tl.constexpr,
+    ):
         req = tl.program_id(0)
         q_tile = tl.program_id(1)
         kv_head = tl.program_id(2) // SPLITS
@@ -126,7 +168,11 @@ def _build() -> tuple[Any, Any]:
         d = tl.arange(0, HEAD_PAD)
         d_ok = d < HEAD_DIM
         q_row = (q_start + tok).to(tl.int64) * s_qt + head.to(tl.int64) * s_qh
-        q = tl.load(q_ptr + q_row[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + q_row[:, None] + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
 
         live = tile_q0 < q_len
         last_tok = tl.minimum(tile_q0 + BLOCK_Q, q_len)
@@ -137,7 +183,9 @@ def _build() -> tuple[Any, Any]:
         data_start = 0
         if HAS_PREFIX:
             g0 = tl.load(head_rows_ptr + (req * num_kv_heads + kv_head) * 2)
-            t_h = tl.where(live, tl.load(head_rows_ptr + (req * num_kv_heads + kv_head) * 2 + 1), 0)
+            t_h = tl.where(
+                live, tl.load(head_rows_ptr + (req * num_kv_heads + kv_head) * 2 + 1), 0
+            )
             header_rows = tl.load(beta_rows_ptr + req * 2)
             data_start = tl.load(beta_rows_ptr + req * 2 + 1)
         total = t_h + suffix_end
@@ -155,9 +203,16 @@ def _build() -> tuple[Any, Any]:
             j = i - t_h  # suffix position (negative inside the prefix)
             in_suffix = ok & (j >= 0)
             s_pos = tl.maximum(j, 0)
-            s_blk = tl.load(block_table_ptr + req.to(tl.int64) * s_bt + s_pos // BLOCK_SIZE,
-                            mask=in_suffix, other=0).to(tl.int64)
-            row = s_blk * s_kb + kv_head.to(tl.int64) * s_kh + (s_pos % BLOCK_SIZE).to(tl.int64) * s_ks
+            s_blk = tl.load(
+                block_table_ptr + req.to(tl.int64) * s_bt + s_pos // BLOCK_SIZE,
+                mask=in_suffix,
+                other=0,
+            ).to(tl.int64)
+            row = (
+                s_blk * s_kb
+                + kv_head.to(tl.int64) * s_kh
+                + (s_pos % BLOCK_SIZE).to(tl.int64) * s_ks
+            )
             beta = tl.zeros([BLOCK_N], tl.float32)
             if HAS_PREFIX:
                 in_prefix = ok & (j < 0)
@@ -166,38 +221,71 @@ def _build() -> tuple[Any, Any]:
                 region = g // REGION_ROWS
                 off = g % REGION_ROWS
                 base = tl.load(bases + region, mask=in_prefix, other=0)
-                p_row = base + prefix_shift + ((off // BLOCK_SIZE) * s_kh + (off % BLOCK_SIZE) * s_ks).to(tl.int64)
+                p_row = (
+                    base
+                    + prefix_shift
+                    + ((off // BLOCK_SIZE) * s_kh + (off % BLOCK_SIZE) * s_ks).to(
+                        tl.int64
+                    )
+                )
                 row = tl.where(in_prefix, p_row, row)
                 # beta of packed row g: fp32 number k % (d / 2) of beta row header_rows + k // (d / 2)
                 k_idx = g - data_start
                 bg = header_rows + k_idx // (HEAD_DIM // 2)
                 b_off = bg % REGION_ROWS
-                b_row = tl.load(bases + bg // REGION_ROWS, mask=in_prefix, other=0) + \
-                    ((b_off // BLOCK_SIZE) * s_kh + (b_off % BLOCK_SIZE) * s_ks).to(tl.int64)
-                beta = tl.load(beta_ptr + b_row * ELEM_SIZE // 4 + k_idx % (HEAD_DIM // 2), mask=in_prefix, other=0.0)
+                b_row = tl.load(bases + bg // REGION_ROWS, mask=in_prefix, other=0) + (
+                    (b_off // BLOCK_SIZE) * s_kh + (b_off % BLOCK_SIZE) * s_ks
+                ).to(tl.int64)
+                beta = tl.load(
+                    beta_ptr + b_row * ELEM_SIZE // 4 + k_idx % (HEAD_DIM // 2),
+                    mask=in_prefix,
+                    other=0.0,
+                )
             if SUFFIX_BIAS:
-                hi_b = tl.load(k_ptr + row + HEAD_DIM, mask=in_suffix, other=0.0).to(tl.float32)
-                lo_b = tl.load(k_ptr + row + HEAD_DIM + 1, mask=in_suffix, other=0.0).to(tl.float32)
+                hi_b = tl.load(k_ptr + row + HEAD_DIM, mask=in_suffix, other=0.0).to(
+                    tl.float32
+                )
+                lo_b = tl.load(
+                    k_ptr + row + HEAD_DIM + 1, mask=in_suffix, other=0.0
+                ).to(tl.float32)
                 beta += hi_b + lo_b
-            if ROW_MULTIPLE > 1:  # every row starts on a multiple of this many elements: wide loads
+            if (
+                ROW_MULTIPLE > 1
+            ):  # every row starts on a multiple of this many elements: wide loads
                 row = tl.multiple_of(row, ROW_MULTIPLE)
-            k_t = tl.load(k_ptr + row[None, :] + d[:, None], mask=ok[None, :] & d_ok[:, None], other=0.0)
+            k_t = tl.load(
+                k_ptr + row[None, :] + d[:, None],
+                mask=ok[None, :] & d_ok[:, None],
+                other=0.0,
+            )
             if UPCAST_DOT:
-                logits = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
+                logits = tl.dot(
+                    q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee"
+                )
             else:
                 logits = tl.dot(q, k_t, input_precision=DOT_PRECISION)
             logits = logits * scale_log2 + beta[None, :] * 1.4426950408889634
-            visible = ok[None, :] & row_ok[:, None] & ((j[None, :] < 0) | (j[None, :] <= q_pos[:, None]))
+            visible = (
+                ok[None, :]
+                & row_ok[:, None]
+                & ((j[None, :] < 0) | (j[None, :] <= q_pos[:, None]))
+            )
             logits = tl.where(visible, logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 1))
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_shift)
             p = tl.exp2(logits - m_shift[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(
+                v_ptr + row[:, None] + d[None, :],
+                mask=ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
             p_v = p.to(v.dtype)
             if UPCAST_DOT:
-                pv = tl.dot(p_v.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                pv = tl.dot(
+                    p_v.to(tl.float32), v.to(tl.float32), input_precision="ieee"
+                )
             else:
                 pv = tl.dot(p_v, v, input_precision=DOT_PRECISION)
             acc = acc * alpha[:, None] + pv
@@ -206,22 +294,47 @@ def _build() -> tuple[Any, Any]:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         token = (q_start + tok).to(tl.int64)
         if SPLITS == 1:
-            tl.store(out_ptr + token[:, None] * s_ot + head.to(tl.int64)[:, None] * s_oh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(
+                out_ptr
+                + token[:, None] * s_ot
+                + head.to(tl.int64)[:, None] * s_oh
+                + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
             if STORE_LSE:
-                lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453,
-                               float("-inf"))
+                lse = tl.where(
+                    l_i > 0.0,
+                    (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453,
+                    float("-inf"),
+                )
                 tl.store(lse_ptr + token * s_lt + head, lse, mask=row_ok)
         else:
             # partials [tokens, Hq, SPLITS, HEAD_PAD] and [tokens, Hq, SPLITS, 2]
             slot = (token * (num_kv_heads * GROUP) + head) * SPLITS + split
-            tl.store(part_ptr + slot[:, None] * HEAD_PAD + d[None, :], out, mask=row_ok[:, None])
+            tl.store(
+                part_ptr + slot[:, None] * HEAD_PAD + d[None, :],
+                out,
+                mask=row_ok[:, None],
+            )
             tl.store(stat_ptr + slot * 2, m_i, mask=row_ok)
             tl.store(stat_ptr + slot * 2 + 1, l_i, mask=row_ok)
 
     @triton.jit
-    def _merge(out_ptr, lse_ptr, part_ptr, stat_ptr, num_heads, s_ot, s_oh, s_lt,
-               HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS: tl.constexpr, STORE_LSE: tl.constexpr):
+    def _merge(
+        out_ptr,
+        lse_ptr,
+        part_ptr,
+        stat_ptr,
+        num_heads,
+        s_ot,
+        s_oh,
+        s_lt,
+        HEAD_DIM: tl.constexpr,
+        HEAD_PAD: tl.constexpr,
+        SPLITS: tl.constexpr,
+        STORE_LSE: tl.constexpr,
+    ):
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         s = tl.arange(0, SPLITS)
@@ -235,10 +348,17 @@ def _build() -> tuple[Any, Any]:
         total = tl.sum(w, 0)
         parts = tl.load(part_ptr + slot[:, None] * HEAD_PAD + d[None, :])
         out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-        tl.store(out_ptr + token * s_ot + head * s_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        tl.store(
+            out_ptr + token * s_ot + head * s_oh + d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=d < HEAD_DIM,
+        )
         if STORE_LSE:
-            lse = tl.where(total > 0.0, (top + tl.log2(tl.where(total > 0.0, total, 1.0))) * 0.6931471805599453,
-                           float("-inf"))
+            lse = tl.where(
+                total > 0.0,
+                (top + tl.log2(tl.where(total > 0.0, total, 1.0))) * 0.6931471805599453,
+                float("-inf"),
+            )
             tl.store(lse_ptr + token * s_lt + head, lse)
 
     _KERNELS[interpret] = (_attend, _merge)
@@ -259,50 +379,97 @@ def _row_multiple(pages: torch.Tensor, tables: PrefixTables | None) -> int:
     return multiple
 
 
-def choose_splits(num_programs: int, max_keys: int, total_keys: int, device: torch.device) -> int:
+def choose_splits(
+    num_programs: int, max_keys: int, total_keys: int, device: torch.device
+) -> int:
     """Splits per program (a power of two: the merge reduces them in one block).
 
     Work is as uneven as the per-head budgets: the longest program sets the step's time. So the
     splits aim at ``total_keys / (PROGRAMS_PER_SM * SMs)`` keys per split (at least
     ``MIN_SPLIT_KEYS``) for the longest program (``max_keys``), which fills the GPU when heads
     are even and shortens the longest head when they are not."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 4
+    )
     del num_programs  # the keys, not the programs, set the work
     per_split = max(MIN_SPLIT_KEYS, -(-total_keys // (PROGRAMS_PER_SM * sms)))
     splits = max(1, min(-(-max_keys // per_split), MAX_SPLITS))
     return 1 << (splits - 1).bit_length()  # round up to a power of two
 
 
-def _check_inputs(query: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, head_dim: int, suffix_bias: bool,
-                  out: torch.Tensor | None, lse: torch.Tensor | None) -> None:
+def _check_inputs(
+    query: torch.Tensor,
+    key_pages: torch.Tensor,
+    value_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    head_dim: int,
+    suffix_bias: bool,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+) -> None:
     """One sentence for each way a call could silently read the wrong memory."""
     if query.dim() != 3 or query.shape[-1] < head_dim or query.stride(-1) != 1:
-        raise ValueError(f"query must be [tokens, Hq, >= head_dim] with a contiguous last dimension; "
-                         f"got {tuple(query.shape)}")
+        raise ValueError(
+            f"query must be [tokens, Hq, >= head_dim] with a contiguous last dimension; "
+            f"got {tuple(query.shape)}"
+        )
     if key_pages.dim() != 4 or key_pages.shape != value_pages.shape:
-        raise ValueError("key_pages/value_pages must be equal [num_blocks, H, block_size, D] views")
+        raise ValueError(
+            "key_pages/value_pages must be equal [num_blocks, H, block_size, D] views"
+        )
     if key_pages.stride() != value_pages.stride() or key_pages.stride(-1) != 1:
-        raise ValueError("key and value pages must share strides with a contiguous last dimension")
+        raise ValueError(
+            "key and value pages must share strides with a contiguous last dimension"
+        )
     if key_pages.shape[-1] < head_dim + (2 if suffix_bias else 0):
-        raise ValueError(f"pages of width {key_pages.shape[-1]} cannot hold head_dim={head_dim}"
-                         + (" plus the 2 bias coordinates" if suffix_bias else ""))
+        raise ValueError(
+            f"pages of width {key_pages.shape[-1]} cannot hold head_dim={head_dim}"
+            + (" plus the 2 bias coordinates" if suffix_bias else "")
+        )
     if query.shape[1] % key_pages.shape[1]:
-        raise ValueError(f"Hq={query.shape[1]} is not a multiple of Hkv={key_pages.shape[1]}")
-    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16) or key_pages.dtype != query.dtype:
-        raise ValueError(f"query ({query.dtype}) and pages ({key_pages.dtype}) must share one float dtype "
-                         "(quantized caches are not supported)")
+        raise ValueError(
+            f"Hq={query.shape[1]} is not a multiple of Hkv={key_pages.shape[1]}"
+        )
+    if (
+        query.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+        or key_pages.dtype != query.dtype
+    ):
+        raise ValueError(
+            f"query ({query.dtype}) and pages ({key_pages.dtype}) must share one float dtype "
+            "(quantized caches are not supported)"
+        )
     num_reqs = seq_lens.shape[0]
-    if block_table.dim() != 2 or block_table.shape[0] < num_reqs or query_start_loc.shape != (num_reqs + 1,):
-        raise ValueError("block_table must be [R, max_blocks] and query_start_loc [R + 1] for seq_lens [R]")
-    for name, t in (("block_table", block_table), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+    if (
+        block_table.dim() != 2
+        or block_table.shape[0] < num_reqs
+        or query_start_loc.shape != (num_reqs + 1,)
+    ):
+        raise ValueError(
+            "block_table must be [R, max_blocks] and query_start_loc [R + 1] for seq_lens [R]"
+        )
+    for name, t in (
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64; got {t.dtype}")
-    if out is not None and (out.shape != (query.shape[0], query.shape[1], head_dim) or out.dtype != query.dtype
-                            or out.stride(-1) != 1):
-        raise ValueError(f"out must be [tokens, Hq, head_dim] in the query dtype; got {out.dtype} {tuple(out.shape)}")
+    if out is not None and (
+        out.shape != (query.shape[0], query.shape[1], head_dim)
+        or out.dtype != query.dtype
+        or out.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"out must be [tokens, Hq, head_dim] in the query dtype; got {out.dtype} {tuple(out.shape)}"
+        )
     if lse is not None and (lse.shape != query.shape[:2] or lse.dtype != torch.float32):
-        raise ValueError(f"lse must be float32 [tokens, Hq]; got {lse.dtype} {tuple(lse.shape)}")
+        raise ValueError(
+            f"lse must be float32 [tokens, Hq]; got {lse.dtype} {tuple(lse.shape)}"
+        )
 
 
 def compacted_attention(
@@ -349,14 +516,26 @@ def compacted_attention(
         num_splits: splits along the keys (default: :func:`choose_splits`).
         out / lse: ``[tokens, Hq, d]`` output in the query dtype and ``[tokens, Hq]`` fp32.
     """
-    _check_inputs(query, key_pages, value_pages, block_table, seq_lens, query_start_loc, head_dim, suffix_bias,
-                  out, lse)
+    _check_inputs(
+        query,
+        key_pages,
+        value_pages,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        head_dim,
+        suffix_bias,
+        out,
+        lse,
+    )
     attend, merge = _build()
     import triton
 
     if query.device.type == "cpu" and not _interpreting(triton):
-        raise RuntimeError("compacted_attention got CPU tensors: the Triton kernel needs a GPU, or TRITON_INTERPRET=1 "
-                           "for the (slow) interpreter; on a CPU use compacted_attention_reference")
+        raise RuntimeError(
+            "compacted_attention got CPU tensors: the Triton kernel needs a GPU, or TRITON_INTERPRET=1 "
+            "for the (slow) interpreter; on a CPU use compacted_attention_reference"
+        )
     num_tokens, num_q_heads = query.shape[:2]
     num_reqs = seq_lens.shape[0]
     num_kv_heads, block_size = key_pages.shape[1], key_pages.shape[2]
@@ -374,39 +553,94 @@ def compacted_attention(
         block_n = 64 if head_pad <= 128 else 32
     if total_keys is None:
         suffix = max_keys if prefix is None else max(0, max_keys - 1)
-        total_keys = num_reqs * num_kv_heads * suffix + (prefix.total_rows[layer] if prefix is not None else 0)
-    splits = num_splits or choose_splits(num_reqs * q_tiles * num_kv_heads, max_keys, total_keys, query.device)
+        total_keys = num_reqs * num_kv_heads * suffix + (
+            prefix.total_rows[layer] if prefix is not None else 0
+        )
+    splits = num_splits or choose_splits(
+        num_reqs * q_tiles * num_kv_heads, max_keys, total_keys, query.device
+    )
     if splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {splits}")
     interpret = _interpreting(triton)
     part = stat = out
     if splits > 1:
-        part = torch.empty(num_tokens, num_q_heads, splits, head_pad, dtype=torch.float32, device=query.device)
-        stat = torch.empty(num_tokens, num_q_heads, splits, 2, dtype=torch.float32, device=query.device)
+        part = torch.empty(
+            num_tokens,
+            num_q_heads,
+            splits,
+            head_pad,
+            dtype=torch.float32,
+            device=query.device,
+        )
+        stat = torch.empty(
+            num_tokens, num_q_heads, splits, 2, dtype=torch.float32, device=query.device
+        )
     tables = prefix
     dummy = seq_lens
     launch: dict[str, Any] = {}
     if not interpret:
         launch = {"num_warps": num_warps or 4, "num_stages": num_stages or 3}
     attend[(num_reqs, q_tiles, num_kv_heads * splits)](
-        query, key_pages, value_pages, out, lse if lse is not None else out, part, stat,
-        block_table, seq_lens, query_start_loc,
-        tables.region_bases if tables else dummy, tables.head_rows[layer] if tables else dummy,
-        tables.beta_rows if tables else dummy, tables.beta_words if tables else out,
-        float(scale) * LOG2_E, tables.layer_shifts[layer] if tables else 0, num_kv_heads,
-        query.stride(0), query.stride(1), key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
-        out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0, block_table.stride(0),
+        query,
+        key_pages,
+        value_pages,
+        out,
+        lse if lse is not None else out,
+        part,
+        stat,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        tables.region_bases if tables else dummy,
+        tables.head_rows[layer] if tables else dummy,
+        tables.beta_rows if tables else dummy,
+        tables.beta_words if tables else out,
+        float(scale) * LOG2_E,
+        tables.layer_shifts[layer] if tables else 0,
+        num_kv_heads,
+        query.stride(0),
+        query.stride(1),
+        key_pages.stride(0),
+        key_pages.stride(1),
+        key_pages.stride(2),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0) if lse is not None else 0,
+        block_table.stride(0),
         tables.region_bases.stride(0) if tables else 0,
-        BLOCK_SIZE=block_size, REGION_ROWS=num_kv_heads * block_size, HEAD_DIM=head_dim, HEAD_PAD=head_pad, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
-        SPLITS=splits, HAS_PREFIX=tables is not None, SUFFIX_BIAS=suffix_bias,
-        ELEM_SIZE=key_pages.element_size(), ROW_MULTIPLE=_row_multiple(key_pages, tables),
+        BLOCK_SIZE=block_size,
+        REGION_ROWS=num_kv_heads * block_size,
+        HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        SPLITS=splits,
+        HAS_PREFIX=tables is not None,
+        SUFFIX_BIAS=suffix_bias,
+        ELEM_SIZE=key_pages.element_size(),
+        ROW_MULTIPLE=_row_multiple(key_pages, tables),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=interpret and query.dtype == torch.bfloat16, STORE_LSE=lse is not None, **launch)
+        UPCAST_DOT=interpret and query.dtype == torch.bfloat16,
+        STORE_LSE=lse is not None,
+        **launch,
+    )
     if splits > 1:
         merge[(num_tokens, num_q_heads)](
-            out, lse if lse is not None else out, part, stat, num_q_heads, out.stride(0), out.stride(1),
+            out,
+            lse if lse is not None else out,
+            part,
+            stat,
+            num_q_heads,
+            out.stride(0),
+            out.stride(1),
             lse.stride(0) if lse is not None else 0,
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS=splits, STORE_LSE=lse is not None)
+            HEAD_DIM=head_dim,
+            HEAD_PAD=head_pad,
+            SPLITS=splits,
+            STORE_LSE=lse is not None,
+        )
     return out
 
 
@@ -420,7 +654,10 @@ def compacted_attention_reference(
     *,
     scale: float,
     head_dim: int,
-    prefix_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None] | None = None,
+    prefix_rows: list[
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    ]
+    | None = None,
     suffix_bias: bool = False,
     dtype: torch.dtype = torch.float64,
     **_: Any,
@@ -431,24 +668,44 @@ def compacted_attention_reference(
     num_tokens, num_q_heads = query.shape[:2]
     num_kv_heads, block_size = key_pages.shape[1], key_pages.shape[2]
     group = num_q_heads // num_kv_heads
-    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=dtype, device=query.device)
-    lse = torch.full((num_tokens, num_q_heads), float("-inf"), dtype=dtype, device=query.device)
+    out = torch.zeros(
+        num_tokens, num_q_heads, head_dim, dtype=dtype, device=query.device
+    )
+    lse = torch.full(
+        (num_tokens, num_q_heads), float("-inf"), dtype=dtype, device=query.device
+    )
     starts = query_start_loc.tolist()
     for r, seq_len in enumerate(seq_lens.tolist()):
         q0, q1 = starts[r], starts[r + 1]
         if q1 <= q0:
             continue
         pages = block_table[r, : -(-seq_len // block_size)].long()
-        keys = key_pages[pages].permute(0, 2, 1, 3).reshape(-1, num_kv_heads, key_pages.shape[-1])[:seq_len]
-        values = value_pages[pages].permute(0, 2, 1, 3).reshape(-1, num_kv_heads, value_pages.shape[-1])[:seq_len]
-        suffix_beta = (keys[..., head_dim].to(dtype) + keys[..., head_dim + 1].to(dtype) if suffix_bias
-                       else torch.zeros(seq_len, num_kv_heads, dtype=dtype, device=query.device))
+        keys = (
+            key_pages[pages]
+            .permute(0, 2, 1, 3)
+            .reshape(-1, num_kv_heads, key_pages.shape[-1])[:seq_len]
+        )
+        values = (
+            value_pages[pages]
+            .permute(0, 2, 1, 3)
+            .reshape(-1, num_kv_heads, value_pages.shape[-1])[:seq_len]
+        )
+        suffix_beta = (
+            keys[..., head_dim].to(dtype) + keys[..., head_dim + 1].to(dtype)
+            if suffix_bias
+            else torch.zeros(seq_len, num_kv_heads, dtype=dtype, device=query.device)
+        )
         q_pos = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device)
-        visible = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [q, S]
+        visible = (
+            torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        )  # [q, S]
         q = query[q0:q1, :, :head_dim].to(dtype)
         for h in range(num_q_heads):
             kv = h // group
-            logits = q[:, h] @ keys[:, kv, :head_dim].to(dtype).T * scale + suffix_beta[:, kv]
+            logits = (
+                q[:, h] @ keys[:, kv, :head_dim].to(dtype).T * scale
+                + suffix_beta[:, kv]
+            )
             logits = logits.masked_fill(~visible, float("-inf"))
             vals = values[:, kv, :head_dim].to(dtype)
             rows = prefix_rows[r] if prefix_rows is not None else None

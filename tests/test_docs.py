@@ -37,37 +37,89 @@ def serving() -> dict:
 #: (text the README must contain, how it is computed from the result file)
 HEADLINES = [
     (lambda: f"**{needles(AM)}**", "AM's needles at 10/5/2%"),
-    (lambda: f"full context {load('niah_ruler_12.json')['summary']['niah-ruler']['full-context']}", "full context"),
+    (
+        lambda: (
+            f"full context {load('niah_ruler_12.json')['summary']['niah-ruler']['full-context']}"
+        ),
+        "full context",
+    ),
     (lambda: f"KVzip {needles('kvzip')}", "KVzip's needles"),
-    (lambda: f"**{load('essay_questions_12.json')['summary']['essay-questions'][ESSAY]['0.1']['log_ppl_ratio']:.3f}**",
-     "essay log-ppl ratio"),
-    (lambda: f"**{load('compaction_speed.json')['main']['am-omp-fast']['ours']['per_head_s']:.3f} s**", "CPU speed"),
-    (lambda: f"{load('compaction_speed.json')['main']['am-omp-fast']['baseline']['per_head_s']:.2f} s: "
-             f"**{load('compaction_speed.json')['main']['am-omp-fast']['speedup']:.1f}x**", "CPU baseline"),
-    (lambda: f"(`am-highest-attn`: {load('compaction_speed.json')['main']['am-highest-attn']['speedup']:.1f}x)",
-     "CPU HAK speed-up"),
+    (
+        lambda: (
+            f"**{load('essay_questions_12.json')['summary']['essay-questions'][ESSAY]['0.1']['log_ppl_ratio']:.3f}**"
+        ),
+        "essay log-ppl ratio",
+    ),
+    (
+        lambda: (
+            f"**{load('compaction_speed.json')['main']['am-omp-fast']['ours']['per_head_s']:.3f} s**"
+        ),
+        "CPU speed",
+    ),
+    (
+        lambda: (
+            f"{load('compaction_speed.json')['main']['am-omp-fast']['baseline']['per_head_s']:.2f} s: "
+            f"**{load('compaction_speed.json')['main']['am-omp-fast']['speedup']:.1f}x**"
+        ),
+        "CPU baseline",
+    ),
+    (
+        lambda: (
+            f"(`am-highest-attn`: {load('compaction_speed.json')['main']['am-highest-attn']['speedup']:.1f}x)"
+        ),
+        "CPU HAK speed-up",
+    ),
     (lambda: f"**{gpu('am-omp-fast')['total_s']:.1f} s**", "H100 OMP total"),
-    (lambda: f"{64 * gpu('am-omp-fast')['paper_algorithm']['per_head_s']:.0f} s "
-             f"(64 x {gpu('am-omp-fast')['paper_algorithm']['per_head_s']:.2f} s): "
-             f"**{64 * gpu('am-omp-fast')['paper_algorithm']['per_head_s'] / gpu('am-omp-fast')['total_s']:.1f}x**",
-     "H100 baseline"),
-    (lambda: f"**{serving()['variants']['1.0']['ttft_s']['compacted_cold']:.2f} s**", "follow-up TTFT"),
-    (lambda: f"{serving()['full']['ttft_s']:.1f} s: **{serving()['variants']['1.0']['ttft_speedup_cold']:.0f}x**",
-     "re-prefill TTFT"),
-    (lambda: f"**{serving()['capacity']['kinds']['varlen cap 1.0']['max_concurrent_sessions']}**", "sessions"),
-    (lambda: f"{serving()['capacity']['kinds']['uncompacted']['max_concurrent_sessions']} uncompacted: "
-             f"**{serving()['capacity']['kinds']['varlen cap 1.0']['sessions_vs_uncompacted']:.1f}x**",
-     "sessions vs uncompacted"),
-    (lambda: f"{gpu('am-highest-attn')['total_s']:.1f} s against its "
-             f"{64 * gpu('am-highest-attn')['paper_algorithm']['per_head_s']:.1f} s", "H100 HAK caveat"),
+    (
+        lambda: (
+            f"{64 * gpu('am-omp-fast')['paper_algorithm']['per_head_s']:.0f} s "
+            f"(64 x {gpu('am-omp-fast')['paper_algorithm']['per_head_s']:.2f} s): "
+            f"**{64 * gpu('am-omp-fast')['paper_algorithm']['per_head_s'] / gpu('am-omp-fast')['total_s']:.1f}x**"
+        ),
+        "H100 baseline",
+    ),
+    (
+        lambda: f"**{serving()['variants']['1.0']['ttft_s']['compacted_cold']:.2f} s**",
+        "follow-up TTFT",
+    ),
+    (
+        lambda: (
+            f"{serving()['full']['ttft_s']:.1f} s: **{serving()['variants']['1.0']['ttft_speedup_cold']:.0f}x**"
+        ),
+        "re-prefill TTFT",
+    ),
+    (
+        lambda: (
+            f"**{serving()['capacity']['kinds']['varlen cap 1.0']['max_concurrent_sessions']}**"
+        ),
+        "sessions",
+    ),
+    (
+        lambda: (
+            f"{serving()['capacity']['kinds']['uncompacted']['max_concurrent_sessions']} uncompacted: "
+            f"**{serving()['capacity']['kinds']['varlen cap 1.0']['sessions_vs_uncompacted']:.1f}x**"
+        ),
+        "sessions vs uncompacted",
+    ),
+    (
+        lambda: (
+            f"{gpu('am-highest-attn')['total_s']:.1f} s against its "
+            f"{64 * gpu('am-highest-attn')['paper_algorithm']['per_head_s']:.1f} s"
+        ),
+        "H100 HAK caveat",
+    ),
 ]
 
 
-@pytest.mark.parametrize("expected,what", HEADLINES, ids=[what for _, what in HEADLINES])
+@pytest.mark.parametrize(
+    "expected,what", HEADLINES, ids=[what for _, what in HEADLINES]
+)
 def test_readme_headline_numbers_come_from_the_results(expected, what):
     readme = (ROOT / "README.md").read_text()
     text = expected()
-    assert text in readme, f"the README's {what} should read {text!r} (from benchmarks/results)"
+    assert text in readme, (
+        f"the README's {what} should read {text!r} (from benchmarks/results)"
+    )
 
 
 def test_readme_is_short_and_the_docs_point_inside_the_repository():
@@ -75,7 +127,13 @@ def test_readme_is_short_and_the_docs_point_inside_the_repository():
     assert len(readme.splitlines()) <= 210
     # the way to enable the plugin in an existing deployment is on the first screen
     assert "--kv-transfer-config" in "\n".join(readme.splitlines()[:40])
-    pages = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    pages = [
+        ROOT / "README.md",
+        ROOT / "benchmarks" / "README.md",
+        *sorted((ROOT / "docs").rglob("*.md")),
+    ]
     for page in pages:
         text = page.read_text()
-        assert not re.search(r"\bissue \d|measured-findings|\.\./shared/", text, re.I), page
+        assert not re.search(
+            r"\bissue \d|measured-findings|\.\./shared/", text, re.I
+        ), page

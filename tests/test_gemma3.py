@@ -26,20 +26,39 @@ def test_gemma3_compacts_only_global_layers_and_decodes_exactly(gemma3):
     ids = gemma3.tokenizer(text)["input_ids"]  # BOS first: it stays exact
     mask = torch.ones(len(ids), dtype=torch.bool)
     mask[0] = False
-    cache = compact_prefix(gemma3, ids, mask, ratio=0.1, method="am-highest-attn",
-                           queries="context-prefill", budgets="uniform", on_policy=False)
+    cache = compact_prefix(
+        gemma3,
+        ids,
+        mask,
+        ratio=0.1,
+        method="am-highest-attn",
+        queries="context-prefill",
+        budgets="uniform",
+        on_policy=False,
+    )
     assert cache.layer_compacted == [k == "global" for k in kinds]
     lengths = cache.head_lengths
     assert (lengths[torch.tensor(cache.layer_compacted)] < len(ids) // 5).all()
     assert (lengths[~torch.tensor(cache.layer_compacted)] == len(ids)).all()
 
     # full budget: the reference path reproduces the stock model through the sliding window
-    full = compact_prefix(gemma3, ids, mask, ratio=1.0, method="truncate", queries="context-prefill",
-                          budgets="uniform")
+    full = compact_prefix(
+        gemma3,
+        ids,
+        mask,
+        ratio=1.0,
+        method="truncate",
+        queries="context-prefill",
+        budgets="uniform",
+    )
     cont = gemma3.encode(" In summary,")
     got = ReferenceDecoder(gemma3).logits(full, cont)
     with torch.inference_mode():
-        want = gemma3.model(input_ids=torch.tensor([ids + cont])).logits[0, len(ids):].float()
+        want = (
+            gemma3.model(input_ids=torch.tensor([ids + cont]))
+            .logits[0, len(ids) :]
+            .float()
+        )
     torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
     gen = ReferenceDecoder(gemma3).generate(cache, cont, max_new_tokens=8)
     assert len(gen.token_ids) > 0
@@ -52,8 +71,13 @@ def test_gemma3_base_model_runs_repeat_prefill_without_chat_template(gemma3):
     text = haystack_text(300, gemma3.tokenizer, seed=6)
     ids, mask = gemma3.chat_content([{"role": "user", "content": text}])
     assert ids[0] == gemma3.tokenizer.bos_token_id and not mask[0] and mask.sum() > 250
-    cache = compact(gemma3, text, ratio=0.2, method="am-highest-attn-fast", budgets="uniform")
-    assert cache.query_source == "repeat-prefill" and cache.layer_compacted.count(True) == 3
+    cache = compact(
+        gemma3, text, ratio=0.2, method="am-highest-attn-fast", budgets="uniform"
+    )
+    assert (
+        cache.query_source == "repeat-prefill"
+        and cache.layer_compacted.count(True) == 3
+    )
 
 
 def test_gemma3_needle_prompt_without_chat_template(gemma3):
@@ -64,8 +88,15 @@ def test_gemma3_needle_prompt_without_chat_template(gemma3):
 
     inst = make_needle(gemma3.tokenizer, 300, seed=3)
     prompt = needle_prompt(gemma3, inst)
-    assert prompt.prefix_ids[0] == gemma3.tokenizer.bos_token_id and not prompt.compact_mask[0]
+    assert (
+        prompt.prefix_ids[0] == gemma3.tokenizer.bos_token_id
+        and not prompt.compact_mask[0]
+    )
     assert prompt.compact_mask[1:].all()
-    assert gemma3.tokenizer.decode(prompt.prefix_ids[1:]).strip() == inst.context.strip()
+    assert (
+        gemma3.tokenizer.decode(prompt.prefix_ids[1:]).strip() == inst.context.strip()
+    )
     tail = gemma3.tokenizer.decode(prompt.continuation_ids)
-    assert tail.strip() == QUESTION.format(key=inst.key) + "\n\n" + ANSWER_PREFIX.format(key=inst.key)
+    assert tail.strip() == QUESTION.format(
+        key=inst.key
+    ) + "\n\n" + ANSWER_PREFIX.format(key=inst.key)

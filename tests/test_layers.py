@@ -35,7 +35,9 @@ def imports() -> list[tuple[str, str]]:
     """``(module, imported module)`` for every import of this package's modules."""
     out = []
     for path in PACKAGE.rglob("*.py"):
-        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        module = ".".join(
+            path.relative_to(PACKAGE.parent).with_suffix("").parts
+        ).removesuffix(".__init__")
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 out += [(module, alias.name) for alias in node.names]
@@ -45,7 +47,11 @@ def imports() -> list[tuple[str, str]]:
 
 
 def test_vllm_is_imported_only_under_the_vllm_package():
-    offenders = [(m, n) for m, n in imports() if n.split(".")[0] == "vllm" and layer_of(m) != "vllm"]
+    offenders = [
+        (m, n)
+        for m, n in imports()
+        if n.split(".")[0] == "vllm" and layer_of(m) != "vllm"
+    ]
     assert not offenders, offenders
 
 
@@ -56,7 +62,9 @@ def test_no_module_imports_a_higher_layer():
         if not imported.startswith(("vllm_compaction.", "vllm_compaction_kernels")):
             continue
         source, target = layer_of(module), layer_of(imported)
-        assert source in rank and target in rank, f"{module} or {imported} is in no layer: add it to LAYERS"
+        assert source in rank and target in rank, (
+            f"{module} or {imported} is in no layer: add it to LAYERS"
+        )
         if rank[target] > rank[source]:
             offenders.append(f"{module} ({source}) imports {imported} ({target})")
     assert not offenders, "\n".join(offenders)

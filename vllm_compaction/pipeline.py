@@ -9,22 +9,44 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from vllm_compaction.am import CompactedHeads, compact_heads, score_keys
-from vllm_compaction.budgets import check_score_aggregation, check_score_softmax, resolve_budgets
+from vllm_compaction.budgets import (
+    check_score_aggregation,
+    check_score_softmax,
+    resolve_budgets,
+)
 from vllm_compaction.cache import CompactedCache
-from vllm_compaction.models import ModelAdapter, PrefixLayer, load_adapter, resolve_device
-from vllm_compaction.queries import PrefixSpec, QueryCollector, parse_sources, resolve_spacing
+from vllm_compaction.models import (
+    ModelAdapter,
+    PrefixLayer,
+    load_adapter,
+    resolve_device,
+)
+from vllm_compaction.queries import (
+    PrefixSpec,
+    QueryCollector,
+    parse_sources,
+    resolve_spacing,
+)
 from vllm_compaction.recipes import DEFAULT_METHOD, RECIPES, ResolvedRecipe, resolve
 
-__all__ = ["DEFAULT_METHOD", "PreparedPrefix", "RECIPES", "compact", "compact_prefix", "compact_prepared",
-           "prepare_prefix"]
+__all__ = [
+    "DEFAULT_METHOD",
+    "PreparedPrefix",
+    "RECIPES",
+    "compact",
+    "compact_prefix",
+    "compact_prepared",
+    "prepare_prefix",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +99,10 @@ def compact(
     if isinstance(model, ModelAdapter):
         adapter = model
         if device is not None and resolve_device(device) != adapter.device:
-            raise ValueError(f"the adapter's weights are on {adapter.device}, not on {device}: load it there "
-                             f"(load_adapter(..., device={str(device)!r})) or leave device out")
+            raise ValueError(
+                f"the adapter's weights are on {adapter.device}, not on {device}: load it there "
+                f"(load_adapter(..., device={str(device)!r})) or leave device out"
+            )
     else:
         adapter = load_adapter(model, device="cpu" if device is None else device)
     if isinstance(messages, str):
@@ -90,11 +114,24 @@ def compact(
         raise ValueError(f"keep_last_tokens must be >= 0, got {keep_last_tokens}")
     if keep_last_tokens:
         content_pos = torch.nonzero(mask).flatten()
-        mask[content_pos[max(0, len(content_pos) - keep_last_tokens):]] = False
-    return compact_prefix(adapter, ids, mask, ratio=ratio, target_tokens=target_tokens, method=method,
-                          queries=queries, budgets=budgets, on_policy=on_policy, query_cap=query_cap,
-                          seed=seed, progress=progress, on_progress=on_progress,
-                          chunk_tokens=chunk_tokens, **options)
+        mask[content_pos[max(0, len(content_pos) - keep_last_tokens) :]] = False
+    return compact_prefix(
+        adapter,
+        ids,
+        mask,
+        ratio=ratio,
+        target_tokens=target_tokens,
+        method=method,
+        queries=queries,
+        budgets=budgets,
+        on_policy=on_policy,
+        query_cap=query_cap,
+        seed=seed,
+        progress=progress,
+        on_progress=on_progress,
+        chunk_tokens=chunk_tokens,
+        **options,
+    )
 
 
 def content_chunks(mask: torch.Tensor, chunk_tokens: int | None) -> list[torch.Tensor]:
@@ -160,12 +197,20 @@ class PreparedPrefix:
         (``QueryCollector.run_scored``); the off-policy queries come from the same pass."""
         if self._probe_scores is None:
             start = time.perf_counter()
-            self._off_policy, self._probe_scores = self.collector.run_scored(self.spec.kv.exact_prefix())
+            self._off_policy, self._probe_scores = self.collector.run_scored(
+                self.spec.kv.exact_prefix()
+            )
             self.timings["queries_s"] = time.perf_counter() - start
         return self._probe_scores
 
-    def key_scores(self, layer: int, scale: float, softmax: str, aggregation: str,
-                   weight_power: float | None) -> torch.Tensor:
+    def key_scores(
+        self,
+        layer: int,
+        scale: float,
+        softmax: str,
+        aggregation: str,
+        weight_power: float | None,
+    ) -> torch.Tensor:
         """``[H, T]`` KVzip importance of every prefix key of ``layer``: its largest attention
         weight under the reference queries. ``softmax="prefix"`` renormalises each query over
         the prefix keys; ``"probe"`` takes the weight of the probe's real pass, whose softmax also
@@ -177,11 +222,18 @@ class PreparedPrefix:
         check_score_aggregation(aggregation, softmax)
         keys = self.spec.kv.keys[layer]
         if softmax == "prefix":
-            weights = self.collector.weights(layer) if aggregation == "weighted-max" else None
+            weights = (
+                self.collector.weights(layer) if aggregation == "weighted-max" else None
+            )
             if weights is not None:
-                weights = weights ** weight_power
-            return score_keys(keys, self.off_policy_queries()[layer], scale=scale, aggregation=aggregation,
-                              query_weights=weights)
+                weights = weights**weight_power
+            return score_keys(
+                keys,
+                self.off_policy_queries()[layer],
+                scale=scale,
+                aggregation=aggregation,
+                query_weights=weights,
+            )
         check_score_softmax(softmax)
         probe, static = self.probe_scores()[layer], self.collector.static_queries(layer)
         if static is not None:
@@ -190,23 +242,40 @@ class PreparedPrefix:
         return probe
 
 
-def prepare_prefix(adapter: ModelAdapter, token_ids: Sequence[int], compact_mask: torch.Tensor, *,
-                   queries: str, query_cap: int = 50_000, seed: int = 0) -> PreparedPrefix:
+def prepare_prefix(
+    adapter: ModelAdapter,
+    token_ids: Sequence[int],
+    compact_mask: torch.Tensor,
+    *,
+    queries: str,
+    query_cap: int = 50_000,
+    seed: int = 0,
+) -> PreparedPrefix:
     """Prefill ``token_ids [T]`` and plan the reference queries for the ``compact_mask`` tokens."""
     mask = torch.as_tensor(compact_mask, dtype=torch.bool, device="cpu")
     if mask.numel() != len(token_ids):
-        raise ValueError(f"compact_mask has {mask.numel()} entries for {len(token_ids)} tokens")
+        raise ValueError(
+            f"compact_mask has {mask.numel()} entries for {len(token_ids)} tokens"
+        )
     if not mask.any():
         raise ValueError("the prefix has no content tokens to compact")
     start = time.perf_counter()
     kv = adapter.prefill(token_ids)
-    spec = PrefixSpec(torch.as_tensor(token_ids, dtype=torch.long, device="cpu"), mask, kv)
+    spec = PrefixSpec(
+        torch.as_tensor(token_ids, dtype=torch.long, device="cpu"), mask, kv
+    )
     sources = parse_sources(queries)
     plan = sources[0].plan(adapter, spec)
     for source in sources[1:]:
         plan = plan.merge(source.plan(adapter, spec))
     collector = QueryCollector(adapter, spec, plan, cap=query_cap, seed=seed)
-    return PreparedPrefix(adapter, spec, queries, collector, {"prefill_and_plan_s": time.perf_counter() - start})
+    return PreparedPrefix(
+        adapter,
+        spec,
+        queries,
+        collector,
+        {"prefill_and_plan_s": time.perf_counter() - start},
+    )
 
 
 def compact_prefix(
@@ -223,19 +292,44 @@ def compact_prefix(
     """Compact the tokens of ``token_ids [T]`` selected by ``compact_mask [T]`` (see ``compact``)."""
     options = {k: v for k, v in kwargs.items() if k not in _RUN_ARGUMENTS}
     # every check of the method before the prefill
-    recipe = resolve(method, queries=queries, budgets=kwargs.get("budgets"), on_policy=kwargs.get("on_policy"),
-                     options=options).recipe
+    recipe = resolve(
+        method,
+        queries=queries,
+        budgets=kwargs.get("budgets"),
+        on_policy=kwargs.get("on_policy"),
+        options=options,
+    ).recipe
     content = int(torch.as_tensor(compact_mask, dtype=torch.bool, device="cpu").sum())
     queries = recipe.queries
     if content:  # else prepare_prefix says there is nothing to compact
         # a '/auto' probe spacing follows the ratio: plan the probes for this one
-        queries = resolve_spacing(queries, _resolve_ratio(kwargs.get("ratio"), kwargs.get("target_tokens"), content))
-    prepared = prepare_prefix(adapter, token_ids, compact_mask, queries=queries, query_cap=query_cap, seed=seed)
-    return compact_prepared(prepared, method=method, **kwargs)  # the prepared plan fixes the queries
+        queries = resolve_spacing(
+            queries,
+            _resolve_ratio(kwargs.get("ratio"), kwargs.get("target_tokens"), content),
+        )
+    prepared = prepare_prefix(
+        adapter,
+        token_ids,
+        compact_mask,
+        queries=queries,
+        query_cap=query_cap,
+        seed=seed,
+    )
+    return compact_prepared(
+        prepared, method=method, **kwargs
+    )  # the prepared plan fixes the queries
 
 
 #: The arguments of ``compact_prepared`` that are not options of the method.
-_RUN_ARGUMENTS = ("ratio", "target_tokens", "budgets", "on_policy", "progress", "on_progress", "chunk_tokens")
+_RUN_ARGUMENTS = (
+    "ratio",
+    "target_tokens",
+    "budgets",
+    "on_policy",
+    "progress",
+    "on_progress",
+    "chunk_tokens",
+)
 
 
 @dataclass
@@ -269,7 +363,9 @@ class _Compaction:
 
     def __post_init__(self) -> None:
         adapter = self.prepared.adapter
-        self.layers = torch.tensor(adapter.compactable_layers, device="cpu")  # host bookkeeping, as the masks
+        self.layers = torch.tensor(
+            adapter.compactable_layers, device="cpu"
+        )  # host bookkeeping, as the masks
         self.compacted = [None] * adapter.num_layers
         mask = self.prepared.spec.compact_mask
         # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets,
@@ -288,20 +384,39 @@ def _budget_stage(run: _Compaction) -> None:
 
     @functools.cache
     def prefix_scores() -> tuple[torch.Tensor | None, ...]:
-        return tuple(prepared.key_scores(i, run.scales[i], scoring.softmax, scoring.aggregation, scoring.weight_power)
-                     if run.layers[i] else None
-                     for i in range(adapter.num_layers))
+        return tuple(
+            prepared.key_scores(
+                i,
+                run.scales[i],
+                scoring.softmax,
+                scoring.aggregation,
+                scoring.weight_power,
+            )
+            if run.layers[i]
+            else None
+            for i in range(adapter.num_layers)
+        )
 
     run.budgets = [
-        resolve_budgets(run.plan.recipe.budgets, ratio=run.ratio, n=int(chunk.sum()), layers=run.layers,
-                        num_heads=adapter.num_kv_heads, model_name=adapter.name,
-                        scores=lambda chunk=chunk: [None if s is None else s[:, chunk] for s in prefix_scores()],
-                        **run.plan.budget_options)
+        resolve_budgets(
+            run.plan.recipe.budgets,
+            ratio=run.ratio,
+            n=int(chunk.sum()),
+            layers=run.layers,
+            num_heads=adapter.num_kv_heads,
+            model_name=adapter.name,
+            scores=lambda chunk=chunk: [
+                None if s is None else s[:, chunk] for s in prefix_scores()
+            ],
+            **run.plan.budget_options,
+        )
         for chunk in run.chunks
     ]
 
 
-def _fit_layer(run: _Compaction, layer: int, layer_queries: torch.Tensor) -> PrefixLayer | None:
+def _fit_layer(
+    run: _Compaction, layer: int, layer_queries: torch.Tensor
+) -> PrefixLayer | None:
     """Compact one layer with its reference queries: the template slots stay exact, every chunk
     is fitted to its budgets. Returns the compacted layer for the on-policy pass to attend."""
     kv = run.prepared.spec.kv
@@ -314,9 +429,18 @@ def _fit_layer(run: _Compaction, layer: int, layer_queries: torch.Tensor) -> Pre
     parts = [CompactedHeads.exact(keys[:, exact], values[:, exact], positions[exact])]
     query_weights = run.prepared.collector.weights(layer)
     for chunk, budgets in zip(run.chunks_on_device, run.budgets):
-        parts.append(compact_heads(keys[:, chunk], values[:, chunk], layer_queries, budgets[layer],
-                                   method=run.plan.method, scale=run.scales[layer], positions=positions[chunk],
-                                   query_weights=query_weights))
+        parts.append(
+            compact_heads(
+                keys[:, chunk],
+                values[:, chunk],
+                layer_queries,
+                budgets[layer],
+                method=run.plan.method,
+                scale=run.scales[layer],
+                positions=positions[chunk],
+                query_weights=query_weights,
+            )
+        )
     run.compacted[layer] = CompactedHeads.concat_slots(parts)
     run.fit_s += time.perf_counter() - start
     k, beta, v, idx = run.compacted[layer].padded()
@@ -328,7 +452,12 @@ def _layer_stage(run: _Compaction) -> None:
     come from the layers below, already compacted (its time less the fits is
     ``on_policy_queries_s``); off-policy, with the prepared prefix's queries."""
     adapter, collector = run.prepared.adapter, run.prepared.collector
-    bar = tqdm(total=adapter.num_layers, desc=f"{run.method} layers", unit="layer", disable=not run.progress)
+    bar = tqdm(
+        total=adapter.num_layers,
+        desc=f"{run.method} layers",
+        unit="layer",
+        disable=not run.progress,
+    )
     if run.on_progress is not None:
         run.on_progress(0.0)
 
@@ -364,9 +493,15 @@ def _record_stage(run: _Compaction) -> None:
         model=prepared.adapter.fingerprint(),
         method=run.method,
         ratio=run.ratio,
-        options={**plan.math_options, **plan.budget_options, **plan.scoring.as_options(),
-                 "chunk_tokens": run.chunk_tokens, "query_cap": prepared.collector.cap,
-                 "seed": prepared.collector.seed, "on_policy": plan.recipe.on_policy},
+        options={
+            **plan.math_options,
+            **plan.budget_options,
+            **plan.scoring.as_options(),
+            "chunk_tokens": run.chunk_tokens,
+            "query_cap": prepared.collector.cap,
+            "seed": prepared.collector.seed,
+            "on_policy": plan.recipe.on_policy,
+        },
         query_source=plan.recipe.queries,
         budgets=plan.recipe.budgets,
         timings=timings,
@@ -375,7 +510,11 @@ def _record_stage(run: _Compaction) -> None:
 
 #: What ``compact_prepared`` does, in order: budgets (which may run the reference queries),
 #: the layers (on-policy queries and the fits), the cache.
-_STAGES: tuple[Callable[[_Compaction], None], ...] = (_budget_stage, _layer_stage, _record_stage)
+_STAGES: tuple[Callable[[_Compaction], None], ...] = (
+    _budget_stage,
+    _layer_stage,
+    _record_stage,
+)
 
 
 def compact_prepared(
@@ -393,14 +532,33 @@ def compact_prepared(
 ) -> CompactedCache:
     """Compact a prepared prefix at one ratio with one method (``on_progress``, ``chunk_tokens``:
     see ``compact``)."""
-    plan = resolve(method, queries=prepared.queries, budgets=budgets, on_policy=on_policy, options=options)
+    plan = resolve(
+        method,
+        queries=prepared.queries,
+        budgets=budgets,
+        on_policy=on_policy,
+        options=options,
+    )
     n = prepared.num_content
-    run = _Compaction(prepared, plan, method, _resolve_ratio(ratio, target_tokens, n), chunk_tokens, progress,
-                      on_progress)
+    run = _Compaction(
+        prepared,
+        plan,
+        method,
+        _resolve_ratio(ratio, target_tokens, n),
+        chunk_tokens,
+        progress,
+        on_progress,
+    )
     for stage in _STAGES:
         stage(run)
     cache = run.cache
-    logger.info("compacted %d content tokens at %.3f with %s: %d -> %d slots in %.1fs", n, run.ratio,
-                method, prepared.spec.length * int(run.layers.sum()) * prepared.adapter.num_kv_heads,
-                cache.physical_slots, cache.timings["total_s"])
+    logger.info(
+        "compacted %d content tokens at %.3f with %s: %d -> %d slots in %.1fs",
+        n,
+        run.ratio,
+        method,
+        prepared.spec.length * int(run.layers.sum()) * prepared.adapter.num_kv_heads,
+        cache.physical_slots,
+        cache.timings["total_s"],
+    )
     return cache

@@ -22,9 +22,10 @@ name, the query source, the budget and ranking options, the math options) is mad
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from vllm_compaction.am.presets import (
     AM_HIGHEST_ATTENTION,
@@ -35,11 +36,26 @@ from vllm_compaction.am.presets import (
     ResolvedMethod,
     resolve_method,
 )
-from vllm_compaction.budgets import SCORE_OPTIONS, ScoreOptions, check_budget_options, resolve_score_options
+from vllm_compaction.budgets import (
+    SCORE_OPTIONS,
+    ScoreOptions,
+    check_budget_options,
+    resolve_score_options,
+)
 from vllm_compaction.queries import parse_sources, resolve_spacing
 
-__all__ = ["BUDGET_OPTIONS", "DEFAULT_METHOD", "PIPELINE_OPTIONS", "RECIPES", "Recipe", "ResolvedRecipe",
-           "check_method", "parse_method", "resolve", "resolve_recipe"]
+__all__ = [
+    "BUDGET_OPTIONS",
+    "DEFAULT_METHOD",
+    "PIPELINE_OPTIONS",
+    "RECIPES",
+    "Recipe",
+    "ResolvedRecipe",
+    "check_method",
+    "parse_method",
+    "resolve",
+    "resolve_recipe",
+]
 
 
 @dataclass(frozen=True)
@@ -61,9 +77,13 @@ class Recipe:
 # AM-HighestAttnKeys), by mean attention for H2O+ and SnapKV (with a max-pool of 7), by max
 # attention for KVzip.
 _OMP = MethodSpec("omp", {"keys_per_step": 1, "refit_interval": 1}, OMP_FIT)
-_OMP_FAST = MethodSpec("omp", {"keys_per_step": 4, "refit_interval": 2, "max_rounds": 32}, OMP_FIT)
+_OMP_FAST = MethodSpec(
+    "omp", {"keys_per_step": 4, "refit_interval": 2, "max_rounds": 32}, OMP_FIT
+)
 _H2O = MethodSpec("highest-attention", {"aggregation": "mean"}, EVICTION_FIT)
-_SNAPKV = MethodSpec("highest-attention", {"aggregation": "mean", "pool_kernel": 7}, EVICTION_FIT)
+_SNAPKV = MethodSpec(
+    "highest-attention", {"aggregation": "mean", "pool_kernel": 7}, EVICTION_FIT
+)
 _KVZIP = MethodSpec("highest-attention", {"aggregation": "max"}, EVICTION_FIT)
 
 _SS_RP = "self-study+repeat-prefill"
@@ -72,25 +92,44 @@ _SS_RP = "self-study+repeat-prefill"
 #: surprising spans (weighted 4, spaced by the ratio), global (KVzip-style) budgets with a 30% floor
 #: per layer. It keeps the most needles measured here (12/11/8 of 12 at 10/5/2% on RULER's prompt,
 #: 47/46/35 of 48 on the bare one); results in benchmarks/README.md.
-AM = Recipe(AM_HIGHEST_ATTENTION, "repeat-prefill+surprise-quote/auto*4", "global", True, {"min_layer_share": 0.3})
+AM = Recipe(
+    AM_HIGHEST_ATTENTION,
+    "repeat-prefill+surprise-quote/auto*4",
+    "global",
+    True,
+    {"min_layer_share": 0.3},
+)
 DEFAULT_METHOD = "am"
 
-RECIPES: Mapping[str, Recipe] = MappingProxyType({
-    "am": AM,
-    "am-omp": Recipe(_OMP, _SS_RP, "global", True),
-    "am-omp-fast": Recipe(_OMP_FAST, _SS_RP, "global", True),
-    "am-highest-attn": Recipe(AM_HIGHEST_ATTENTION, _SS_RP, "global", True),
-    "am-highest-attn-fast": Recipe(AM_HIGHEST_ATTENTION, "repeat-prefill", "global", True),
-    "h2o+": Recipe(_H2O, "context-prefill", "uniform", False),
-    "snapkv": Recipe(_SNAPKV, "mock-question", "uniform", False),
-    # PyramidKV is SnapKV per head; its layer-decreasing budgets are its own.
-    "pyramidkv": Recipe(_SNAPKV, "mock-question", "pyramid", False),
-    # KVzip's cross-head, cross-layer budgets are the global ones.
-    "kvzip": Recipe(_KVZIP, "repeat-prefill", "global", False),
-    "kvmerger": Recipe(MethodSpec("kvmerger", fit=MERGE_FIT), "repeat-prefill", "uniform", False),
-    "random": Recipe(MethodSpec("random", fit=EVICTION_FIT), "context-prefill", "uniform", False),
-    "truncate": Recipe(MethodSpec("truncate", {"keep": "last"}, EVICTION_FIT), "context-prefill", "uniform", False),
-})
+RECIPES: Mapping[str, Recipe] = MappingProxyType(
+    {
+        "am": AM,
+        "am-omp": Recipe(_OMP, _SS_RP, "global", True),
+        "am-omp-fast": Recipe(_OMP_FAST, _SS_RP, "global", True),
+        "am-highest-attn": Recipe(AM_HIGHEST_ATTENTION, _SS_RP, "global", True),
+        "am-highest-attn-fast": Recipe(
+            AM_HIGHEST_ATTENTION, "repeat-prefill", "global", True
+        ),
+        "h2o+": Recipe(_H2O, "context-prefill", "uniform", False),
+        "snapkv": Recipe(_SNAPKV, "mock-question", "uniform", False),
+        # PyramidKV is SnapKV per head; its layer-decreasing budgets are its own.
+        "pyramidkv": Recipe(_SNAPKV, "mock-question", "pyramid", False),
+        # KVzip's cross-head, cross-layer budgets are the global ones.
+        "kvzip": Recipe(_KVZIP, "repeat-prefill", "global", False),
+        "kvmerger": Recipe(
+            MethodSpec("kvmerger", fit=MERGE_FIT), "repeat-prefill", "uniform", False
+        ),
+        "random": Recipe(
+            MethodSpec("random", fit=EVICTION_FIT), "context-prefill", "uniform", False
+        ),
+        "truncate": Recipe(
+            MethodSpec("truncate", {"keep": "last"}, EVICTION_FIT),
+            "context-prefill",
+            "uniform",
+            False,
+        ),
+    }
+)
 
 #: Overrides that set the recipe itself rather than an option.
 RECIPE_KEYS = ("queries", "budgets", "on_policy")
@@ -116,8 +155,10 @@ def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
     """``"name:key=value,..."`` -> ``(name, {key: value})``; ``ValueError`` with a sentence for a
     malformed spec or an unknown name."""
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"a method is a name (choose from {', '.join(RECIPES)}), optionally with "
-                         f"':key=value,...' overrides; got {spec!r}")
+        raise ValueError(
+            f"a method is a name (choose from {', '.join(RECIPES)}), optionally with "
+            f"':key=value,...' overrides; got {spec!r}"
+        )
     name, _, rest = spec.partition(":")
     name = name.strip()
     if name not in RECIPES:
@@ -126,7 +167,9 @@ def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip() or not value.strip():
-            raise ValueError(f"bad override {item!r} in method {spec!r}: write key=value")
+            raise ValueError(
+                f"bad override {item!r} in method {spec!r}: write key=value"
+            )
         if key.strip() in overrides:
             raise ValueError(f"{key.strip()!r} is given twice in method {spec!r}")
         overrides[key.strip()] = _value(value)
@@ -154,8 +197,14 @@ class ResolvedRecipe:
     scoring: ScoreOptions
 
 
-def resolve(method: str, *, queries: str | None = None, budgets: str | None = None,
-            on_policy: bool | None = None, options: Mapping[str, Any] | None = None) -> ResolvedRecipe:
+def resolve(
+    method: str,
+    *,
+    queries: str | None = None,
+    budgets: str | None = None,
+    on_policy: bool | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> ResolvedRecipe:
     """The recipe a method spec names, with its overrides applied and every part checked (query
     source, budget options, ranking options, math options); ``ValueError`` with a sentence
     otherwise. The options are the recipe's defaults, then the spec's overrides, then
@@ -165,30 +214,54 @@ def resolve(method: str, *, queries: str | None = None, budgets: str | None = No
     base = RECIPES[name]
     picked = {key: overrides.pop(key, None) for key in RECIPE_KEYS}
     given = {"queries": queries, "budgets": budgets, "on_policy": on_policy}
-    chosen = {key: given[key] if given[key] is not None else picked[key] for key in RECIPE_KEYS}
+    chosen = {
+        key: given[key] if given[key] is not None else picked[key]
+        for key in RECIPE_KEYS
+    }
     defaults = dict(base.options)
     budget_mode = chosen["budgets"] or base.budgets
     if budget_mode != "global":  # a recipe's layer floor belongs to its global budgets
         defaults.pop("min_layer_share", None)
     merged = {**defaults, **overrides, **dict(options or {})}
-    recipe = replace(base, queries=chosen["queries"] or base.queries, budgets=budget_mode,
-                     on_policy=base.on_policy if chosen["on_policy"] is None else bool(chosen["on_policy"]),
-                     options=merged)
+    recipe = replace(
+        base,
+        queries=chosen["queries"] or base.queries,
+        budgets=budget_mode,
+        on_policy=base.on_policy
+        if chosen["on_policy"] is None
+        else bool(chosen["on_policy"]),
+        options=merged,
+    )
     parse_sources(resolve_spacing(recipe.queries, 0.1))  # any ratio checks an '/auto'
     budget_options = {k: merged[k] for k in BUDGET_OPTIONS if k in merged}
-    check_budget_options(recipe.budgets, min_layer_share=budget_options.get("min_layer_share"))
+    check_budget_options(
+        recipe.budgets, min_layer_share=budget_options.get("min_layer_share")
+    )
     scoring = resolve_score_options(merged)
     math_options = {k: v for k, v in merged.items() if k not in PIPELINE_OPTIONS}
-    return ResolvedRecipe(name, recipe, resolve_method(base.math, math_options, name=name),
-                          MappingProxyType(math_options), MappingProxyType(budget_options), scoring)
+    return ResolvedRecipe(
+        name,
+        recipe,
+        resolve_method(base.math, math_options, name=name),
+        MappingProxyType(math_options),
+        MappingProxyType(budget_options),
+        scoring,
+    )
 
 
-def resolve_recipe(method: str, *, queries: str | None = None, budgets: str | None = None,
-                   on_policy: bool | None = None, options: Mapping[str, Any] | None = None
-                   ) -> tuple[Recipe, dict[str, Any]]:
+def resolve_recipe(
+    method: str,
+    *,
+    queries: str | None = None,
+    budgets: str | None = None,
+    on_policy: bool | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> tuple[Recipe, dict[str, Any]]:
     """``resolve``'s recipe (its ``options`` the resolved ones) and the options to run it with,
     checked as ``resolve`` checks them."""
-    resolved = resolve(method, queries=queries, budgets=budgets, on_policy=on_policy, options=options)
+    resolved = resolve(
+        method, queries=queries, budgets=budgets, on_policy=on_policy, options=options
+    )
     return resolved.recipe, dict(resolved.recipe.options)
 
 

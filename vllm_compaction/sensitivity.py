@@ -16,9 +16,10 @@ import contextlib
 import datetime
 import logging
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -33,14 +34,30 @@ from vllm_compaction.models import ModelAdapter, PrefixLayer, load_adapter
 if TYPE_CHECKING:
     from vllm_compaction.pipeline import PreparedPrefix
 
-__all__ = ["LossContext", "SensitivityCurves", "TargetLoss", "compute_schedule", "default_ratios",
-           "head_sensitivity_curves", "mixed_layer", "repeat_context"]
+__all__ = [
+    "LossContext",
+    "SensitivityCurves",
+    "TargetLoss",
+    "compute_schedule",
+    "default_ratios",
+    "head_sensitivity_curves",
+    "mixed_layer",
+    "repeat_context",
+]
 
 logger = logging.getLogger(__name__)
 
-_GRID_FACTORS = (0.0, 1.0, 2.0, 5.0, 20.0)  # x base ratio, clipped to [0, 1]: 0, .05, .1, .25, 1 at .05
+_GRID_FACTORS = (
+    0.0,
+    1.0,
+    2.0,
+    5.0,
+    20.0,
+)  # x base ratio, clipped to [0, 1]: 0, .05, .1, .25, 1 at .05
 DEFAULT_TARGET_TOKENS = 64
-CONTEXT_SEED_OFFSET = 10_000  # haystack seeds stay clear of the small seeds of NIAH instances
+CONTEXT_SEED_OFFSET = (
+    10_000  # haystack seeds stay clear of the small seeds of NIAH instances
+)
 
 
 @dataclass
@@ -60,17 +77,26 @@ class LossContext:
 
     def __post_init__(self) -> None:
         self.compact_mask = torch.as_tensor(self.compact_mask, dtype=torch.bool)
-        if self.compact_mask.numel() != len(self.prefix_ids) or not self.compact_mask.any():
-            raise ValueError("compact_mask needs one entry per prefix token and at least one True")
+        if (
+            self.compact_mask.numel() != len(self.prefix_ids)
+            or not self.compact_mask.any()
+        ):
+            raise ValueError(
+                "compact_mask needs one entry per prefix token and at least one True"
+            )
         if not 1 <= self.score_from < len(self.target_ids):
-            raise ValueError(f"score_from must be in [1, {len(self.target_ids)}), got {self.score_from}")
+            raise ValueError(
+                f"score_from must be in [1, {len(self.target_ids)}), got {self.score_from}"
+            )
 
 
 def _has_chat_template(adapter: ModelAdapter) -> bool:
     return bool(getattr(adapter.tokenizer, "chat_template", None))
 
 
-def repeat_context(adapter: ModelAdapter, text: str, *, target_tokens: int = DEFAULT_TARGET_TOKENS) -> LossContext:
+def repeat_context(
+    adapter: ModelAdapter, text: str, *, target_tokens: int = DEFAULT_TARGET_TOKENS
+) -> LossContext:
     """``text`` as one user message; target: the turn "Repeat the previous context." and the
     first ``target_tokens`` content tokens (scored). A base model without a chat template gets
     the plain text (special tokens exact) and the instruction between blank lines."""
@@ -114,10 +140,16 @@ class SensitivityCurves:
 
 
 def _decoder_layers(adapter: ModelAdapter) -> torch.nn.ModuleList:
-    decoder = adapter.model.get_decoder() if hasattr(adapter.model, "get_decoder") else adapter.model.model
+    decoder = (
+        adapter.model.get_decoder()
+        if hasattr(adapter.model, "get_decoder")
+        else adapter.model.model
+    )
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or len(layers) != adapter.num_layers:
-        raise ValueError("cannot find the model's decoder layers to replay (expected decoder.layers)")
+        raise ValueError(
+            "cannot find the model's decoder layers to replay (expected decoder.layers)"
+        )
     return layers
 
 
@@ -133,7 +165,9 @@ class _Replay(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def _replaying(layers: torch.nn.ModuleList, outputs: list[Any], upto: int) -> Iterator[None]:
+def _replaying(
+    layers: torch.nn.ModuleList, outputs: list[Any], upto: int
+) -> Iterator[None]:
     saved = [layers[i] for i in range(upto)]
     try:
         for i in range(upto):
@@ -149,26 +183,36 @@ class TargetLoss:
     layer. ``baseline()`` runs the all-base prefix and records every decoder layer's output;
     ``loss(l, layer_prefix)`` then runs only layers >= l (``replay=False``: the full model)."""
 
-    def __init__(self, adapter: ModelAdapter, ctx: LossContext, base: list[PrefixLayer | None]):
+    def __init__(
+        self, adapter: ModelAdapter, ctx: LossContext, base: list[PrefixLayer | None]
+    ):
         self.adapter, self.base = adapter, base
         length, m = len(ctx.prefix_ids), len(ctx.target_ids)
         self.ids = torch.tensor(ctx.target_ids, dtype=torch.long)
         self.positions = torch.arange(length, length + m)
-        self.rows = torch.arange(ctx.score_from - 1, m - 1)  # logits row i predicts token i + 1
-        self.labels = self.ids[ctx.score_from:]
+        self.rows = torch.arange(
+            ctx.score_from - 1, m - 1
+        )  # logits row i predicts token i + 1
+        self.labels = self.ids[ctx.score_from :]
         self._layers = _decoder_layers(adapter)
         self._outputs: list[Any] | None = None
         self.baseline_loss = float("nan")
 
     def _nll(self, prefix: list[PrefixLayer | None]) -> float:
-        logits = self.adapter.forward(self.ids, self.positions, prefix=prefix, logits_to_keep=self.rows).logits
+        logits = self.adapter.forward(
+            self.ids, self.positions, prefix=prefix, logits_to_keep=self.rows
+        ).logits
         return float(F.cross_entropy(logits, self.labels))
 
     def baseline(self) -> float:
         """All-base loss; records each decoder layer's output for replay."""
         outputs: list[Any] = [None] * len(self._layers)
-        hooks = [layer.register_forward_hook(lambda _m, _a, out, i=i: outputs.__setitem__(i, out))
-                 for i, layer in enumerate(self._layers)]
+        hooks = [
+            layer.register_forward_hook(
+                lambda _m, _a, out, i=i: outputs.__setitem__(i, out)
+            )
+            for i, layer in enumerate(self._layers)
+        ]
         try:
             self.baseline_loss = self._nll(self.base)
         finally:
@@ -177,7 +221,9 @@ class TargetLoss:
         self._outputs = outputs
         return self.baseline_loss
 
-    def loss(self, layer: int, layer_prefix: PrefixLayer, *, replay: bool = True) -> float:
+    def loss(
+        self, layer: int, layer_prefix: PrefixLayer, *, replay: bool = True
+    ) -> float:
         """Loss with ``layer``'s prefix replaced by ``layer_prefix``."""
         prefix = list(self.base)
         prefix[layer] = layer_prefix
@@ -194,33 +240,53 @@ def _prefix_layer(heads: CompactedHeads) -> PrefixLayer:
     return PrefixLayer(keys, values, beta, indices)
 
 
-def mixed_layer(per_ratio: Sequence[CompactedHeads], choice: Sequence[int]) -> PrefixLayer:
+def mixed_layer(
+    per_ratio: Sequence[CompactedHeads], choice: Sequence[int]
+) -> PrefixLayer:
     """One layer's prefix with head h taken from ``per_ratio[choice[h]]`` (padded, -inf bias)."""
     parts = [per_ratio[c].head(h) for h, c in enumerate(choice)]
     heads = CompactedHeads(
-        keys=torch.cat([p[0] for p in parts]), beta=torch.cat([p[1] for p in parts]),
-        values=torch.cat([p[2] for p in parts]), indices=torch.cat([p[3] for p in parts]),
+        keys=torch.cat([p[0] for p in parts]),
+        beta=torch.cat([p[1] for p in parts]),
+        values=torch.cat([p[2] for p in parts]),
+        indices=torch.cat([p[3] for p in parts]),
         cu_seqlens=cu_seqlens_from_lengths([p[0].shape[0] for p in parts]),
     )
     return _prefix_layer(heads)
 
 
-def _prepare(adapter: ModelAdapter, ctx: LossContext, queries: str, seed: int) -> PreparedPrefix:
+def _prepare(
+    adapter: ModelAdapter, ctx: LossContext, queries: str, seed: int
+) -> PreparedPrefix:
     """``prepare_prefix``; for repeat-prefill on a base model (no chat template) the repeat
     prompt is the plain-text instruction turn of the loss target."""
     from vllm_compaction.pipeline import PreparedPrefix, prepare_prefix
     from vllm_compaction.queries import PrefixSpec, QueryCollector, QueryPlan
 
     if queries != "repeat-prefill" or _has_chat_template(adapter):
-        return prepare_prefix(adapter, ctx.prefix_ids, ctx.compact_mask, queries=queries, seed=seed)
-    spec = PrefixSpec(torch.tensor(ctx.prefix_ids), ctx.compact_mask, adapter.prefill(ctx.prefix_ids))
-    plan = QueryPlan([ctx.target_ids[:ctx.score_from] + spec.content_ids], [0])
-    return PreparedPrefix(adapter, spec, queries, QueryCollector(adapter, spec, plan, seed=seed), {})
+        return prepare_prefix(
+            adapter, ctx.prefix_ids, ctx.compact_mask, queries=queries, seed=seed
+        )
+    spec = PrefixSpec(
+        torch.tensor(ctx.prefix_ids), ctx.compact_mask, adapter.prefill(ctx.prefix_ids)
+    )
+    plan = QueryPlan([ctx.target_ids[: ctx.score_from] + spec.content_ids], [0])
+    return PreparedPrefix(
+        adapter, spec, queries, QueryCollector(adapter, spec, plan, seed=seed), {}
+    )
 
 
-def _compact_grid(adapter: ModelAdapter, ctx: LossContext, ratios: list[float], base_index: int, *,
-                  method: str, queries: str | None, seed: int, options: dict[str, Any],
-                  ) -> tuple[list[PrefixLayer | None], dict[int, list[CompactedHeads]]]:
+def _compact_grid(
+    adapter: ModelAdapter,
+    ctx: LossContext,
+    ratios: list[float],
+    base_index: int,
+    *,
+    method: str,
+    queries: str | None,
+    seed: int,
+    options: dict[str, Any],
+) -> tuple[list[PrefixLayer | None], dict[int, list[CompactedHeads]]]:
     """All-base prefix per layer, and per compactable layer its compaction at every ratio
     (template slots exact), all fitted to the queries of the base-ratio pass."""
     from vllm_compaction.queries import resolve_spacing
@@ -228,7 +294,12 @@ def _compact_grid(adapter: ModelAdapter, ctx: LossContext, ratios: list[float], 
 
     recipe = resolve_recipe(method)[0]
     # one query pass serves every ratio of the grid: '/auto' probes are spaced for the base ratio
-    prepared = _prepare(adapter, ctx, resolve_spacing(queries or recipe.queries, ratios[base_index]), seed)
+    prepared = _prepare(
+        adapter,
+        ctx,
+        resolve_spacing(queries or recipe.queries, ratios[base_index]),
+        seed,
+    )
     kv, mask, n = prepared.spec.kv, prepared.spec.compact_mask, prepared.num_content
     layers = torch.tensor(adapter.compactable_layers)
     base_budgets = uniform_budgets(ratios[base_index], n, layers, adapter.num_kv_heads)
@@ -244,10 +315,20 @@ def _compact_grid(adapter: ModelAdapter, ctx: LossContext, ratios: list[float], 
         grid[layer] = []
         query_weights = prepared.collector.weights(layer)
         for i, ratio in enumerate(ratios):
-            budget = base_budgets[layer] if i == base_index else min(n, round(ratio * n))
-            heads = compact_heads(keys[:, mask], values[:, mask], layer_queries, budget, method=recipe.math,
-                                  scale=scales[layer], positions=positions[mask],
-                                  query_weights=query_weights, **options)
+            budget = (
+                base_budgets[layer] if i == base_index else min(n, round(ratio * n))
+            )
+            heads = compact_heads(
+                keys[:, mask],
+                values[:, mask],
+                layer_queries,
+                budget,
+                method=recipe.math,
+                scale=scales[layer],
+                positions=positions[mask],
+                query_weights=query_weights,
+                **options,
+            )
             grid[layer].append(CompactedHeads.concat_slots([exact, heads]))
         base[layer] = _prefix_layer(grid[layer][base_index])
         return base[layer]
@@ -265,18 +346,28 @@ def default_ratios(base_ratio: float) -> list[float]:
     return sorted({min(1.0, round(f * base_ratio, 6)) for f in _GRID_FACTORS} | {1.0})
 
 
-def _ratio_grid(ratios: Sequence[float] | None, base_ratio: float) -> tuple[list[float], int]:
+def _ratio_grid(
+    ratios: Sequence[float] | None, base_ratio: float
+) -> tuple[list[float], int]:
     if not 0.0 < base_ratio <= 1.0:
         raise ValueError(f"base_ratio must be in (0, 1], got {base_ratio}")
     ratios = default_ratios(base_ratio) if ratios is None else ratios
     if any(not 0.0 <= r <= 1.0 for r in ratios):
-        raise ValueError(f"every ratio of the grid must lie in [0, 1], got {list(ratios)}")
+        raise ValueError(
+            f"every ratio of the grid must lie in [0, 1], got {list(ratios)}"
+        )
     grid = sorted(set(float(r) for r in ratios) | {float(base_ratio)})
     return grid, grid.index(float(base_ratio))
 
 
-def _context_deltas(runner: TargetLoss, per_layer: dict[int, list[CompactedHeads]], base_index: int,
-                    num_heads: int, out: torch.Tensor, bar: tqdm) -> None:
+def _context_deltas(
+    runner: TargetLoss,
+    per_layer: dict[int, list[CompactedHeads]],
+    base_index: int,
+    num_heads: int,
+    out: torch.Tensor,
+    bar: tqdm,
+) -> None:
     """Fill ``out [L*H, R]`` with one context's loss changes (the base column stays 0)."""
     baseline = runner.baseline()
     for layer, per_ratio in per_layer.items():
@@ -285,14 +376,24 @@ def _context_deltas(runner: TargetLoss, per_layer: dict[int, list[CompactedHeads
                 if r != base_index:
                     choice = [base_index] * num_heads
                     choice[h] = r
-                    out[layer * num_heads + h, r] = runner.loss(layer, mixed_layer(per_ratio, choice)) - baseline
+                    out[layer * num_heads + h, r] = (
+                        runner.loss(layer, mixed_layer(per_ratio, choice)) - baseline
+                    )
             bar.update(1)
 
 
-def head_sensitivity_curves(adapter: ModelAdapter, contexts: Sequence[LossContext], *,
-                            ratios: Sequence[float] | None = None, base_ratio: float = 0.05,
-                            method: str = "am-highest-attn-fast", queries: str | None = None, seed: int = 0,
-                            progress: bool = True, **options: Any) -> SensitivityCurves:
+def head_sensitivity_curves(
+    adapter: ModelAdapter,
+    contexts: Sequence[LossContext],
+    *,
+    ratios: Sequence[float] | None = None,
+    base_ratio: float = 0.05,
+    method: str = "am-highest-attn-fast",
+    queries: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+    **options: Any,
+) -> SensitivityCurves:
     """Sensitivity curves of every compactable KV head (see the module doc).
 
     ``ratios`` (default ``default_ratios(base_ratio)``) get ``base_ratio`` added; ``queries``
@@ -307,36 +408,74 @@ def head_sensitivity_curves(adapter: ModelAdapter, contexts: Sequence[LossContex
     grid, base_index = _ratio_grid(ratios, base_ratio)
     num_layers, num_heads = adapter.num_layers, adapter.num_kv_heads
     compactable = torch.tensor(adapter.compactable_layers).repeat_interleave(num_heads)
-    deltas = torch.zeros(len(contexts), num_layers * num_heads, len(grid), dtype=torch.float64)
+    deltas = torch.zeros(
+        len(contexts), num_layers * num_heads, len(grid), dtype=torch.float64
+    )
     baseline = torch.zeros(len(contexts), dtype=torch.float64)
-    bar = tqdm(total=len(contexts) * int(compactable.sum()), desc="head sensitivity", unit="head",
-               disable=not progress)
+    bar = tqdm(
+        total=len(contexts) * int(compactable.sum()),
+        desc="head sensitivity",
+        unit="head",
+        disable=not progress,
+    )
     for c, ctx in enumerate(contexts):
-        base, per_layer = _compact_grid(adapter, ctx, grid, base_index, method=method, queries=queries,
-                                        seed=seed, options=options)
+        base, per_layer = _compact_grid(
+            adapter,
+            ctx,
+            grid,
+            base_index,
+            method=method,
+            queries=queries,
+            seed=seed,
+            options=options,
+        )
         runner = TargetLoss(adapter, ctx, base)
         _context_deltas(runner, per_layer, base_index, num_heads, deltas[c], bar)
         baseline[c] = runner.baseline_loss
-        logger.info("context %d/%d: all-base loss %.4f", c + 1, len(contexts), float(baseline[c]))
+        logger.info(
+            "context %d/%d: all-base loss %.4f",
+            c + 1,
+            len(contexts),
+            float(baseline[c]),
+        )
     bar.close()
     std = deltas.std(0) if len(contexts) > 1 else torch.zeros_like(deltas[0])
-    return SensitivityCurves(deltas.mean(0), std, torch.tensor(grid, dtype=torch.float64), float(base_ratio),
-                             compactable, baseline, num_layers, num_heads)
+    return SensitivityCurves(
+        deltas.mean(0),
+        std,
+        torch.tensor(grid, dtype=torch.float64),
+        float(base_ratio),
+        compactable,
+        baseline,
+        num_layers,
+        num_heads,
+    )
 
 
 def _rounded(t: torch.Tensor) -> list:
     return [_rounded(x) for x in t] if t.dim() else round(float(t), 5)
 
 
-def compute_schedule(model: str | Path | ModelAdapter, *, contexts: int = 3, context_tokens: int = 1000,
-                     base_ratio: float = 0.05, seed: int = 0, ratios: Sequence[float] | None = None,
-                     target_tokens: int = DEFAULT_TARGET_TOKENS, method: str = "am-highest-attn-fast",
-                     step_fraction: float = 0.05, progress: bool = True) -> Schedule:
+def compute_schedule(
+    model: str | Path | ModelAdapter,
+    *,
+    contexts: int = 3,
+    context_tokens: int = 1000,
+    base_ratio: float = 0.05,
+    seed: int = 0,
+    ratios: Sequence[float] | None = None,
+    target_tokens: int = DEFAULT_TARGET_TOKENS,
+    method: str = "am-highest-attn-fast",
+    step_fraction: float = 0.05,
+    progress: bool = True,
+) -> Schedule:
     """A model's head-budget schedule: curves on ``contexts`` essay haystacks of about
     ``context_tokens`` tokens, then greedy swaps in steps of ``step_fraction`` of a uniform
     share. Heads of layers that are not compacted get share 0; ``meta`` records the run."""
     if contexts < 1 or context_tokens < 2:
-        raise ValueError(f"need contexts >= 1 and context_tokens >= 2, got {contexts} and {context_tokens}")
+        raise ValueError(
+            f"need contexts >= 1 and context_tokens >= 2, got {contexts} and {context_tokens}"
+        )
     if not 0.0 < step_fraction <= 1.0:
         raise ValueError(f"step_fraction must be in (0, 1], got {step_fraction}")
     from vllm_compaction.corpus import haystack_text
@@ -344,24 +483,55 @@ def compute_schedule(model: str | Path | ModelAdapter, *, contexts: int = 3, con
     start = time.perf_counter()
     adapter = model if isinstance(model, ModelAdapter) else load_adapter(model)
     seeds = [CONTEXT_SEED_OFFSET + 1000 * seed + i for i in range(contexts)]
-    items = [repeat_context(adapter, haystack_text(context_tokens, adapter.tokenizer, seed=s),
-                            target_tokens=target_tokens) for s in seeds]
-    curves = head_sensitivity_curves(adapter, items, ratios=ratios, base_ratio=base_ratio, method=method,
-                                     seed=seed, progress=progress)
+    items = [
+        repeat_context(
+            adapter,
+            haystack_text(context_tokens, adapter.tokenizer, seed=s),
+            target_tokens=target_tokens,
+        )
+        for s in seeds
+    ]
+    curves = head_sensitivity_curves(
+        adapter,
+        items,
+        ratios=ratios,
+        base_ratio=base_ratio,
+        method=method,
+        seed=seed,
+        progress=progress,
+    )
     mask = curves.compactable
     step = step_fraction / int(mask.sum())
     shares = torch.zeros(mask.numel(), dtype=torch.float64)
-    shares[mask] = greedy_swap_shares(curves.curves[mask], curves.ratios, base_ratio, step)
+    shares[mask] = greedy_swap_shares(
+        curves.curves[mask], curves.ratios, base_ratio, step
+    )
     meta = dict(
         procedure="per-head sensitivity curves (one head varied, others at the base ratio) + greedy swaps",
         loss=f"mean NLL of the first {target_tokens} context tokens after 'Repeat the previous context.'",
-        method=method, contexts=contexts, context_tokens=context_tokens, haystack_seeds=seeds,
-        prefix_tokens=[len(c.prefix_ids) for c in items], target_tokens=target_tokens, base_ratio=base_ratio,
-        ratios=curves.ratios.tolist(), step=step, seed=seed, seconds=round(time.perf_counter() - start, 1),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        baseline_loss=_rounded(curves.baseline), curves=_rounded(curves.curves), curves_std=_rounded(curves.std),
+        method=method,
+        contexts=contexts,
+        context_tokens=context_tokens,
+        haystack_seeds=seeds,
+        prefix_tokens=[len(c.prefix_ids) for c in items],
+        target_tokens=target_tokens,
+        base_ratio=base_ratio,
+        ratios=curves.ratios.tolist(),
+        step=step,
+        seed=seed,
+        seconds=round(time.perf_counter() - start, 1),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        baseline_loss=_rounded(curves.baseline),
+        curves=_rounded(curves.curves),
+        curves_std=_rounded(curves.std),
     )
-    logger.info("head-budget schedule of %s computed in %.0fs", adapter.name, meta["seconds"])
-    return Schedule(model=adapter.name or str(model), num_layers=curves.num_layers,
-                    num_kv_heads=curves.num_kv_heads,
-                    shares=shares.view(curves.num_layers, curves.num_kv_heads).tolist(), meta=meta)
+    logger.info(
+        "head-budget schedule of %s computed in %.0fs", adapter.name, meta["seconds"]
+    )
+    return Schedule(
+        model=adapter.name or str(model),
+        num_layers=curves.num_layers,
+        num_kv_heads=curves.num_kv_heads,
+        shares=shares.view(curves.num_layers, curves.num_kv_heads).tolist(),
+        meta=meta,
+    )

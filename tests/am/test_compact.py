@@ -6,19 +6,31 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_compaction.am import CompactedHeads, MethodSpec, attention_output_error, compact_heads, resolve_method
+from vllm_compaction.am import (
+    CompactedHeads,
+    MethodSpec,
+    attention_output_error,
+    compact_heads,
+    resolve_method,
+)
 from vllm_compaction.am.compact import STAGES
 from vllm_compaction.recipes import RECIPES
 
 #: The math of every recipe, by recipe name.
 MATH = {name: recipe.math for name, recipe in RECIPES.items()}
 #: One recipe name per distinct math (recipes that share math share the object).
-DISTINCT = [name for name, math in MATH.items() if next(n for n, m in MATH.items() if m is math) == name]
+DISTINCT = [
+    name
+    for name, math in MATH.items()
+    if next(n for n, m in MATH.items() if m is math) == name
+]
 AM_PRESETS = ["am-highest-attn", "am-omp", "am-omp-fast"]
 H, T, N, D = 4, 48, 160, 8
 
 
-def _inputs(seed: int = 0, h: int = H, t: int = T, n: int = N, d: int = D) -> tuple[torch.Tensor, ...]:
+def _inputs(
+    seed: int = 0, h: int = H, t: int = T, n: int = N, d: int = D
+) -> tuple[torch.Tensor, ...]:
     """Random heads with a sink key and queries leaning on a few keys (continuous: no ties)."""
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randn(h, t, d, generator=gen)
@@ -29,7 +41,9 @@ def _inputs(seed: int = 0, h: int = H, t: int = T, n: int = N, d: int = D) -> tu
     return keys, values, queries
 
 
-def _assert_heads_equal(a: CompactedHeads, b: CompactedHeads, tol: float = 1e-4) -> None:
+def _assert_heads_equal(
+    a: CompactedHeads, b: CompactedHeads, tol: float = 1e-4
+) -> None:
     assert torch.equal(a.cu_seqlens, b.cu_seqlens)
     assert torch.equal(a.indices, b.indices)
     torch.testing.assert_close(a.keys, b.keys)
@@ -41,21 +55,39 @@ def _assert_heads_equal(a: CompactedHeads, b: CompactedHeads, tol: float = 1e-4)
 def test_budget_T_reproduces_attention_exactly(method):
     keys, values, queries = _inputs()
     heads = compact_heads(keys, values, queries, T, method=MATH[method])
-    assert torch.equal(heads.keys.view(H, T, D), keys) and torch.equal(heads.values.view(H, T, D), values)
+    assert torch.equal(heads.keys.view(H, T, D), keys) and torch.equal(
+        heads.values.view(H, T, D), values
+    )
     assert torch.equal(heads.beta, torch.zeros(H * T))
     err = attention_output_error(heads, keys, values, queries)
     assert err.output_rel.max() < 1e-5 and err.mass_rel.max() < 1e-5
 
 
 @pytest.mark.parametrize(
-    "method", ["am-highest-attn", "am-omp", "am-omp-fast", "h2o+", "snapkv", "kvzip", "kvmerger", "truncate"]
+    "method",
+    [
+        "am-highest-attn",
+        "am-omp",
+        "am-omp-fast",
+        "h2o+",
+        "snapkv",
+        "kvzip",
+        "kvmerger",
+        "truncate",
+    ],
 )
 def test_batched_equals_per_head_loop(method):
     keys, values, queries = _inputs(1)
     budgets = [0, 5, T, 17]
     batched = compact_heads(keys, values, queries, budgets, method=MATH[method])
     looped = [
-        compact_heads(keys[h : h + 1], values[h : h + 1], queries[h : h + 1], [t], method=MATH[method])
+        compact_heads(
+            keys[h : h + 1],
+            values[h : h + 1],
+            queries[h : h + 1],
+            [t],
+            method=MATH[method],
+        )
         for h, t in enumerate(budgets)
     ]
     _assert_heads_equal(batched, _stack(looped))
@@ -79,34 +111,69 @@ BUDGET_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("budget", list(BUDGET_SHAPES.values()), ids=list(BUDGET_SHAPES))
+@pytest.mark.parametrize(
+    "budget", list(BUDGET_SHAPES.values()), ids=list(BUDGET_SHAPES)
+)
 @pytest.mark.parametrize("method", DISTINCT)
 def test_every_preset_runs_on_every_budget_shape(method, budget):
     keys, values, queries = _inputs(2)
     positions = torch.arange(T) + 100
-    heads = compact_heads(keys.bfloat16(), values.bfloat16(), queries, budget, method=MATH[method], positions=positions)
-    want = torch.as_tensor(budget).expand(H) if torch.as_tensor(budget).dim() == 0 else torch.as_tensor(budget)
+    heads = compact_heads(
+        keys.bfloat16(),
+        values.bfloat16(),
+        queries,
+        budget,
+        method=MATH[method],
+        positions=positions,
+    )
+    want = (
+        torch.as_tensor(budget).expand(H)
+        if torch.as_tensor(budget).dim() == 0
+        else torch.as_tensor(budget)
+    )
     assert heads.head_budgets.tolist() == want.tolist()
     assert (
         heads.keys.dtype == torch.bfloat16
         and heads.values.dtype == torch.bfloat16
         and heads.beta.dtype == torch.float32
     )
-    assert torch.isfinite(heads.beta).all() and torch.isfinite(heads.values.float()).all()
+    assert (
+        torch.isfinite(heads.beta).all() and torch.isfinite(heads.values.float()).all()
+    )
     for h in range(H):
         k, _, _, idx = heads.head(h)
         assert (idx[1:] > idx[:-1]).all(), "slots sorted by position, no duplicates"
         assert ((idx >= 100) & (idx < 100 + T)).all()
-        assert torch.equal(k, keys.bfloat16()[h, idx - 100]), "kept keys are original keys"
+        assert torch.equal(k, keys.bfloat16()[h, idx - 100]), (
+            "kept keys are original keys"
+        )
 
 
 def test_options_override_preset_fields():
     keys, values, queries = _inputs(3)
-    a = compact_heads(keys, values, queries, 9, method=MATH["am-highest-attn"], beta="zero", values="direct")
+    a = compact_heads(
+        keys,
+        values,
+        queries,
+        9,
+        method=MATH["am-highest-attn"],
+        beta="zero",
+        values="direct",
+    )
     b = compact_heads(keys, values, queries, 9, method=MATH["h2o+"], aggregation="rms")
     _assert_heads_equal(a, b)
-    c = compact_heads(keys, values, queries, 9, method=MATH["am-omp-fast"], keys_per_step=1, refit_interval=1)
-    _assert_heads_equal(c, compact_heads(keys, values, queries, 9, method=MATH["am-omp"]))
+    c = compact_heads(
+        keys,
+        values,
+        queries,
+        9,
+        method=MATH["am-omp-fast"],
+        keys_per_step=1,
+        refit_interval=1,
+    )
+    _assert_heads_equal(
+        c, compact_heads(keys, values, queries, 9, method=MATH["am-omp"])
+    )
 
 
 def test_beta_bounds_box_the_fitted_beta_and_parse_from_text():
@@ -115,10 +182,14 @@ def test_beta_bounds_box_the_fitted_beta_and_parse_from_text():
     keys, values, queries = _inputs(9)
     am = MATH["am-highest-attn"]
     wide = compact_heads(keys, values, queries, 3, method=am, beta_bounds="-3:8")
-    _assert_heads_equal(wide, compact_heads(keys, values, queries, 3, method=am, beta_bounds=(-3, 8)))
+    _assert_heads_equal(
+        wide, compact_heads(keys, values, queries, 3, method=am, beta_bounds=(-3, 8))
+    )
     tight = compact_heads(keys, values, queries, 3, method=am, beta_bounds="-1:0.5")
     assert tight.beta.min() >= -1 - 1e-6 and tight.beta.max() <= 0.5 + 1e-6
-    assert wide.beta.max() > 0.5  # 3 slots of 48 keys carry the others' mass: beta > 0.5
+    assert (
+        wide.beta.max() > 0.5
+    )  # 3 slots of 48 keys carry the others' mass: beta > 0.5
 
 
 def test_value_anchor_interpolates_between_lstsq_and_direct_values():
@@ -129,20 +200,28 @@ def test_value_anchor_interpolates_between_lstsq_and_direct_values():
     keys, values, queries = _inputs(8)
     am = MATH["am-highest-attn"]
     lstsq = compact_heads(keys, values, queries, 9, method=am)
-    _assert_heads_equal(compact_heads(keys, values, queries, 9, method=am, value_anchor=0.0), lstsq)
+    _assert_heads_equal(
+        compact_heads(keys, values, queries, 9, method=am, value_anchor=0.0), lstsq
+    )
     direct = compact_heads(keys, values, queries, 9, method=am, values="direct")
     huge = compact_heads(keys, values, queries, 9, method=am, value_anchor=1e9)
     torch.testing.assert_close(huge.values, direct.values, rtol=1e-4, atol=1e-4)
     lam = 0.5
     anchored = compact_heads(keys, values, queries, 9, method=am, value_anchor=lam)
-    assert torch.equal(anchored.indices, lstsq.indices) and torch.equal(anchored.beta, lstsq.beta)
+    assert torch.equal(anchored.indices, lstsq.indices) and torch.equal(
+        anchored.beta, lstsq.beta
+    )
     scale = D**-0.5
     for h in range(H):
         k, beta, c, idx = anchored.head(h)
         x = torch.softmax((queries[h] @ k.T * scale + beta).double(), -1)  # [n, t]
-        y = attention_output_and_mass(queries[h : h + 1], keys[h : h + 1], values[h : h + 1], scale=scale)[0][0]
+        y = attention_output_and_mass(
+            queries[h : h + 1], keys[h : h + 1], values[h : h + 1], scale=scale
+        )[0][0]
         g = (x.T @ x).diagonal().mean()
-        grad = x.T @ (x @ c.double() - y.double()) + lam * g * (c.double() - values[h, idx].double())
+        grad = x.T @ (x @ c.double() - y.double()) + lam * g * (
+            c.double() - values[h, idx].double()
+        )
         assert grad.abs().max() < 1e-4 * (x.T @ y.double()).abs().max()
         # between the two: closer to the original values than lstsq, better fit than direct
         assert (c - values[h, idx]).norm() < (lstsq.head(h)[2] - values[h, idx]).norm()
@@ -152,8 +231,19 @@ def test_memory_limit_groups_and_chunks_give_the_same_result():
     """Head groups (OMP) and query chunks (fits) change only the fp32 summation order."""
     keys, values, queries = _inputs(4)
     for method in ("am-omp-fast", "am-highest-attn"):
-        small = compact_heads(keys, values, queries, [5, 9, 0, 30], method=MATH[method], memory_limit=60_000)
-        _assert_heads_equal(small, compact_heads(keys, values, queries, [5, 9, 0, 30], method=MATH[method]), tol=1e-2)
+        small = compact_heads(
+            keys,
+            values,
+            queries,
+            [5, 9, 0, 30],
+            method=MATH[method],
+            memory_limit=60_000,
+        )
+        _assert_heads_equal(
+            small,
+            compact_heads(keys, values, queries, [5, 9, 0, 30], method=MATH[method]),
+            tol=1e-2,
+        )
 
 
 def test_heads_of_very_different_budgets_are_not_padded_together():
@@ -162,20 +252,37 @@ def test_heads_of_very_different_budgets_are_not_padded_together():
     from vllm_compaction.am.compact import PAD_FACTOR, SMALL_BUDGET, _head_groups
 
     budgets = torch.tensor([590, 12, 300, 40, 0, 360, 599, 1000])
-    groups = _head_groups(torch.tensor([0, 1, 2, 3, 5, 6, 7]), budgets, bytes_per_head=0, memory_limit=1 << 30)
+    groups = _head_groups(
+        torch.tensor([0, 1, 2, 3, 5, 6, 7]),
+        budgets,
+        bytes_per_head=0,
+        memory_limit=1 << 30,
+    )
     assert sorted(torch.cat(groups).tolist()) == [0, 1, 2, 3, 5, 6, 7]
     for group in groups:
         widths = budgets[group]
         assert widths.max() <= max(SMALL_BUDGET, PAD_FACTOR * widths.min())
     assert [g.tolist() for g in groups] == [[1, 3], [2, 5], [0, 6], [7]]
-    capped = _head_groups(torch.arange(4), torch.full((4,), 10), bytes_per_head=100, memory_limit=250)
+    capped = _head_groups(
+        torch.arange(4), torch.full((4,), 10), bytes_per_head=100, memory_limit=250
+    )
     assert [g.tolist() for g in capped] == [[0, 1], [2, 3]]
 
     keys, values, queries = _inputs(9, h=3, t=640, n=96)
     spread = [630, 20, 300]
-    together = compact_heads(keys, values, queries, spread, method=MATH["am-highest-attn"])
-    alone = [compact_heads(keys[h : h + 1], values[h : h + 1], queries[h : h + 1], [t], method=MATH["am-highest-attn"])
-             for h, t in enumerate(spread)]
+    together = compact_heads(
+        keys, values, queries, spread, method=MATH["am-highest-attn"]
+    )
+    alone = [
+        compact_heads(
+            keys[h : h + 1],
+            values[h : h + 1],
+            queries[h : h + 1],
+            [t],
+            method=MATH["am-highest-attn"],
+        )
+        for h, t in enumerate(spread)
+    ]
     _assert_heads_equal(together, _stack(alone))
 
 
@@ -188,24 +295,53 @@ def test_query_weights_equal_repeating_the_rows(method):
     gen = torch.Generator().manual_seed(8)
     weights = torch.randint(1, 5, (H, N), generator=gen)
     budgets = [6, 12, T, 20]
-    repeated = [compact_heads(keys[h : h + 1], values[h : h + 1], queries[h : h + 1].repeat_interleave(weights[h], 1),
-                              [t], method=MATH[method]) for h, t in enumerate(budgets)]
-    weighted = compact_heads(keys, values, queries, budgets, method=MATH[method], query_weights=weights.float())
+    repeated = [
+        compact_heads(
+            keys[h : h + 1],
+            values[h : h + 1],
+            queries[h : h + 1].repeat_interleave(weights[h], 1),
+            [t],
+            method=MATH[method],
+        )
+        for h, t in enumerate(budgets)
+    ]
+    weighted = compact_heads(
+        keys,
+        values,
+        queries,
+        budgets,
+        method=MATH[method],
+        query_weights=weights.float(),
+    )
     _assert_heads_equal(weighted, _stack(repeated), tol=2e-3)
-    scaled = compact_heads(keys, values, queries, budgets, method=MATH[method], query_weights=3.0 * weights)
+    scaled = compact_heads(
+        keys, values, queries, budgets, method=MATH[method], query_weights=3.0 * weights
+    )
     _assert_heads_equal(weighted, scaled)
-    ones = compact_heads(keys, values, queries, budgets, method=MATH[method], query_weights=torch.ones(N))
-    _assert_heads_equal(ones, compact_heads(keys, values, queries, budgets, method=MATH[method]))
+    ones = compact_heads(
+        keys, values, queries, budgets, method=MATH[method], query_weights=torch.ones(N)
+    )
+    _assert_heads_equal(
+        ones, compact_heads(keys, values, queries, budgets, method=MATH[method])
+    )
 
 
 def test_timings_are_the_stages_within_the_total():
     """Every stage is timed, and the stages lie inside the total (they are its parts)."""
     keys, values, queries = _inputs(5)
     timings: dict[str, float] = {}
-    compact_heads(keys, values, queries, 10, method=MATH["am-omp-fast"], timings=timings)
-    assert set(timings) == set(STAGES) == {"reference_s", "select_s", "beta_s", "values_s", "total_s"}
+    compact_heads(
+        keys, values, queries, 10, method=MATH["am-omp-fast"], timings=timings
+    )
+    assert (
+        set(timings)
+        == set(STAGES)
+        == {"reference_s", "select_s", "beta_s", "values_s", "total_s"}
+    )
     assert all(v >= 0 for v in timings.values())
-    assert timings["select_s"] > 0 and timings["values_s"] > 0  # OMP and the value fit did work
+    assert (
+        timings["select_s"] > 0 and timings["values_s"] > 0
+    )  # OMP and the value fit did work
     assert sum(v for k, v in timings.items() if k != "total_s") <= timings["total_s"]
 
 
@@ -219,21 +355,45 @@ BAD_CALLS = {
     "float budget": (dict(budget=2.5), "int"),
     "unknown option": (dict(topk=3), "valid options"),
     "bad option value": (dict(aggregation="median"), "aggregation"),
-    "bad keys_per_step": (dict(method=MATH["am-omp"], keys_per_step=0), "keys_per_step"),
+    "bad keys_per_step": (
+        dict(method=MATH["am-omp"], keys_per_step=0),
+        "keys_per_step",
+    ),
     "beta from a selector without": (dict(beta="selector"), "omp"),
     "no queries": (dict(queries=torch.randn(H, 0, D)), "query"),
     "positions": (dict(positions=torch.arange(T - 1)), "positions"),
     "scale": (dict(scale=-1.0), "scale"),
     "unknown selector": (dict(selector="oracle"), "valid selectors"),
-    "negative value_anchor": (dict(method=MATH["am-highest-attn"], value_anchor=-1.0), "value_anchor"),
-    "value_anchor without lstsq": (dict(method=MATH["h2o+"], value_anchor=1.0), "lstsq"),
-    "beta_bounds reversed": (dict(method=MATH["am-highest-attn"], beta_bounds="3:-3"), "beta_bounds"),
-    "beta_bounds not numbers": (dict(method=MATH["am-highest-attn"], beta_bounds="low:high"), "beta_bounds"),
-    "beta_bounds three": (dict(method=MATH["am-highest-attn"], beta_bounds=(1, 2, 3)), "beta_bounds"),
+    "negative value_anchor": (
+        dict(method=MATH["am-highest-attn"], value_anchor=-1.0),
+        "value_anchor",
+    ),
+    "value_anchor without lstsq": (
+        dict(method=MATH["h2o+"], value_anchor=1.0),
+        "lstsq",
+    ),
+    "beta_bounds reversed": (
+        dict(method=MATH["am-highest-attn"], beta_bounds="3:-3"),
+        "beta_bounds",
+    ),
+    "beta_bounds not numbers": (
+        dict(method=MATH["am-highest-attn"], beta_bounds="low:high"),
+        "beta_bounds",
+    ),
+    "beta_bounds three": (
+        dict(method=MATH["am-highest-attn"], beta_bounds=(1, 2, 3)),
+        "beta_bounds",
+    ),
     "query_weights shape": (dict(query_weights=torch.ones(N + 1)), "query_weights"),
     "query_weights zero": (dict(query_weights=torch.zeros(N)), "positive"),
-    "query_weights nan": (dict(query_weights=torch.full((H, N), float("nan"))), "positive"),
-    "query_weights bool": (dict(query_weights=torch.ones(N, dtype=torch.bool)), "query_weights"),
+    "query_weights nan": (
+        dict(query_weights=torch.full((H, N), float("nan"))),
+        "positive",
+    ),
+    "query_weights bool": (
+        dict(query_weights=torch.ones(N, dtype=torch.bool)),
+        "query_weights",
+    ),
 }
 
 
@@ -242,7 +402,13 @@ def test_bad_input_raises_value_error(change, match):
     keys, values, queries = _inputs(6)
     call = dict(keys=keys, values=values, queries=queries, budget=8) | change
     with pytest.raises(ValueError, match=match):
-        compact_heads(call.pop("keys"), call.pop("values"), call.pop("queries"), call.pop("budget"), **call)
+        compact_heads(
+            call.pop("keys"),
+            call.pop("values"),
+            call.pop("queries"),
+            call.pop("budget"),
+            **call,
+        )
 
 
 def test_a_method_is_its_math_not_a_name():
@@ -252,8 +418,12 @@ def test_a_method_is_its_math_not_a_name():
     with pytest.raises(TypeError, match=r"RECIPES\['am-omp'\]\.math"):
         compact_heads(keys, values, queries, 8, method="am-omp")
     resolved = resolve_method(MATH["am-omp-fast"], {"values": "direct"})
-    _assert_heads_equal(compact_heads(keys, values, queries, 8, method=resolved),
-                        compact_heads(keys, values, queries, 8, method=MATH["am-omp-fast"], values="direct"))
+    _assert_heads_equal(
+        compact_heads(keys, values, queries, 8, method=resolved),
+        compact_heads(
+            keys, values, queries, 8, method=MATH["am-omp-fast"], values="direct"
+        ),
+    )
     with pytest.raises(ValueError, match="resolved already"):
         compact_heads(keys, values, queries, 8, method=resolved, values="lstsq")
     with pytest.raises(ValueError, match="unknown option.*for method 'custom'"):
@@ -262,5 +432,7 @@ def test_a_method_is_its_math_not_a_name():
 
 def test_methods_without_queries_accept_none():
     keys, values, _ = _inputs(7)
-    heads = compact_heads(keys, values, torch.empty(H, 0, D), 6, method=MATH["truncate"])
+    heads = compact_heads(
+        keys, values, torch.empty(H, 0, D), 6, method=MATH["truncate"]
+    )
     assert heads.indices.view(H, 6)[0].tolist() == list(range(T - 6, T))

@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from vllm_compaction.am import compact_heads
-from vllm_compaction.am.device import CPU_CHUNK_RANGE, CPU_MEMORY_RANGE, CPU_RUNTIME_ROWS, device_limits, runtime_rows
+from vllm_compaction.am.device import (
+    CPU_CHUNK_RANGE,
+    CPU_MEMORY_RANGE,
+    CPU_RUNTIME_ROWS,
+    device_limits,
+    runtime_rows,
+)
 from vllm_compaction.recipes import RECIPES
 
 
@@ -30,11 +36,21 @@ def meta_default_device():
 @pytest.mark.parametrize("method", sorted(RECIPES))
 def test_compact_heads_creates_nothing_off_the_input_device(method):
     gen = torch.Generator().manual_seed(0)
-    keys, values = torch.randn(3, 60, 16, generator=gen), torch.randn(3, 60, 16, generator=gen)
+    keys, values = (
+        torch.randn(3, 60, 16, generator=gen),
+        torch.randn(3, 60, 16, generator=gen),
+    )
     queries = torch.randn(3, 90, 16, generator=gen)
     weights = torch.rand(90, generator=gen) + 0.1
     with meta_default_device():
-        heads = compact_heads(keys, values, queries, [6, 0, 60], method=RECIPES[method].math, query_weights=weights)
+        heads = compact_heads(
+            keys,
+            values,
+            queries,
+            [6, 0, 60],
+            method=RECIPES[method].math,
+            query_weights=weights,
+        )
     assert heads.keys.device.type == "cpu" and heads.cu_seqlens.device.type == "cpu"
     assert heads.head_budgets.tolist() == [6, 0, 60]
 
@@ -46,13 +62,31 @@ def synthetic():
     return synthetic_llama(TINY, layers=2, seed=0), synthetic_messages(240, seed=0)
 
 
-@pytest.mark.parametrize("method,options", [
-    ("am-highest-attn-fast", dict(queries="repeat-prefill+surprise-quote/auto*4", min_layer_share=0.3)),
-    ("am-omp-fast", dict(queries="self-study+repeat-prefill")),
-    ("am-highest-attn", dict(queries="context-prefill+random-vectors", chunk_tokens=100, keep_last_tokens=20)),
-    ("kvzip", {}), ("snapkv", {}), ("pyramidkv", {}), ("h2o+", dict(budgets="uniform")),
-])
-def test_compact_creates_nothing_off_the_model_device(synthetic, method, options, tmp_path):
+@pytest.mark.parametrize(
+    "method,options",
+    [
+        (
+            "am-highest-attn-fast",
+            dict(queries="repeat-prefill+surprise-quote/auto*4", min_layer_share=0.3),
+        ),
+        ("am-omp-fast", dict(queries="self-study+repeat-prefill")),
+        (
+            "am-highest-attn",
+            dict(
+                queries="context-prefill+random-vectors",
+                chunk_tokens=100,
+                keep_last_tokens=20,
+            ),
+        ),
+        ("kvzip", {}),
+        ("snapkv", {}),
+        ("pyramidkv", {}),
+        ("h2o+", dict(budgets="uniform")),
+    ],
+)
+def test_compact_creates_nothing_off_the_model_device(
+    synthetic, method, options, tmp_path
+):
     adapter, messages = synthetic
     with meta_default_device():
         cache = compact(adapter, messages, ratio=0.2, method=method, **options)
@@ -78,10 +112,15 @@ def test_cpu_limits_come_from_the_cpu():
 def test_devices_are_checked_with_a_sentence(synthetic):
     from vllm_compaction.models import resolve_device
 
-    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("auto").type == (
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )
     assert resolve_device(None) == resolve_device("auto")
-    for bad, match in (("tpu", "unknown device|not supported"), ("meta", "not supported"),
-                       ("cuda:99", "visible")):
+    for bad, match in (
+        ("tpu", "unknown device|not supported"),
+        ("meta", "not supported"),
+        ("cuda:99", "visible"),
+    ):
         with pytest.raises(ValueError, match=match):
             resolve_device(bad)
     adapter, messages = synthetic
@@ -89,7 +128,12 @@ def test_devices_are_checked_with_a_sentence(synthetic):
         with pytest.raises(ValueError, match="no CUDA GPU"):
             compact(adapter, messages, ratio=0.2, device="cuda")
     with pytest.raises(ValueError, match="weights are on cpu"):
-        compact(adapter, messages, ratio=0.2, device="cuda:99" if torch.cuda.is_available() else "cpu:1")
+        compact(
+            adapter,
+            messages,
+            ratio=0.2,
+            device="cuda:99" if torch.cuda.is_available() else "cpu:1",
+        )
 
 
 def test_cli_refuses_a_missing_gpu(tmp_path, capsys):
@@ -99,7 +143,19 @@ def test_cli_refuses_a_missing_gpu(tmp_path, capsys):
 
     text = tmp_path / "in.txt"
     text.write_text("some words to compact")
-    code = main(["compact", "--input", str(text), "--ratio", "0.5", "--device", "cuda",
-                 "--out", str(tmp_path / "out.safetensors"), "--quiet"])
+    code = main(
+        [
+            "compact",
+            "--input",
+            str(text),
+            "--ratio",
+            "0.5",
+            "--device",
+            "cuda",
+            "--out",
+            str(tmp_path / "out.safetensors"),
+            "--quiet",
+        ]
+    )
     assert code == 2
     assert "no CUDA GPU" in capsys.readouterr().err

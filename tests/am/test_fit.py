@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from vllm_compaction.am import lstsq_values, nnls_pgd
-from vllm_compaction.am.fit import SelectedFeatures, fit_beta, fit_values, nnls_pgd_gram, solve_normal_equations
+from vllm_compaction.am.fit import (
+    SelectedFeatures,
+    fit_beta,
+    fit_values,
+    nnls_pgd_gram,
+    solve_normal_equations,
+)
 
 
 def _features(seed: int, b: int = 3, n: int = 200, p: int = 12) -> torch.Tensor:
@@ -19,7 +25,9 @@ def _features(seed: int, b: int = 3, n: int = 200, p: int = 12) -> torch.Tensor:
 @pytest.mark.parametrize("iters", [0, 2, 50])
 def test_nnls_respects_bounds(iters):
     m = _features(0)
-    y = torch.randn(3, 200, generator=torch.Generator().manual_seed(1)) * 10  # infeasible target
+    y = (
+        torch.randn(3, 200, generator=torch.Generator().manual_seed(1)) * 10
+    )  # infeasible target
     lo, hi = math.exp(-3), math.exp(3)
     w = nnls_pgd(m, y, lower=lo, upper=hi, iters=iters)
     assert w.shape == (3, 12)
@@ -42,7 +50,9 @@ def test_pgd_steps_do_not_increase_the_objective():
     y = torch.rand(3, 200, generator=torch.Generator().manual_seed(5)) * 30
     lo, hi = math.exp(-1), math.exp(1)
     loss = [
-        ((m @ nnls_pgd(m, y, lower=lo, upper=hi, iters=i)[..., None])[..., 0] - y).square().sum(-1)
+        ((m @ nnls_pgd(m, y, lower=lo, upper=hi, iters=i)[..., None])[..., 0] - y)
+        .square()
+        .sum(-1)
         for i in (0, 1, 5, 40)
     ]
     for before, after in zip(loss, loss[1:]):
@@ -73,10 +83,16 @@ def test_lstsq_values_satisfy_the_normal_equations():
 def test_singular_normal_equations_fall_back():
     gram = torch.zeros(2, 3, 3, dtype=torch.float64)
     gram[0] = torch.eye(3)
-    gram[1] = torch.diag(torch.tensor([2.0, -1.0, 0.0], dtype=torch.float64))  # indefinite: no Cholesky
+    gram[1] = torch.diag(
+        torch.tensor([2.0, -1.0, 0.0], dtype=torch.float64)
+    )  # indefinite: no Cholesky
     x = solve_normal_equations(gram, torch.ones(2, 3, 1))
-    torch.testing.assert_close(x[0, :, 0], torch.ones(3, dtype=torch.float64), rtol=1e-6, atol=1e-6)
-    assert torch.isfinite(x[1]).all() and abs(float(x[1, 0, 0]) - 0.5) < 1e-6  # pseudo-inverse
+    torch.testing.assert_close(
+        x[0, :, 0], torch.ones(3, dtype=torch.float64), rtol=1e-6, atol=1e-6
+    )
+    assert (
+        torch.isfinite(x[1]).all() and abs(float(x[1, 0, 0]) - 0.5) < 1e-6
+    )  # pseudo-inverse
 
 
 def test_bad_bounds_and_shapes_raise():
@@ -99,12 +115,24 @@ def test_fits_are_the_same_when_rows_are_split_for_threads(n):
     valid = torch.ones(h, t, dtype=torch.bool)
     valid[1, 15:] = False
     mass = torch.rand(h, n, generator=gen) * 3 + 1
-    shift, targets = torch.randn(h, n, generator=gen), torch.randn(h, n, d, generator=gen)
-    naive = torch.where(valid[:, None], 0.3 * q.double() @ kept.double().transpose(1, 2), float("-inf"))
+    shift, targets = (
+        torch.randn(h, n, generator=gen),
+        torch.randn(h, n, d, generator=gen),
+    )
+    naive = torch.where(
+        valid[:, None], 0.3 * q.double() @ kept.double().transpose(1, 2), float("-inf")
+    )
     phi = (naive - shift.double()[..., None]).exp()
 
     def objective(beta):  # the NNLS objective ||Phi w - m||^2 per head
-        return ((phi @ beta.double().exp().where(valid, 0.0)[..., None])[..., 0] - mass.double()).square().sum(-1)
+        return (
+            (
+                (phi @ beta.double().exp().where(valid, 0.0)[..., None])[..., 0]
+                - mass.double()
+            )
+            .square()
+            .sum(-1)
+        )
 
     def outputs(beta, values):
         return torch.softmax(naive + beta.double()[:, None], -1) @ values.double()
@@ -114,15 +142,29 @@ def test_fits_are_the_same_when_rows_are_split_for_threads(n):
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            features = SelectedFeatures(q, kept, valid, shift, scale=0.3, budget_bytes=1 << 30)
-            assert features.split == threads and len(features.chunks) == (1 if n == 6000 else 2)
-            torch.testing.assert_close(torch.cat([c for _, c in features], 1).double(), phi, rtol=1e-5, atol=1e-6)
+            features = SelectedFeatures(
+                q, kept, valid, shift, scale=0.3, budget_bytes=1 << 30
+            )
+            assert features.split == threads and len(features.chunks) == (
+                1 if n == 6000 else 2
+            )
+            torch.testing.assert_close(
+                torch.cat([c for _, c in features], 1).double(),
+                phi,
+                rtol=1e-5,
+                atol=1e-6,
+            )
             beta = fit_beta(features, mass, valid, bounds=(-3.0, 3.0), iters=2)
             same_beta = fits[1][0] if threads == 2 else beta
-            fits[threads] = beta, outputs(same_beta, fit_values(features, same_beta, targets, valid))
+            fits[threads] = (
+                beta,
+                outputs(same_beta, fit_values(features, same_beta, targets, valid)),
+            )
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(objective(fits[2][0]), objective(fits[1][0]), rtol=1e-4, atol=0)
+    torch.testing.assert_close(
+        objective(fits[2][0]), objective(fits[1][0]), rtol=1e-4, atol=0
+    )
     torch.testing.assert_close(fits[2][1], fits[1][1], rtol=1e-4, atol=1e-5)
 
 
@@ -141,7 +183,11 @@ def test_value_fit_is_the_softmax_least_squares_and_drops_rows_without_features(
     features = SelectedFeatures(q, kept, valid, shift, scale=0.4, budget_bytes=1 << 30)
     fitted = fit_values(features, beta, targets, valid)
     assert torch.isfinite(fitted).all() and (fitted[0, 9:] == 0).all()
-    logits = torch.where(valid[:, None], 0.4 * q.double() @ kept.double().transpose(1, 2), float("-inf"))
-    x = torch.softmax(logits[:, 5:] + beta.double()[:, None], -1)  # the rows that have features
+    logits = torch.where(
+        valid[:, None], 0.4 * q.double() @ kept.double().transpose(1, 2), float("-inf")
+    )
+    x = torch.softmax(
+        logits[:, 5:] + beta.double()[:, None], -1
+    )  # the rows that have features
     expected = lstsq_values(x, targets[:, 5:].double(), valid)
     torch.testing.assert_close(fitted.double(), expected, rtol=1e-3, atol=1e-4)

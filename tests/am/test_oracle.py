@@ -75,7 +75,8 @@ def layer(smollm2) -> Layer:
     h, d = smollm2.num_kv_heads, smollm2.head_dim
     pooled = kv.queries[LAYER].view(h, -1, TOKENS, d)  # [H, G, tokens, d]
     return Layer(
-        keys=kv.keys[LAYER][:, :PREFIX].float(), values=kv.values[LAYER][:, :PREFIX].float(),
+        keys=kv.keys[LAYER][:, :PREFIX].float(),
+        values=kv.values[LAYER][:, :PREFIX].float(),
         fit_queries=pooled[:, :, PREFIX:FIT_END].reshape(h, -1, d).float(),
         held_queries=pooled[:, :, FIT_END:].reshape(h, -1, d).float(),
         scale=smollm2.layer_scales()[LAYER],
@@ -93,8 +94,15 @@ def _lstsq(a: torch.Tensor, b: torch.Tensor, ridge: float) -> torch.Tensor:
     return torch.linalg.lstsq(a, b, driver="gelsd").solution
 
 
-def oracle_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, budget: int, scale: float,
-                *, ridge: float = 0.0) -> OracleHead:
+def oracle_head(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    queries: torch.Tensor,
+    budget: int,
+    scale: float,
+    *,
+    ridge: float = 0.0,
+) -> OracleHead:
     """AM-HighestAttnKeys on one head (``[T, d]`` keys/values, ``[n, d]`` queries) in float64."""
     k, v, q = keys.double(), values.double(), queries.double()
     logits = scale * q @ k.T  # [n, T]
@@ -117,48 +125,92 @@ def oracle_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
 
 
 def oracle(layer: Layer, budget: int, *, ridge: float = 0.0) -> list[OracleHead]:
-    return [oracle_head(layer.keys[h], layer.values[h], layer.fit_queries[h], budget, layer.scale, ridge=ridge)
-            for h in range(layer.keys.shape[0])]
+    return [
+        oracle_head(
+            layer.keys[h],
+            layer.values[h],
+            layer.fit_queries[h],
+            budget,
+            layer.scale,
+            ridge=ridge,
+        )
+        for h in range(layer.keys.shape[0])
+    ]
 
 
-def batched(layer: Layer, budget: int, recipe: str = "am-highest-attn", **options) -> CompactedHeads:
+def batched(
+    layer: Layer, budget: int, recipe: str = "am-highest-attn", **options
+) -> CompactedHeads:
     """``compact_heads`` with the math of a named recipe, however the recipe spells it."""
-    return compact_heads(layer.keys, layer.values, layer.fit_queries, budget, method=RECIPES[recipe].math,
-                         scale=layer.scale, **options)
+    return compact_heads(
+        layer.keys,
+        layer.values,
+        layer.fit_queries,
+        budget,
+        method=RECIPES[recipe].math,
+        scale=layer.scale,
+        **options,
+    )
 
 
 def _oracle_heads(layer: Layer, heads: list[OracleHead]) -> CompactedHeads:
     """The oracle's heads packed like ``compact_heads`` packs its own (float64)."""
     lengths = torch.tensor([len(o.indices) for o in heads])
     return CompactedHeads(
-        keys=torch.cat([layer.keys[h, o.indices].double() for h, o in enumerate(heads)]),
-        beta=torch.cat([o.beta for o in heads]), values=torch.cat([o.values for o in heads]),
+        keys=torch.cat(
+            [layer.keys[h, o.indices].double() for h, o in enumerate(heads)]
+        ),
+        beta=torch.cat([o.beta for o in heads]),
+        values=torch.cat([o.values for o in heads]),
         indices=torch.cat([o.indices for o in heads]),
-        cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32),
+        cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(
+            torch.int32
+        ),
     )
 
 
 def held_out_error(heads: CompactedHeads, layer: Layer) -> torch.Tensor:
     """``[H]`` relative error of the compacted block's attention output against the original
     block's under the held-out queries, both in float64."""
-    ref = attention_output_and_mass(layer.held_queries, layer.keys, layer.values, scale=layer.scale,
-                                    dtype=torch.float64).output
+    ref = attention_output_and_mass(
+        layer.held_queries,
+        layer.keys,
+        layer.values,
+        scale=layer.scale,
+        dtype=torch.float64,
+    ).output
     ck, cbeta, cv, _ = heads.padded()
-    got = attention_output_and_mass(layer.held_queries, ck, cv, scale=layer.scale, beta=cbeta,
-                                    dtype=torch.float64).output
-    return torch.linalg.vector_norm(got - ref, dim=(1, 2)) / torch.linalg.vector_norm(ref, dim=(1, 2))
+    got = attention_output_and_mass(
+        layer.held_queries, ck, cv, scale=layer.scale, beta=cbeta, dtype=torch.float64
+    ).output
+    return torch.linalg.vector_norm(got - ref, dim=(1, 2)) / torch.linalg.vector_norm(
+        ref, dim=(1, 2)
+    )
 
 
-def _assert_heads_equal(got: CompactedHeads, want: list[OracleHead], *, beta_atol: float, values_rtol: float) -> None:
+def _assert_heads_equal(
+    got: CompactedHeads, want: list[OracleHead], *, beta_atol: float, values_rtol: float
+) -> None:
     """Same kept keys per head; betas within ``beta_atol``; values within ``values_rtol`` of
     the head's largest fitted value."""
     for h, head in enumerate(want):
         _, beta, values, indices = got.head(h)
         assert torch.equal(indices, head.indices), f"head {h}: different keys kept"
-        torch.testing.assert_close(beta.double(), head.beta, rtol=0, atol=beta_atol, msg=lambda m: f"head {h}: {m}")
+        torch.testing.assert_close(
+            beta.double(),
+            head.beta,
+            rtol=0,
+            atol=beta_atol,
+            msg=lambda m: f"head {h}: {m}",
+        )
         size = head.values.abs().max()
-        torch.testing.assert_close(values.double() / size, head.values / size, rtol=0, atol=values_rtol,
-                                   msg=lambda m: f"head {h}: {m}")
+        torch.testing.assert_close(
+            values.double() / size,
+            head.values / size,
+            rtol=0,
+            atol=values_rtol,
+            msg=lambda m: f"head {h}: {m}",
+        )
 
 
 def test_batched_code_is_the_per_head_algorithm(layer, monkeypatch):
@@ -169,7 +221,9 @@ def test_batched_code_is_the_per_head_algorithm(layer, monkeypatch):
     monkeypatch.setattr(fit, "GRAM_DTYPE", torch.float64)
     got = batched(layer, budget)
     assert (got.head_budgets == budget).all()
-    _assert_heads_equal(got, oracle(layer, budget, ridge=fit.JITTER), beta_atol=2e-5, values_rtol=2e-5)
+    _assert_heads_equal(
+        got, oracle(layer, budget, ridge=fit.JITTER), beta_atol=2e-5, values_rtol=2e-5
+    )
 
 
 def test_held_out_error_equals_the_papers_and_beats_truncation_and_eviction(layer):
@@ -181,9 +235,17 @@ def test_held_out_error_equals_the_papers_and_beats_truncation_and_eviction(laye
     budget = round(RATIO * PREFIX)
     got, paper = batched(layer, budget), oracle(layer, budget)
     _assert_heads_equal(got, paper, beta_atol=2e-3, values_rtol=0.15)
-    err, err_paper = held_out_error(got, layer), held_out_error(_oracle_heads(layer, paper), layer)
-    err_evict = held_out_error(batched(layer, budget, beta="zero", values="direct"), layer)
+    err, err_paper = (
+        held_out_error(got, layer),
+        held_out_error(_oracle_heads(layer, paper), layer),
+    )
+    err_evict = held_out_error(
+        batched(layer, budget, beta="zero", values="direct"), layer
+    )
     err_truncate = held_out_error(batched(layer, budget, "truncate"), layer)
     torch.testing.assert_close(err, err_paper, rtol=1e-3, atol=0)
-    assert (err < err_evict).all() and err.mean() < 0.7 * err_evict.mean(), (err, err_evict)
+    assert (err < err_evict).all() and err.mean() < 0.7 * err_evict.mean(), (
+        err,
+        err_evict,
+    )
     assert (err < 0.1 * err_truncate).all(), (err, err_truncate)

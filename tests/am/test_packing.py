@@ -11,7 +11,9 @@ from vllm_compaction.am.heads import CompactedHeads, cu_seqlens_from_lengths
 def _heads(lengths, d=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     n = sum(lengths)
-    idx = torch.cat([torch.randperm(50, generator=g)[:t].sort().values for t in lengths])
+    idx = torch.cat(
+        [torch.randperm(50, generator=g)[:t].sort().values for t in lengths]
+    )
     return CompactedHeads(
         torch.randn(n, d, generator=g),
         torch.randn(n, generator=g),

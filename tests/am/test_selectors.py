@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from vllm_compaction.am import SELECTORS, MethodSpec, compact_heads, resolve_method, score_keys
+from vllm_compaction.am import (
+    SELECTORS,
+    MethodSpec,
+    compact_heads,
+    resolve_method,
+    score_keys,
+)
 from vllm_compaction.am.attention import reference_attention
 from vllm_compaction.am.presets import EVICTION_FIT
 from vllm_compaction.am.selectors import KVMergerSelector, OMPSelector, SelectionProblem
@@ -26,10 +32,22 @@ def _problem(
     aggregation: str | None = None,
 ) -> SelectionProblem:
     gen = torch.Generator().manual_seed(seed)
-    keys, values = torch.randn(h, t, d, generator=gen), torch.randn(h, t, d, generator=gen)
-    queries = 1.2 * keys[:, torch.randint(0, t, (n,), generator=gen)] + torch.randn(h, n, d, generator=gen)
+    keys, values = (
+        torch.randn(h, t, d, generator=gen),
+        torch.randn(h, t, d, generator=gen),
+    )
+    queries = 1.2 * keys[:, torch.randint(0, t, (n,), generator=gen)] + torch.randn(
+        h, n, d, generator=gen
+    )
     scale = 1 / math.sqrt(d)
-    ref = reference_attention(keys, values, queries, scale=scale, aggregation=aggregation, keep_features=features)
+    ref = reference_attention(
+        keys,
+        values,
+        queries,
+        scale=scale,
+        aggregation=aggregation,
+        keep_features=features,
+    )
     return SelectionProblem(keys, values, queries, scale, torch.full((h,), budget), ref)
 
 
@@ -40,12 +58,25 @@ def test_each_selector_resolves_by_its_name_and_runs(name):
     dropping the spec's own selector options; the result keeps its budgets."""
     cls = SELECTORS[name]
     resolved = resolve_method(MethodSpec(name), {})
-    assert type(resolved.selector) is cls and resolved.selector.name == name and resolved.selector == cls()
-    other = next(r.math for r in RECIPES.values()  # an eviction spec with options, of another selector
-                 if r.math.selector != name and r.math.selector_options and r.math.fit == EVICTION_FIT)
+    assert (
+        type(resolved.selector) is cls
+        and resolved.selector.name == name
+        and resolved.selector == cls()
+    )
+    other = next(
+        r.math
+        for r in RECIPES.values()  # an eviction spec with options, of another selector
+        if r.math.selector != name
+        and r.math.selector_options
+        and r.math.fit == EVICTION_FIT
+    )
     swapped = resolve_method(other, {"selector": name})
     assert type(swapped.selector) is cls and swapped.selector == cls()
-    p = _problem(6, aggregation=resolved.selector.score_aggregation, features=resolved.selector.needs_features)
+    p = _problem(
+        6,
+        aggregation=resolved.selector.score_aggregation,
+        features=resolved.selector.needs_features,
+    )
     sel = resolved.selector.select(p)
     assert sel.lengths.tolist() == [16, 16, 16]
     assert all(len(set(row.tolist())) == 16 for row in sel.indices), "no key kept twice"
@@ -59,7 +90,10 @@ def test_omp_mass_residual_never_increases():
         state.add_keys()
         w = state.refit(lower=0.0)  # plain least squares on nested sets: monotone
         state.update_residual(w)
-        resid = p.reference.mass - torch.bmm(w.float()[:, None, :], state.phi_s[:, : state.t_max])[:, 0]
+        resid = (
+            p.reference.mass
+            - torch.bmm(w.float()[:, None, :], state.phi_s[:, : state.t_max])[:, 0]
+        )
         norms.append(torch.linalg.vector_norm(resid, dim=-1))
     norms = torch.stack(norms)  # [rounds, H]
     assert len(norms) == 24
@@ -71,16 +105,25 @@ def test_omp_ranks_with_half_features_but_fits_exact_columns():
     residual), within fp16 rounding of the fp32 product; the kept columns the fits use are
     the exact fp32 features, recomputed from the keys."""
     p = _problem(5, budget=24, features=True)
-    phi = torch.exp(p.scale * p.queries @ p.keys.transpose(1, 2) - p.reference.shift[..., None])  # [H, n, T]
+    phi = torch.exp(
+        p.scale * p.queries @ p.keys.transpose(1, 2) - p.reference.shift[..., None]
+    )  # [H, n, T]
     state = _GreedyMassFit(p, per_round=4)
     gen = torch.Generator().manual_seed(0)
-    for resid in (p.reference.mass, 1e6 * torch.randn(3, 300, generator=gen), torch.randn(3, 300, generator=gen)):
+    for resid in (
+        p.reference.mass,
+        1e6 * torch.randn(3, 300, generator=gen),
+        torch.randn(3, 300, generator=gen),
+    ):
         exact = (phi * resid[..., None]).sum(1)
         err = (state._correlation(resid) - exact).abs()
         assert (err <= 2e-3 * resid.abs().sum(-1, keepdim=True)).all()
     state.add_keys()
     kept = state.idx[:, :4]
-    torch.testing.assert_close(state.phi_s[:, :4], phi.gather(2, kept[:, None, :].expand(3, 300, 4)).transpose(1, 2))
+    torch.testing.assert_close(
+        state.phi_s[:, :4],
+        phi.gather(2, kept[:, None, :].expand(3, 300, 4)).transpose(1, 2),
+    )
 
 
 def test_omp_refit_interval_equals_bigger_steps():
@@ -93,7 +136,9 @@ def test_omp_refit_interval_equals_bigger_steps():
 
 def test_omp_betas_within_the_stabiliser_bounds():
     p = _problem(2, budget=30, features=True)
-    sel = OMPSelector(keys_per_step=2, refit_interval=1, min_beta=-2.0, max_beta=1.0).select(p)
+    sel = OMPSelector(
+        keys_per_step=2, refit_interval=1, min_beta=-2.0, max_beta=1.0
+    ).select(p)
     assert sel.lengths.tolist() == [30, 30, 30]
     assert (sel.beta >= -2.0 - 1e-6).all() and (sel.beta <= 1.0 + 1e-6).all()
     assert all(len(set(row.tolist())) == 30 for row in sel.indices), "no key kept twice"
@@ -114,27 +159,48 @@ def test_kvmerger_clusters_are_consecutive_runs_with_anchor_and_merged_value():
         for c, (a, b) in enumerate(zip(bounds, bounds[1:])):
             assert a <= int(anchors[c]) < b
             assert int(anchors[c]) == a + int(scores[h, a:b].argmax())
-            g = torch.exp(-(unit[a:b] - unit[anchors[c]]).square().sum(-1) / (2 * 0.5**2))
-            torch.testing.assert_close(sel.values[h, c], (g[:, None] * p.values[h, a:b]).sum(0) / g.sum())
+            g = torch.exp(
+                -(unit[a:b] - unit[anchors[c]]).square().sum(-1) / (2 * 0.5**2)
+            )
+            torch.testing.assert_close(
+                sel.values[h, c], (g[:, None] * p.values[h, a:b]).sum(0) / g.sum()
+            )
 
 
 @pytest.mark.parametrize("keep", ["first", "last"])
 def test_truncate_keeps_a_contiguous_span(keep):
     keys = torch.randn(2, 10, 4)
-    heads = compact_heads(keys, keys, torch.empty(2, 0, 4), [3, 0], method=RECIPES["truncate"].math, keep=keep)
+    heads = compact_heads(
+        keys,
+        keys,
+        torch.empty(2, 0, 4),
+        [3, 0],
+        method=RECIPES["truncate"].math,
+        keep=keep,
+    )
     assert heads.head(0)[3].tolist() == ([0, 1, 2] if keep == "first" else [7, 8, 9])
     assert heads.head(1)[3].numel() == 0
 
 
 def test_random_is_seeded():
     keys = torch.randn(2, 50, 4)
-    pick = lambda seed: compact_heads(
-        keys, keys, torch.empty(2, 0, 4), 10, method=RECIPES["random"].math, seed=seed
-    ).indices  # noqa: E731
+    pick = lambda seed: (
+        compact_heads(
+            keys,
+            keys,
+            torch.empty(2, 0, 4),
+            10,
+            method=RECIPES["random"].math,
+            seed=seed,
+        ).indices
+    )  # noqa: E731
     assert torch.equal(pick(1), pick(1)) and not torch.equal(pick(1), pick(2))
 
 
-@pytest.mark.parametrize("method,aggregation", [("am-highest-attn", "rms"), ("h2o+", "mean"), ("kvzip", "max")])
+@pytest.mark.parametrize(
+    "method,aggregation",
+    [("am-highest-attn", "rms"), ("h2o+", "mean"), ("kvzip", "max")],
+)
 def test_highest_attention_keeps_the_top_scored_keys(method, aggregation):
     p = _problem(4)
     heads = compact_heads(p.keys, p.values, p.queries, 12, method=RECIPES[method].math)
@@ -147,9 +213,13 @@ def test_highest_attention_keeps_the_top_scored_keys(method, aggregation):
 def test_omp_round_bound_only_changes_large_heads():
     p = _problem(3, budget=16, features=True)
     plain = OMPSelector(keys_per_step=2, refit_interval=1).select(p)
-    bounded = OMPSelector(keys_per_step=2, refit_interval=1, max_rounds=8).select(p)  # 16 <= 8 * 2
+    bounded = OMPSelector(keys_per_step=2, refit_interval=1, max_rounds=8).select(
+        p
+    )  # 16 <= 8 * 2
     assert torch.equal(plain.indices, bounded.indices)
-    big = SelectionProblem(p.keys, p.values, p.queries, p.scale, torch.tensor([4, 60, 16]), p.reference)
+    big = SelectionProblem(
+        p.keys, p.values, p.queries, p.scale, torch.tensor([4, 60, 16]), p.reference
+    )
     fast = OMPSelector(keys_per_step=1, refit_interval=1, max_rounds=4).select(big)
     assert fast.lengths.tolist() == [4, 60, 16]
     for h in range(3):  # distinct keys per head
@@ -161,17 +231,29 @@ def test_omp_seed_share_keeps_the_sharpest_keys_then_fits_the_mass():
     """``seed_share``: the first round takes each head's keys of highest attention from any
     query; OMP then fills the budget. A refit drops only keys whose weight is below
     ``e^min_beta``; with ``min_beta = -50`` no seed of this problem is dropped, so all stay."""
-    assert OMPSelector(seed_share=0.25).score_aggregation == "max" and OMPSelector().score_aggregation is None
-    p = _problem(4, budget=20, features=True, aggregation="max")  # what compact_heads builds for it
-    ref = p.reference
-    sharpest = torch.softmax(p.scale * p.queries @ p.keys.transpose(1, 2), -1).amax(1)  # [H, T]
-    seeded = OMPSelector(keys_per_step=2, refit_interval=1, seed_share=0.25, min_beta=-50.0).select(p)
+    assert (
+        OMPSelector(seed_share=0.25).score_aggregation == "max"
+        and OMPSelector().score_aggregation is None
+    )
+    p = _problem(
+        4, budget=20, features=True, aggregation="max"
+    )  # what compact_heads builds for it
+    sharpest = torch.softmax(p.scale * p.queries @ p.keys.transpose(1, 2), -1).amax(
+        1
+    )  # [H, T]
+    seeded = OMPSelector(
+        keys_per_step=2, refit_interval=1, seed_share=0.25, min_beta=-50.0
+    ).select(p)
     assert seeded.lengths.tolist() == [20, 20, 20]
     for h in range(3):
         kept = set(seeded.indices[h].tolist())
         assert len(kept) == 20
-        assert set(torch.topk(sharpest[h], 5).indices.tolist()) <= kept  # ceil(0.25 * 20) seeds
+        assert (
+            set(torch.topk(sharpest[h], 5).indices.tolist()) <= kept
+        )  # ceil(0.25 * 20) seeds
     plain = OMPSelector(keys_per_step=2, refit_interval=1, seed_share=0.0).select(p)
-    assert torch.equal(plain.indices, OMPSelector(keys_per_step=2, refit_interval=1).select(p).indices)
+    assert torch.equal(
+        plain.indices, OMPSelector(keys_per_step=2, refit_interval=1).select(p).indices
+    )
     with pytest.raises(ValueError, match="seed_share"):
         OMPSelector(seed_share=1.5)

@@ -44,18 +44,35 @@ def test_layer_floor_gives_every_layer_its_share_then_ranks_globally():
     scores[3] *= 0.01  # a layer global ranking starves: 0 slots without a floor
     scores[3][2, :7] = 0.5  # ... whose head 2 has its 7 strongest keys
     assert global_budgets(scores, 0.2, 100)[3].sum() == 0
-    assert torch.equal(global_budgets(scores, 0.2, 100, min_layer_share=0.0), global_budgets(scores, 0.2, 100))
-    b = global_budgets(scores, 0.2, 100, min_layer_share=0.5)  # total 180, floor 30 per layer
+    assert torch.equal(
+        global_budgets(scores, 0.2, 100, min_layer_share=0.0),
+        global_budgets(scores, 0.2, 100),
+    )
+    b = global_budgets(
+        scores, 0.2, 100, min_layer_share=0.5
+    )  # total 180, floor 30 per layer
     assert int(b.sum()) == 180 and (b[1] == 0).all()
-    assert int(b[3].sum()) == 30 and b[3, 2] >= 7 and int(b[0].sum()) >= 30 and int(b[2].sum()) >= 30
+    assert (
+        int(b[3].sum()) == 30
+        and b[3, 2] >= 7
+        and int(b[0].sum()) >= 30
+        and int(b[2].sum()) >= 30
+    )
     equal = global_budgets(scores, 0.2, 100, min_layer_share=1.0)
     assert [int(x) for x in equal.sum(1)] == [60, 0, 60, 60]
     for bad in (1.5, -0.1, float("nan"), "half", True):
         with pytest.raises(ValueError, match="min_layer_share"):
             global_budgets(scores, 0.2, 100, min_layer_share=bad)
     with pytest.raises(ValueError, match="global"):
-        resolve_budgets("uniform", ratio=0.1, n=100, layers=LAYERS, num_heads=3, scores=lambda: scores,
-                        min_layer_share=0.5)
+        resolve_budgets(
+            "uniform",
+            ratio=0.1,
+            n=100,
+            layers=LAYERS,
+            num_heads=3,
+            scores=lambda: scores,
+            min_layer_share=0.5,
+        )
 
 
 def test_pyramid_decreases_with_depth():
@@ -70,7 +87,9 @@ def test_cap_water_fills_excess_to_other_heads():
     layers = torch.tensor([True, False])
     out = cap_and_fill(budgets, 100, layers, max_head_ratio=0.5)
     assert int(out.sum()) == 100 and int(out.max()) <= 50 and (out[1] == 0).all()
-    floored = cap_and_fill(torch.tensor([[100, 0, 0]]), 100, torch.tensor([True]), min_head_slots=10)
+    floored = cap_and_fill(
+        torch.tensor([[100, 0, 0]]), 100, torch.tensor([True]), min_head_slots=10
+    )
     assert int(floored.sum()) == 100 and int(floored.min()) >= 10
 
 
@@ -81,7 +100,9 @@ def test_shares_and_schedule_files(tmp_path):
     assert int(b.sum()) == 80 and b[0, 0] == 40
     sched = Schedule(model="m", num_layers=3, num_kv_heads=2, shares=shares.tolist())
     path = sched.save(tmp_path / "s.json")
-    b2 = resolve_budgets(str(path), ratio=0.1, n=200, layers=layers, num_heads=2, scores=lambda: [])
+    b2 = resolve_budgets(
+        str(path), ratio=0.1, n=200, layers=layers, num_heads=2, scores=lambda: []
+    )
     assert torch.equal(b, b2)
 
 
@@ -91,8 +112,16 @@ def test_bad_inputs_are_refused(tmp_path):
     with pytest.raises(ValueError, match="sum to 1"):
         Schedule(model="m", num_layers=1, num_kv_heads=2, shares=[[0.2, 0.2]])
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"model": "m", "num_layers": 2, "num_kv_heads": 1, "shares": [[1.0], [0.0]]}))
+    bad.write_text(
+        json.dumps(
+            {"model": "m", "num_layers": 2, "num_kv_heads": 1, "shares": [[1.0], [0.0]]}
+        )
+    )
     with pytest.raises(ValueError, match="layers"):
-        resolve_budgets(str(bad), ratio=0.1, n=10, layers=LAYERS, num_heads=2, scores=lambda: [])
+        resolve_budgets(
+            str(bad), ratio=0.1, n=10, layers=LAYERS, num_heads=2, scores=lambda: []
+        )
     with pytest.raises(ValueError, match="unknown budgets"):
-        resolve_budgets("nope", ratio=0.1, n=10, layers=LAYERS, num_heads=2, scores=lambda: [])
+        resolve_budgets(
+            "nope", ratio=0.1, n=10, layers=LAYERS, num_heads=2, scores=lambda: []
+        )

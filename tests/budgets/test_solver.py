@@ -19,14 +19,28 @@ def test_interpolation_is_linear_and_clipped():
     curves = torch.tensor([[1.0, 0.5, 0.4, 0.1, 0.0]], dtype=torch.float64)
     rho = torch.tensor([0.025], dtype=torch.float64)
     assert float(interpolate_curves(curves, RATIOS, rho)) == pytest.approx(0.75)
-    assert float(interpolate_curves(curves, RATIOS, torch.tensor([-1.0], dtype=torch.float64))) == 1.0
-    assert float(interpolate_curves(curves, RATIOS, torch.tensor([2.0], dtype=torch.float64))) == 0.0
+    assert (
+        float(
+            interpolate_curves(
+                curves, RATIOS, torch.tensor([-1.0], dtype=torch.float64)
+            )
+        )
+        == 1.0
+    )
+    assert (
+        float(
+            interpolate_curves(curves, RATIOS, torch.tensor([2.0], dtype=torch.float64))
+        )
+        == 0.0
+    )
 
 
 def test_convex_toy_curves_give_the_analytic_optimum():
     # piecewise-linear slopes per head: the optimum fills the steepest segments first
     # (total ratio = 4 * 0.05 = 0.2): head 3 and head 2 take [0, .05], head 1 takes [0, .1]
-    shares = greedy_swap_shares(_exp_curves([1.0, 10.0, 30.0, 100.0]), RATIOS, 0.05, 0.05 / 4)
+    shares = greedy_swap_shares(
+        _exp_curves([1.0, 10.0, 30.0, 100.0]), RATIOS, 0.05, 0.05 / 4
+    )
     assert shares.tolist() == pytest.approx([0.0, 0.5, 0.25, 0.25], abs=1e-9)
 
 
@@ -44,7 +58,9 @@ def test_linear_curves_order_shares_by_sensitivity():
 
 def test_insensitive_heads_lose_share():
     curves = _exp_curves([20.0, 20.0, 20.0])
-    curves = torch.cat([curves, torch.zeros(2, RATIOS.numel(), dtype=torch.float64)])  # flat heads
+    curves = torch.cat(
+        [curves, torch.zeros(2, RATIOS.numel(), dtype=torch.float64)]
+    )  # flat heads
     shares = greedy_swap_shares(curves, RATIOS, 0.05, 0.01 / 5)
     assert (shares[3:] == 0).all() and (shares[:3] > 1 / 5).all()
 
@@ -53,13 +69,16 @@ def test_insensitive_heads_lose_share():
 def test_constraints_on_random_curves(seed):
     gen = torch.Generator().manual_seed(seed)
     n, base = 40, 0.1
-    curves = -torch.rand(n, RATIOS.numel(), generator=gen, dtype=torch.float64).cumsum(1) * torch.rand(
-        n, 1, generator=gen, dtype=torch.float64)
+    curves = -torch.rand(n, RATIOS.numel(), generator=gen, dtype=torch.float64).cumsum(
+        1
+    ) * torch.rand(n, 1, generator=gen, dtype=torch.float64)
     shares = greedy_swap_shares(curves, RATIOS, base, 0.1 / n)
     assert shares.shape == (n,) and (shares >= 0).all()
     assert float(shares.sum()) == pytest.approx(1.0, abs=1e-12)
     assert float((shares * n * base).max()) <= 1.0 + 1e-9  # no head beyond ratio 1
-    assert torch.equal(shares, greedy_swap_shares(curves, RATIOS, base, 0.1 / n))  # deterministic
+    assert torch.equal(
+        shares, greedy_swap_shares(curves, RATIOS, base, 0.1 / n)
+    )  # deterministic
 
 
 def test_ratio_one_cap_binds():

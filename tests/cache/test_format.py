@@ -26,19 +26,30 @@ LENGTHS = [[0, 50, 7], [50, 50, 50], [12, 1, 33], [50, 0, 0]]
 
 
 def make_fingerprint(num_layers: int = 4, **overrides) -> ModelFingerprint:
-    fields = dict(architecture="LlamaForCausalLM", num_layers=num_layers, num_kv_heads=H,
-                  num_q_heads=2 * H, head_dim=D, config_digest="c" * 64, weights_digest="w" * 64,
-                  dtype="float32", name="tiny-llama")
+    fields = dict(
+        architecture="LlamaForCausalLM",
+        num_layers=num_layers,
+        num_kv_heads=H,
+        num_q_heads=2 * H,
+        head_dim=D,
+        config_digest="c" * 64,
+        weights_digest="w" * 64,
+        dtype="float32",
+        name="tiny-llama",
+    )
     fields.update(overrides)
     return ModelFingerprint(**fields)
 
 
-def make_heads(lengths: list[int], dtype: torch.dtype = torch.float32, seed: int = 0,
-               t: int = T) -> CompactedHeads:
+def make_heads(
+    lengths: list[int], dtype: torch.dtype = torch.float32, seed: int = 0, t: int = T
+) -> CompactedHeads:
     """Random packed heads: head h keeps ``lengths[h]`` sorted distinct positions of ``[0, t)``."""
     g = torch.Generator().manual_seed(seed)
     n = sum(lengths)
-    indices = torch.cat([torch.randperm(t, generator=g)[:l].sort().values for l in lengths])
+    indices = torch.cat(
+        [torch.randperm(t, generator=g)[:l].sort().values for l in lengths]
+    )
     return CompactedHeads(
         keys=torch.randn(n, D, generator=g).to(dtype),
         beta=torch.randn(n, generator=g),
@@ -48,8 +59,9 @@ def make_heads(lengths: list[int], dtype: torch.dtype = torch.float32, seed: int
     )
 
 
-def make_cache(dtype: torch.dtype = torch.float32, lengths=LENGTHS, seed: int = 0,
-               **overrides) -> CompactedCache:
+def make_cache(
+    dtype: torch.dtype = torch.float32, lengths=LENGTHS, seed: int = 0, **overrides
+) -> CompactedCache:
     fields = dict(
         layers=[make_heads(l, dtype, seed + i) for i, l in enumerate(lengths)],
         logical_length=T,
@@ -73,16 +85,26 @@ def make_cache(dtype: torch.dtype = torch.float32, lengths=LENGTHS, seed: int = 
 def test_fingerprint_dict_round_trip_and_digest() -> None:
     fp = make_fingerprint()
     assert ModelFingerprint.from_dict(json.loads(json.dumps(fp.to_dict()))) == fp
-    assert fp.digest() == dataclasses.replace(fp, name="other", dtype="bfloat16").digest()
+    assert (
+        fp.digest() == dataclasses.replace(fp, name="other", dtype="bfloat16").digest()
+    )
     bf16 = dataclasses.replace(fp, dtype="bfloat16")
     assert fp.digest(include_dtype=True) != bf16.digest(include_dtype=True)
     assert fp.digest() != dataclasses.replace(fp, weights_digest="x").digest()
 
 
-@pytest.mark.parametrize("field,value", [
-    ("architecture", "Gemma3ForCausalLM"), ("num_layers", 5), ("num_kv_heads", 1),
-    ("num_q_heads", 9), ("head_dim", 32), ("config_digest", "d"), ("weights_digest", "v"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("architecture", "Gemma3ForCausalLM"),
+        ("num_layers", 5),
+        ("num_kv_heads", 1),
+        ("num_q_heads", 9),
+        ("head_dim", 32),
+        ("config_digest", "d"),
+        ("weights_digest", "v"),
+    ],
+)
 def test_check_compatible_names_first_differing_field(field: str, value) -> None:
     fp = make_fingerprint()
     other = dataclasses.replace(fp, **{field: value})
@@ -94,11 +116,21 @@ def test_check_compatible_dtype_and_name() -> None:
     fp = make_fingerprint()
     fp.check_compatible(dataclasses.replace(fp, name="renamed", dtype="bfloat16"))
     with pytest.raises(CacheMismatchError, match="dtype"):
-        fp.check_compatible(dataclasses.replace(fp, dtype="bfloat16"), allow_dtype_cast=False)
+        fp.check_compatible(
+            dataclasses.replace(fp, dtype="bfloat16"), allow_dtype_cast=False
+        )
 
 
-@pytest.mark.parametrize("bad", [dict(num_layers=0), dict(head_dim=-1), dict(num_kv_heads=True),
-                                 dict(num_q_heads=4), dict(architecture=3)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(num_layers=0),
+        dict(head_dim=-1),
+        dict(num_kv_heads=True),
+        dict(num_q_heads=4),
+        dict(architecture=3),
+    ],
+)
 def test_fingerprint_validation(bad) -> None:
     with pytest.raises(ValueError):
         make_fingerprint(**bad)
@@ -122,8 +154,13 @@ def test_validation_heads_and_dim() -> None:
     bad_heads = make_heads([5, 5])  # 2 heads, model has 3
     with pytest.raises(ValueError, match="heads"):
         make_cache(layers=[make_heads(l) for l in LENGTHS[:3]] + [bad_heads])
-    wide = CompactedHeads(torch.zeros(3, 2 * D), torch.zeros(3), torch.zeros(3, 2 * D),
-                          torch.arange(3), cu_seqlens_from_lengths([1, 1, 1]))
+    wide = CompactedHeads(
+        torch.zeros(3, 2 * D),
+        torch.zeros(3),
+        torch.zeros(3, 2 * D),
+        torch.arange(3),
+        cu_seqlens_from_lengths([1, 1, 1]),
+    )
     with pytest.raises(ValueError, match="dim"):
         make_cache(layers=[make_heads(l) for l in LENGTHS[:3]] + [wide])
 
@@ -139,7 +176,10 @@ def test_validation_token_ids_indices_span_flags() -> None:
     with pytest.raises(ValueError, match="layer_compacted"):
         make_cache(layer_compacted=[True])
     with pytest.raises(ValueError, match="dtype|float32|keys"):
-        mixed = [make_heads(l, torch.bfloat16 if i else torch.float32) for i, l in enumerate(LENGTHS)]
+        mixed = [
+            make_heads(l, torch.bfloat16 if i else torch.float32)
+            for i, l in enumerate(LENGTHS)
+        ]
         make_cache(layers=mixed)
     with pytest.raises(ValueError, match="JSON"):
         make_cache(options={"x": object()})
@@ -153,7 +193,10 @@ def test_sizes(dtype: torch.dtype) -> None:
     cache = make_cache(dtype)
     item = dtype.itemsize
     lengths = torch.tensor(LENGTHS)
-    assert torch.equal(cache.head_lengths, lengths) and cache.head_lengths.dtype == torch.int64
+    assert (
+        torch.equal(cache.head_lengths, lengths)
+        and cache.head_lengths.dtype == torch.int64
+    )
     assert cache.physical_slots == int(lengths.sum())
     assert cache.max_head_length == T
     assert cache.nbytes == int(lengths.sum()) * (2 * D * item + 4)
@@ -161,7 +204,9 @@ def test_sizes(dtype: torch.dtype) -> None:
     assert cache.padded_nbytes == padded_slots * (2 * D * item + 4)
     assert cache.original_nbytes == len(LENGTHS) * H * T * 2 * D * item
     compacted = [sum(l) for l, c in zip(LENGTHS, cache.layer_compacted) if c]
-    assert cache.compaction_ratio == pytest.approx(sum(compacted) / (len(compacted) * H * T))
+    assert cache.compaction_ratio == pytest.approx(
+        sum(compacted) / (len(compacted) * H * T)
+    )
 
 
 def test_compaction_ratio_without_compacted_layers() -> None:
@@ -202,7 +247,9 @@ def test_options_normalised_through_json() -> None:
 
 
 def test_cache_package_imports_only_torch_and_safetensors() -> None:
-    code = ("import sys; sys.modules['vllm'] = None; sys.modules['transformers'] = None; "
-            "import vllm_compaction.cache")
+    code = (
+        "import sys; sys.modules['vllm'] = None; sys.modules['transformers'] = None; "
+        "import vllm_compaction.cache"
+    )
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True)

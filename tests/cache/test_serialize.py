@@ -19,13 +19,25 @@ from vllm_compaction.cache import (
     CacheMismatchError,
     CompactedCache,
     read_metadata,
+    serialize,
 )
-from vllm_compaction.cache import serialize
 
-from .test_format import D, H, LENGTHS, T, make_cache, make_fingerprint
+from .test_format import LENGTHS, D, H, T, make_cache, make_fingerprint
 
-SCALARS = ("logical_length", "token_ids", "compacted_span", "layer_compacted", "model", "method",
-           "ratio", "options", "query_source", "budgets", "timings", "created")
+SCALARS = (
+    "logical_length",
+    "token_ids",
+    "compacted_span",
+    "layer_compacted",
+    "model",
+    "method",
+    "ratio",
+    "options",
+    "query_source",
+    "budgets",
+    "timings",
+    "created",
+)
 
 
 def assert_same(a: CompactedCache, b: CompactedCache) -> None:
@@ -37,8 +49,10 @@ def assert_same(a: CompactedCache, b: CompactedCache) -> None:
         for part in ("keys", "beta", "values", "indices", "cu_seqlens"):
             ta, tb = getattr(la, part), getattr(lb, part)
             assert ta.dtype == tb.dtype and ta.shape == tb.shape, part
-            assert torch.equal(ta.view(torch.uint8) if ta.numel() else ta,
-                               tb.view(torch.uint8) if tb.numel() else tb), part
+            assert torch.equal(
+                ta.view(torch.uint8) if ta.numel() else ta,
+                tb.view(torch.uint8) if tb.numel() else tb,
+            ), part
 
 
 @pytest.fixture
@@ -56,7 +70,9 @@ def test_round_trip_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
     assert_same(cache, loaded)
     assert loaded.summary() == cache.summary()
     assert loaded.fingerprint_key() == cache.fingerprint_key()
-    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]  # no temp files left
+    assert [p.name for p in tmp_path.iterdir()] == [
+        "c.safetensors"
+    ]  # no temp files left
 
 
 def test_round_trip_shared_storage_and_zero_length(tmp_path: Path) -> None:
@@ -64,7 +80,9 @@ def test_round_trip_shared_storage_and_zero_length(tmp_path: Path) -> None:
     layers = [CompactedHeads.exact(kv[0], kv[1], torch.arange(T)) for _ in range(2)]
     cache = make_cache(lengths=[[T] * H] * 2, layers=layers)
     assert_same(cache, CompactedCache.load(cache.save(tmp_path / "shared.safetensors")))
-    empty = make_cache(lengths=[[0, 0, 0]] * 2, token_ids=[], logical_length=0, compacted_span=(0, 0))
+    empty = make_cache(
+        lengths=[[0, 0, 0]] * 2, token_ids=[], logical_length=0, compacted_span=(0, 0)
+    )
     assert_same(empty, CompactedCache.load(empty.save(tmp_path / "empty.safetensors")))
 
 
@@ -72,7 +90,11 @@ def test_tensor_names_and_metadata(saved) -> None:
     cache, path = saved
     with safetensors.safe_open(str(path), "pt") as f:
         names, metadata = set(f.keys()), f.metadata()
-    assert "layers.0.keys" in names and "layers.3.cu_seqlens" in names and "token_ids" in names
+    assert (
+        "layers.0.keys" in names
+        and "layers.3.cu_seqlens" in names
+        and "token_ids" in names
+    )
     assert metadata["format_version"] == str(FORMAT_VERSION)
     meta = read_metadata(path, expect_model=cache.model)
     assert meta["model"] == cache.model and meta["dtype"] == torch.bfloat16
@@ -139,10 +161,16 @@ def test_truncated_file_is_corrupt(saved) -> None:
                 read_metadata(path)
 
 
-@pytest.mark.parametrize("content", [
-    b"", b"hello world, this is not a cache\n" * 10, os.urandom(4096),
-    b"\x02\x00\x00\x00\x00\x00\x00\x00{}", json.dumps({"__metadata__": {}}).encode(),
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"hello world, this is not a cache\n" * 10,
+        os.urandom(4096),
+        b"\x02\x00\x00\x00\x00\x00\x00\x00{}",
+        json.dumps({"__metadata__": {}}).encode(),
+    ],
+)
 def test_garbage_file_is_corrupt(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "junk.safetensors"
     path.write_bytes(content)
@@ -167,7 +195,7 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
 
 def rewrite_metadata(path: Path, **changes: str) -> None:
     with safetensors.safe_open(str(path), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (a file, not a dict)
         metadata = {**f.metadata(), **changes}
     safetensors.torch.save_file(tensors, path, metadata=metadata)
 
@@ -175,7 +203,9 @@ def rewrite_metadata(path: Path, **changes: str) -> None:
 def test_future_format_version_is_mismatch(saved) -> None:
     _, path = saved
     rewrite_metadata(path, format_version=str(FORMAT_VERSION + 1))
-    with pytest.raises(CacheMismatchError, match=f"version {FORMAT_VERSION + 1}.*upgrade") as info:
+    with pytest.raises(
+        CacheMismatchError, match=f"version {FORMAT_VERSION + 1}.*upgrade"
+    ) as info:
         CompactedCache.load(path)
     assert str(path) in str(info.value)
     rewrite_metadata(path, format_version="v1")
@@ -199,7 +229,9 @@ def test_wrong_model_is_mismatch(saved) -> None:
     with pytest.raises(CacheMismatchError, match="num_layers"):
         read_metadata(path, expect_model=make_fingerprint(num_layers=2))
     # A dtype difference alone is allowed: the cache can be cast.
-    loaded = CompactedCache.load(path, expect_model=dataclasses.replace(cache.model, dtype="bfloat16"))
+    loaded = CompactedCache.load(
+        path, expect_model=dataclasses.replace(cache.model, dtype="bfloat16")
+    )
     assert_same(cache, loaded)
 
 

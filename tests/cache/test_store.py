@@ -19,7 +19,7 @@ from vllm_compaction.cache import (
 )
 
 from .test_format import make_cache
-from .test_serialize import rewrite_metadata, assert_same
+from .test_serialize import assert_same, rewrite_metadata
 
 
 def key_of(seed: int) -> CacheKey:
@@ -29,18 +29,36 @@ def key_of(seed: int) -> CacheKey:
 # ---------------------------------------------------------------------- keys
 def test_cache_key_for_request_matches_for_cache() -> None:
     cache = make_cache()
-    key = CacheKey.for_request(cache.model, cache.token_ids, method=cache.method, ratio=cache.ratio,
-                               options=cache.options, query_source=cache.query_source,
-                               budgets=cache.budgets)
+    key = CacheKey.for_request(
+        cache.model,
+        cache.token_ids,
+        method=cache.method,
+        ratio=cache.ratio,
+        options=cache.options,
+        query_source=cache.query_source,
+        budgets=cache.budgets,
+    )
     assert key == CacheKey.for_cache(cache)
     assert key.digest() == cache.fingerprint_key() and len(key.digest()) == 64
     assert key.digest() != CacheKey.for_cache(make_cache(ratio=0.5)).digest()
-    assert key.digest() != CacheKey(key.model_digest, key.prefix_hash, key.config_hash, 2).digest()
+    assert (
+        key.digest()
+        != CacheKey(key.model_digest, key.prefix_hash, key.config_hash, 2).digest()
+    )
     # The model dtype and name do not change the key (a cache can be cast).
     renamed = dataclasses.replace(cache.model, name="x", dtype="bfloat16")
-    assert CacheKey.for_request(renamed, cache.token_ids, method=cache.method, ratio=cache.ratio,
-                                options=cache.options, query_source=cache.query_source,
-                                budgets=cache.budgets) == key
+    assert (
+        CacheKey.for_request(
+            renamed,
+            cache.token_ids,
+            method=cache.method,
+            ratio=cache.ratio,
+            options=cache.options,
+            query_source=cache.query_source,
+            budgets=cache.budgets,
+        )
+        == key
+    )
 
 
 # ---------------------------------------------------------------------- basic store
@@ -66,8 +84,22 @@ def test_ids_and_persistence(tmp_path: Path) -> None:
     assert reopened.get_id("other") is None and not reopened.delete_id("other")
 
 
-@pytest.mark.parametrize("bad", ["", "../escape", "a/b", "..", ".hidden", "a.b", "x" * 129,
-                                 "nul\x00", "sp ace", "/abs", "é"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "../escape",
+        "a/b",
+        "..",
+        ".hidden",
+        "a.b",
+        "x" * 129,
+        "nul\x00",
+        "sp ace",
+        "/abs",
+        "é",
+    ],
+)
 def test_path_traversal_ids_rejected(tmp_path: Path, bad: str) -> None:
     store = LocalDiskStore(tmp_path / "s")
     for op in (store.get_id, store.contains_id, store.delete_id, store.path_for):
@@ -104,7 +136,9 @@ def test_lru_eviction_order(tmp_path: Path) -> None:
     reopened = LocalDiskStore(tmp_path / "lru", max_bytes=3 * size)
     reopened.put_id("f", make_cache())
     assert reopened.keys() == ["c", "e", "f"]  # use order was d, c, e
-    assert reopened.touch_id("c") and not reopened.touch_id("gone")  # served without a read
+    assert reopened.touch_id("c") and not reopened.touch_id(
+        "gone"
+    )  # served without a read
     reopened.put_id("g", make_cache())
     assert reopened.keys() == ["c", "f", "g"]
 
@@ -128,7 +162,10 @@ def test_corrupt_entry_is_quarantined(tmp_path: Path, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="vllm_compaction.cache.store"):
         assert store.get_id("a") is None
     assert "quarantined" in caplog.text and "checksum" in caplog.text
-    assert not store.contains_id("a") and len(list((tmp_path / "quarantine").iterdir())) == 1
+    assert (
+        not store.contains_id("a")
+        and len(list((tmp_path / "quarantine").iterdir())) == 1
+    )
     store.put_id("a", make_cache())  # the id is usable again
     assert store.get_id("a") is not None
 
@@ -164,8 +201,18 @@ def test_concurrent_puts_and_gets(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert errors == []
-    assert store.keys() == ["own0", "own1", "own2", "own3", "own4", "own5", "own6", "own7",
-                            "shared0", "shared1"]
+    assert store.keys() == [
+        "own0",
+        "own1",
+        "own2",
+        "own3",
+        "own4",
+        "own5",
+        "own6",
+        "own7",
+        "shared0",
+        "shared1",
+    ]
     for i in range(8):
         assert_same(caches[i % 4], store.get_id(f"own{i}"))
     for name in ("shared0", "shared1"):

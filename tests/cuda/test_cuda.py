@@ -20,27 +20,42 @@ pytestmark = pytest.mark.cuda
 def test_kernel_cases_compiled():
     """Every kernel's cases, compiled, the case files side by side (each compile is CPU-bound)."""
     with ThreadPoolExecutor(len(CASES)) as pool:
-        procs = dict(zip(CASES, pool.map(lambda path: run_cases(path, interpret=False), CASES)))
-    failed = {path.stem: proc.stdout[-3000:] + proc.stderr[-1000:] for path, proc in procs.items() if proc.returncode}
+        procs = dict(
+            zip(CASES, pool.map(lambda path: run_cases(path, interpret=False), CASES))
+        )
+    failed = {
+        path.stem: proc.stdout[-3000:] + proc.stderr[-1000:]
+        for path, proc in procs.items()
+        if proc.returncode
+    }
     assert not failed, failed
 
 
-@pytest.mark.parametrize("method", ["am-highest-attn", "am-omp-fast", "kvzip", "snapkv", "kvmerger"])
+@pytest.mark.parametrize(
+    "method", ["am-highest-attn", "am-omp-fast", "kvzip", "snapkv", "kvmerger"]
+)
 def test_compact_heads_on_cuda_agrees_with_the_cpu(method):
     from vllm_compaction.am import attention_output_error, compact_heads
     from vllm_compaction.recipes import RECIPES
 
     math = RECIPES[method].math
     gen = torch.Generator().manual_seed(0)
-    keys, values = torch.randn(3, 300, 64, generator=gen), torch.randn(3, 300, 64, generator=gen)
+    keys, values = (
+        torch.randn(3, 300, 64, generator=gen),
+        torch.randn(3, 300, 64, generator=gen),
+    )
     queries = 2.0 * torch.randn(3, 500, 64, generator=gen)
     budgets = [30, 0, 300]  # a compacted, an empty and an exact head
     cpu = compact_heads(keys, values, queries[:, :400], budgets, method=math)
-    gpu = compact_heads(keys.cuda(), values.cuda(), queries[:, :400].cuda(), budgets, method=math)
+    gpu = compact_heads(
+        keys.cuda(), values.cuda(), queries[:, :400].cuda(), budgets, method=math
+    )
     assert gpu.keys.is_cuda and gpu.cu_seqlens.is_cuda
     assert torch.equal(gpu.cu_seqlens.cpu(), cpu.cu_seqlens)
     err_cpu = attention_output_error(cpu, keys, values, queries[:, 400:]).output_rel
-    err_gpu = attention_output_error(gpu.to(device="cpu"), keys, values, queries[:, 400:]).output_rel
+    err_gpu = attention_output_error(
+        gpu.to(device="cpu"), keys, values, queries[:, 400:]
+    ).output_rel
     torch.testing.assert_close(err_gpu, err_cpu, atol=2e-3, rtol=2e-2)
 
 
@@ -52,11 +67,20 @@ def test_compact_runs_every_stage_on_the_device():
     results = {}
     for device in ("cpu", "cuda"):
         adapter = synthetic_llama(TINY, layers=2, device=device, seed=0)
-        results[device] = compact(adapter, messages, ratio=0.2, method="am-highest-attn-fast",
-                                  queries="repeat-prefill+surprise-quote/auto*4", min_layer_share=0.3)
+        results[device] = compact(
+            adapter,
+            messages,
+            ratio=0.2,
+            method="am-highest-attn-fast",
+            queries="repeat-prefill+surprise-quote/auto*4",
+            min_layer_share=0.3,
+        )
     cpu, gpu = results["cpu"], results["cuda"]
     assert gpu.layers[0].keys.is_cuda
-    assert gpu.physical_slots == cpu.physical_slots and gpu.logical_length == cpu.logical_length
+    assert (
+        gpu.physical_slots == cpu.physical_slots
+        and gpu.logical_length == cpu.logical_length
+    )
     for a, b in zip(cpu.layers, gpu.layers):
         # same budgets; the few slots where fp32 rounding orders two keys differently may differ
         assert torch.equal(a.cu_seqlens, b.cu_seqlens.cpu())
@@ -78,7 +102,9 @@ def test_random_keys_draw_on_the_device():
     from vllm_compaction.recipes import RECIPES
 
     keys = torch.randn(2, 100, 16, device="cuda")
-    heads = compact_heads(keys, keys, keys[:, :10], [10, 20], method=RECIPES["random"].math)
+    heads = compact_heads(
+        keys, keys, keys[:, :10], [10, 20], method=RECIPES["random"].math
+    )
     assert heads.indices.is_cuda and heads.head_budgets.tolist() == [10, 20]
     for h in range(2):  # distinct, sorted positions within a head
         idx = heads.head(h)[3]

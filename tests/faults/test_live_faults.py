@@ -25,7 +25,10 @@ from server.servers import API_KEYS, MODEL, wait_finished, wait_status
 pytestmark = pytest.mark.slow
 
 WORKER_PREFIX = "/compaction/worker/v1"
-NOTE = "A short note to compact: the meeting moved to Tuesday at noon, room 4B, bring the blue folder. " * 3
+NOTE = (
+    "A short note to compact: the meeting moved to Tuesday at noon, room 4B, bring the blue folder. "
+    * 3
+)
 METHOD = {"method": "am-highest-attn", "queries": "repeat-prefill"}
 
 
@@ -47,17 +50,28 @@ def _assert_openai_error(response: httpx.Response, *statuses: int) -> dict:
     error = response.json()["error"]
     assert isinstance(error["message"], str) and len(error["message"]) > 10, error
     assert isinstance(error["type"], str) and error["type"], error
-    assert "/tmp" not in error["message"] and str(Path.home()) not in error["message"], error  # no paths
+    assert (
+        "/tmp" not in error["message"] and str(Path.home()) not in error["message"]
+    ), error  # no paths
     return error
 
 
 def _chat(client: openai.OpenAI, **extra) -> openai.types.chat.ChatCompletion:
-    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
-                                          max_tokens=4, temperature=0, extra_body=extra or None)
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=4,
+        temperature=0,
+        extra_body=extra or None,
+    )
 
 
 def _compact(client: openai.OpenAI, **body) -> dict:
-    return client.post("/compact", body={"model": MODEL, "ratio": 0.5, **METHOD, **body}, cast_to=object)
+    return client.post(
+        "/compact",
+        body={"model": MODEL, "ratio": 0.5, **METHOD, **body},
+        cast_to=object,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +85,9 @@ def still_serving(server):
     """After every case the server is healthy and answers a plain chat."""
     yield
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
-    plain = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEYS[0], max_retries=0, timeout=120)
+    plain = openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key=API_KEYS[0], max_retries=0, timeout=120
+    )
     assert _chat(plain).choices[0].message.content is not None
 
 
@@ -79,31 +95,62 @@ def still_serving(server):
 def test_every_compact_route_and_compacted_chat_need_a_valid_key(server, owned, key):
     url, headers = server.url, _headers(key)
     body = {"model": MODEL, "prompt": NOTE, "ratio": 0.5}
-    routes = [("POST", "/v1/compact", body), ("GET", "/v1/compact", None),
-              ("GET", f"/v1/compact/{owned['id']}", None), ("DELETE", f"/v1/compact/{owned['id']}", None),
-              ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                                "compaction_id": owned["id"]}),
-              ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "compaction_id": owned["id"]})]
+    routes = [
+        ("POST", "/v1/compact", body),
+        ("GET", "/v1/compact", None),
+        ("GET", f"/v1/compact/{owned['id']}", None),
+        ("DELETE", f"/v1/compact/{owned['id']}", None),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "compaction_id": owned["id"],
+            },
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            {"model": MODEL, "prompt": "hi", "compaction_id": owned["id"]},
+        ),
+    ]
     for method, path, payload in routes:
-        response = httpx.request(method, url + path, json=payload, headers=headers, timeout=30)
-        assert response.status_code == 401, (method, path, response.status_code, response.text[:300])
-    assert httpx.get(f"{url}/v1/compact/{owned['id']}", headers=_headers(API_KEYS[0]),
-                     timeout=30).json()["status"] == "succeeded"  # untouched
+        response = httpx.request(
+            method, url + path, json=payload, headers=headers, timeout=30
+        )
+        assert response.status_code == 401, (
+            method,
+            path,
+            response.status_code,
+            response.text[:300],
+        )
+    assert (
+        httpx.get(
+            f"{url}/v1/compact/{owned['id']}", headers=_headers(API_KEYS[0]), timeout=30
+        ).json()["status"]
+        == "succeeded"
+    )  # untouched
 
 
-def test_another_key_finds_nothing_and_changes_nothing(server, client, other_client, owned):
+def test_another_key_finds_nothing_and_changes_nothing(
+    server, client, other_client, owned
+):
     cid = owned["id"]
     calls = {
         "get": lambda: other_client.get(f"/compact/{cid}", cast_to=object),
         "delete": lambda: other_client.delete(f"/compact/{cid}", cast_to=object),
         "chat": lambda: _chat(other_client, compaction_id=cid),
-        "completions": lambda: other_client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
-                                                               extra_body={"compaction_id": cid}),
+        "completions": lambda: other_client.completions.create(
+            model=MODEL, prompt="hi", max_tokens=2, extra_body={"compaction_id": cid}
+        ),
     }
     for name, call in calls.items():
         with pytest.raises(openai.NotFoundError) as info:
             call()
-        assert cid in info.value.message or "compaction" in info.value.message.lower(), (name, info.value.message)
+        assert (
+            cid in info.value.message or "compaction" in info.value.message.lower()
+        ), (name, info.value.message)
     listed = other_client.get("/compact", cast_to=object)
     assert cid not in [job["id"] for job in listed["data"]]
     mine = client.get(f"/compact/{cid}", cast_to=object)
@@ -114,65 +161,122 @@ def test_another_key_finds_nothing_and_changes_nothing(server, client, other_cli
 
 def test_worker_routes_need_the_worker_credential(server, owned):
     url = server.url + WORKER_PREFIX
-    routes = [("GET", "/info", None), ("POST", "/claim", {"worker_id": "intruder"}),
-              ("POST", f"/jobs/{owned['id']}/heartbeat", {"worker_id": "intruder"}),
-              ("PUT", f"/jobs/{owned['id']}/result", None),
-              ("POST", f"/jobs/{owned['id']}/fail", {"worker_id": "intruder", "error": "x"})]
-    for key in (None, API_KEYS[0], "not-the-token-at-all"):  # a client's API key is not a worker's
+    routes = [
+        ("GET", "/info", None),
+        ("POST", "/claim", {"worker_id": "intruder"}),
+        ("POST", f"/jobs/{owned['id']}/heartbeat", {"worker_id": "intruder"}),
+        ("PUT", f"/jobs/{owned['id']}/result", None),
+        ("POST", f"/jobs/{owned['id']}/fail", {"worker_id": "intruder", "error": "x"}),
+    ]
+    for key in (
+        None,
+        API_KEYS[0],
+        "not-the-token-at-all",
+    ):  # a client's API key is not a worker's
         for method, path, payload in routes:
             kwargs = {"content": b"poison"} if method == "PUT" else {"json": payload}
-            response = httpx.request(method, url + path, headers=_headers(key), timeout=30, **kwargs)
-            assert response.status_code == 401, (key, method, path, response.status_code, response.text[:300])
+            response = httpx.request(
+                method, url + path, headers=_headers(key), timeout=30, **kwargs
+            )
+            assert response.status_code == 401, (
+                key,
+                method,
+                path,
+                response.status_code,
+                response.text[:300],
+            )
     assert _job_record(server, owned["id"])["status"] == "succeeded"
 
 
-MESSAGES = [{"role": "user", "content": NOTE}, {"role": "assistant", "content": "Noted."}]
+MESSAGES = [
+    {"role": "user", "content": NOTE},
+    {"role": "assistant", "content": "Noted."},
+]
 MALFORMED = {
     "ratio-0": {"messages": MESSAGES, "ratio": 0},
     "ratio-negative": {"messages": MESSAGES, "ratio": -1},
     "ratio-above-1": {"messages": MESSAGES, "ratio": 1.0001},
     "ratio-nan": {"messages": MESSAGES, "ratio": float("nan")},
     "target-0": {"messages": MESSAGES, "target_tokens": 0},
-    "target-huge": {"messages": MESSAGES, "target_tokens": 10 ** 400},
-    "keep-last-covers-all": {"messages": MESSAGES, "ratio": 0.5, "keep_last_tokens": 4000},
+    "target-huge": {"messages": MESSAGES, "target_tokens": 10**400},
+    "keep-last-covers-all": {
+        "messages": MESSAGES,
+        "ratio": 0.5,
+        "keep_last_tokens": 4000,
+    },
     "ratio-and-target": {"messages": MESSAGES, "ratio": 0.5, "target_tokens": 20},
     "neither-ratio-nor-target": {"messages": MESSAGES},
     "unknown-field": {"messages": MESSAGES, "ratio": 0.5, "compress_harder": True},
-    "image-part": {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": NOTE},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}], "ratio": 0.5},
+    "image-part": {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": NOTE},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="},
+                    },
+                ],
+            }
+        ],
+        "ratio": 0.5,
+    },
     "no-messages": {"messages": [], "ratio": 0.5},
-    "bad-method": {"messages": MESSAGES, "ratio": 0.5, "method": "am:queries=surprise-quote/1"},
+    "bad-method": {
+        "messages": MESSAGES,
+        "ratio": 0.5,
+        "method": "am:queries=surprise-quote/1",
+    },
 }
 
 
 @pytest.mark.parametrize("name", list(MALFORMED))
 def test_malformed_bodies_are_4xx_in_the_openai_format(server, name):
     payload = json.dumps({"model": MODEL, **MALFORMED[name]}, allow_nan=True)
-    response = httpx.post(f"{server.url}/v1/compact", content=payload, timeout=60,
-                          headers={**_headers(API_KEYS[0]), "Content-Type": "application/json"})
+    response = httpx.post(
+        f"{server.url}/v1/compact",
+        content=payload,
+        timeout=60,
+        headers={**_headers(API_KEYS[0]), "Content-Type": "application/json"},
+    )
     _assert_openai_error(response, 400, 413, 422)
 
 
 def test_bad_ids_and_a_50_mb_body_are_refused(server):
     headers = _headers(API_KEYS[0])
     for bad in ("..%2Fx", "..%2F..%2Fjobs", "cmp_" + "x" * 300, "%00"):
-        response = httpx.get(f"{server.url}/v1/compact/{bad}", headers=headers, timeout=30)
-        assert 400 <= response.status_code < 500 and response.status_code != 401, (bad, response.text[:300])
+        response = httpx.get(
+            f"{server.url}/v1/compact/{bad}", headers=headers, timeout=30
+        )
+        assert 400 <= response.status_code < 500 and response.status_code != 401, (
+            bad,
+            response.text[:300],
+        )
     big = json.dumps({"model": MODEL, "prompt": "x" * (50 << 20), "ratio": 0.5})
-    response = httpx.post(f"{server.url}/v1/compact", content=big, timeout=120,
-                          headers={**headers, "Content-Type": "application/json"})
+    response = httpx.post(
+        f"{server.url}/v1/compact",
+        content=big,
+        timeout=120,
+        headers={**headers, "Content-Type": "application/json"},
+    )
     # over the prompt limit (8M characters), under the body limit: refused with the field named
     assert "prompt" in _assert_openai_error(response, 400, 413)["message"]
 
 
-async def _burst(url: str, key: str, count: int, concurrency: int) -> list[httpx.Response]:
+async def _burst(
+    url: str, key: str, count: int, concurrency: int
+) -> list[httpx.Response]:
     body = {"model": MODEL, "prompt": NOTE, "ratio": 0.5, **METHOD}
     limit = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, headers=_headers(key), timeout=120) as http:
+    async with httpx.AsyncClient(
+        base_url=url, headers=_headers(key), timeout=120
+    ) as http:
+
         async def one() -> httpx.Response:
             async with limit:
                 return await http.post("/v1/compact", json=body)
+
         return list(await asyncio.gather(*(one() for _ in range(count))))
 
 
@@ -185,7 +289,9 @@ def _chat_latency(client: openai.OpenAI, n: int = 5) -> float:
     return statistics.median(times)
 
 
-def test_a_burst_of_1000_posts_from_one_key_is_bounded_and_fair(server, client, other_client):
+def test_a_burst_of_1000_posts_from_one_key_is_bounded_and_fair(
+    server, client, other_client
+):
     idle = _chat_latency(other_client)
     theirs = _compact(other_client, prompt=NOTE.replace("Tuesday", "Friday"))
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the burst beside the chats
@@ -198,19 +304,28 @@ def test_a_burst_of_1000_posts_from_one_key_is_bounded_and_fair(server, client, 
     accepted = [r.json()["id"] for r in responses if r.status_code == 202]
     limited = [r for r in responses if r.status_code == 429]
     assert set(codes) <= {202, 429}, sorted(set(codes))
-    assert 0 < len(accepted) <= 32 and len(limited) == 1000 - len(accepted)  # the per-key queue limit
-    assert all(int(r.headers["Retry-After"]) >= 1 and r.json()["error"]["type"] == "RateLimitError"
-               for r in limited)
+    assert 0 < len(accepted) <= 32 and len(limited) == 1000 - len(
+        accepted
+    )  # the per-key queue limit
+    assert all(
+        int(r.headers["Retry-After"]) >= 1
+        and r.json()["error"]["type"] == "RateLimitError"
+        for r in limited
+    )
     try:
         # the other key's job is not stuck behind the flood: keys take turns
         done = wait_finished(other_client, theirs["id"], timeout_s=300)
         assert done["status"] == "succeeded", done
         during = statistics.median(busy) if busy else idle
-        assert during <= 2 * idle + 0.05, f"plain chat {during:.3f} s under the burst, {idle:.3f} s idle"
+        assert during <= 2 * idle + 0.05, (
+            f"plain chat {during:.3f} s under the burst, {idle:.3f} s idle"
+        )
     finally:
         for cid in accepted:
             client.delete(f"/compact/{cid}", cast_to=object)
-    statuses = {client.get(f"/compact/{cid}", cast_to=object)["status"] for cid in accepted}
+    statuses = {
+        client.get(f"/compact/{cid}", cast_to=object)["status"] for cid in accepted
+    }
     assert statuses <= {"cancelled", "succeeded"}, statuses
 
 
@@ -225,7 +340,9 @@ def test_a_stopped_worker_loses_its_lease_and_the_job_runs_again(server, client)
     job = _compact(client, prompt=NOTE * 2)
     wait_status(client, job["id"], ("running",))
     deadline = time.monotonic() + 60
-    while not _job_record(server, job["id"])["acked"]:  # an unacked claim lapses as if never made
+    while not _job_record(server, job["id"])[
+        "acked"
+    ]:  # an unacked claim lapses as if never made
         assert time.monotonic() < deadline, "the worker never acknowledged its claim"
         time.sleep(0.1)
     pid = _worker_pid(server, job["id"])
@@ -233,7 +350,9 @@ def test_a_stopped_worker_loses_its_lease_and_the_job_runs_again(server, client)
     try:
         requeued = wait_status(client, job["id"], ("queued",), timeout_s=90)
         assert requeued["attempts"] == 1 and requeued["error"], requeued
-        assert _chat(client).choices[0].message.content is not None  # serving goes on meanwhile
+        assert (
+            _chat(client).choices[0].message.content is not None
+        )  # serving goes on meanwhile
     finally:
         os.kill(pid, signal.SIGCONT)
     done = wait_finished(client, job["id"], timeout_s=300)

@@ -35,28 +35,54 @@ LAYERS, BLOCK = 3, 16
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-def build(*, dtype, num_kv_heads, group, head_dim, head_lengths, suffix_lens, q_lens, width=None, layer=1,
-          suffix_bias=False, masked=False, physical="HND", seed=0):
+def build(
+    *,
+    dtype,
+    num_kv_heads,
+    group,
+    head_dim,
+    head_lengths,
+    suffix_lens,
+    q_lens,
+    width=None,
+    layer=1,
+    suffix_bias=False,
+    masked=False,
+    physical="HND",
+    seed=0,
+):
     """A batch: request r has a packed prefix with ``head_lengths[r]`` ([L, H] rows, or None
     for a plain request) and ``suffix_lens[r]`` suffix tokens, the last ``q_lens[r]`` of them
     this step's queries."""
     gen = torch.Generator().manual_seed(seed)
     width = width or head_dim
-    packings = [None if hl is None else PagedPacking(torch.as_tensor(hl), head_dim, BLOCK) for hl in head_lengths]
+    packings = [
+        None if hl is None else PagedPacking(torch.as_tensor(hl), head_dim, BLOCK)
+        for hl in head_lengths
+    ]
     prefix_blocks = [0 if p is None else p.num_blocks for p in packings]
     suffix_blocks = [-(-s // BLOCK) for s in suffix_lens]
     num_blocks = sum(prefix_blocks) + sum(suffix_blocks) + 4
     # one tensor per layer holding its keys and values side by side, as vLLM's CUDA pages do:
     # logical [B, H, N, 2 * width], physically in that order (HND) or [B, N, H, 2 * width] (NHD)
-    shape = (num_blocks, num_kv_heads, BLOCK, 2 * width) if physical == "HND" else (num_blocks, BLOCK, num_kv_heads,
-                                                                                      2 * width)
-    raw = [torch.full(shape, float("nan"), dtype=dtype, device=DEVICE) for _ in range(LAYERS)]
+    shape = (
+        (num_blocks, num_kv_heads, BLOCK, 2 * width)
+        if physical == "HND"
+        else (num_blocks, BLOCK, num_kv_heads, 2 * width)
+    )
+    raw = [
+        torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+        for _ in range(LAYERS)
+    ]
     logical = raw if physical == "HND" else [t.transpose(1, 2) for t in raw]
     keys, values = [t[..., :width] for t in logical], [t[..., width:] for t in logical]
     pages = PagedPrefixPages(keys, values, head_dim)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     nan_block = perm.pop()
-    block_ids, suffix_table = [], torch.full((len(q_lens), max(suffix_blocks) + 1), nan_block, dtype=torch.int32)
+    block_ids, suffix_table = (
+        [],
+        torch.full((len(q_lens), max(suffix_blocks) + 1), nan_block, dtype=torch.int32),
+    )
     for r, packing in enumerate(packings):
         ids = None
         if packing is not None:
@@ -65,7 +91,10 @@ def build(*, dtype, num_kv_heads, group, head_dim, head_lengths, suffix_lens, q_
             k = [torch.randn(int(n), head_dim, generator=gen) for n in rows]
             v = [torch.randn(int(n), head_dim, generator=gen) for n in rows]
             b = [2.0 * torch.randn(int(n), generator=gen) for n in rows]
-            pages.write(pack_layers(packing, k, v, b, dtype=dtype, logical_length=1000), ids.tolist())
+            pages.write(
+                pack_layers(packing, k, v, b, dtype=dtype, logical_length=1000),
+                ids.tolist(),
+            )
         block_ids.append(ids)
         for j in range(suffix_blocks[r]):
             suffix_table[r, j] = perm.pop()
@@ -77,40 +106,84 @@ def build(*, dtype, num_kv_heads, group, head_dim, head_lengths, suffix_lens, q_
             vrow[:, :head_dim] = torch.randn(num_kv_heads, head_dim, generator=gen)
             if suffix_bias:
                 beta = 2.0 * torch.randn(num_kv_heads, generator=gen)
-                if masked and pos % 3 == 1:  # padding slots of a head shorter than the padded prefix
+                if (
+                    masked and pos % 3 == 1
+                ):  # padding slots of a head shorter than the padded prefix
                     beta[0], vrow[0, :head_dim] = MASKED_BETA, 1e4
-                row[:, head_dim:head_dim + 2] = encode_beta(beta, dtype).float()
+                row[:, head_dim : head_dim + 2] = encode_beta(beta, dtype).float()
             keys[layer][blk, :, slot] = row.to(device=DEVICE, dtype=dtype)
             values[layer][blk, :, slot] = vrow.to(device=DEVICE, dtype=dtype)
     num_q = num_kv_heads * group
     query = torch.randn(sum(q_lens), num_q, head_dim, generator=gen).to(dtype)
-    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    starts = torch.tensor(
+        [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32
+    )
     to = lambda t: t.to(DEVICE)  # noqa: E731
     dev_pages = pages
-    tables = dev_pages.kernel_tables(packings, block_ids) if any(p is not None for p in packings) else None
-    rows = [None if p is None else [t.cpu() for t in pages.layer_rows(p, layer, ids)] for p, ids in zip(packings, block_ids)]
-    prefix_rows = [None if p is None else (*rows[r], p.cu_seqlens(layer)) for r, p in enumerate(packings)]
-    max_keys = max(s + (0 if p is None else int(p.head_lengths[layer].max())) for s, p in zip(suffix_lens, packings))
+    tables = (
+        dev_pages.kernel_tables(packings, block_ids)
+        if any(p is not None for p in packings)
+        else None
+    )
+    rows = [
+        None if p is None else [t.cpu() for t in pages.layer_rows(p, layer, ids)]
+        for p, ids in zip(packings, block_ids)
+    ]
+    prefix_rows = [
+        None if p is None else (*rows[r], p.cu_seqlens(layer))
+        for r, p in enumerate(packings)
+    ]
+    max_keys = max(
+        s + (0 if p is None else int(p.head_lengths[layer].max()))
+        for s, p in zip(suffix_lens, packings)
+    )
     # the kernel reads other layers' pages through offsets: every layer's pages must stay alive
     keep_alive = (raw, dev_pages)
     return dict(
-        query=to(query), key_pages=dev_pages._keys[layer], value_pages=dev_pages._values[layer], keep_alive=keep_alive,
-        block_table=to(suffix_table), seq_lens=to(torch.tensor(suffix_lens, dtype=torch.int32)),
-        query_start_loc=to(starts), scale=1 / math.sqrt(head_dim), head_dim=head_dim,
-        max_query_len=max(q_lens), max_keys=max_keys, prefix=tables, layer=layer, suffix_bias=suffix_bias,
-    ), dict(query=query, key_pages=keys[layer].cpu(), value_pages=values[layer].cpu(), block_table=suffix_table,
-            seq_lens=torch.tensor(suffix_lens), query_start_loc=starts, scale=1 / math.sqrt(head_dim),
-            head_dim=head_dim, prefix_rows=prefix_rows, suffix_bias=suffix_bias)
+        query=to(query),
+        key_pages=dev_pages._keys[layer],
+        value_pages=dev_pages._values[layer],
+        keep_alive=keep_alive,
+        block_table=to(suffix_table),
+        seq_lens=to(torch.tensor(suffix_lens, dtype=torch.int32)),
+        query_start_loc=to(starts),
+        scale=1 / math.sqrt(head_dim),
+        head_dim=head_dim,
+        max_query_len=max(q_lens),
+        max_keys=max_keys,
+        prefix=tables,
+        layer=layer,
+        suffix_bias=suffix_bias,
+    ), dict(
+        query=query,
+        key_pages=keys[layer].cpu(),
+        value_pages=values[layer].cpu(),
+        block_table=suffix_table,
+        seq_lens=torch.tensor(suffix_lens),
+        query_start_loc=starts,
+        scale=1 / math.sqrt(head_dim),
+        head_dim=head_dim,
+        prefix_rows=prefix_rows,
+        suffix_bias=suffix_bias,
+    )
 
 
 def check(kernel_args, ref_args, dtype, splits=None):
-    lse = torch.empty(kernel_args["query"].shape[:2], dtype=torch.float32, device=DEVICE)
+    lse = torch.empty(
+        kernel_args["query"].shape[:2], dtype=torch.float32, device=DEVICE
+    )
     args = {k: v for k, v in kernel_args.items() if k != "keep_alive"}
     out = compacted_attention(**args, num_splits=splits, lse=lse)
     ref, ref_lse = compacted_attention_reference(**ref_args)
-    assert torch.isfinite(out.float()).all(), "NaN: a slot that was never written was read"
-    torch.testing.assert_close(out.float().cpu(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
-    torch.testing.assert_close(lse.cpu(), ref_lse.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.isfinite(out.float()).all(), (
+        "NaN: a slot that was never written was read"
+    )
+    torch.testing.assert_close(
+        out.float().cpu(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype]
+    )
+    torch.testing.assert_close(
+        lse.cpu(), ref_lse.float(), atol=TOL[dtype], rtol=TOL[dtype]
+    )
 
 
 def lengths(num_kv_heads, *, seed, empty=True, full=None):
@@ -123,27 +196,51 @@ def lengths(num_kv_heads, *, seed, empty=True, full=None):
     return table
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str
+)
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_decode_over_prefix_and_suffix(dtype, group):
-    kv, ref = build(dtype=dtype, num_kv_heads=2, group=group, head_dim=64,
-                    head_lengths=[lengths(2, seed=1), lengths(2, seed=2, full=300), None],
-                    suffix_lens=[5, 40, 33], q_lens=[1, 1, 1], seed=group)
+    kv, ref = build(
+        dtype=dtype,
+        num_kv_heads=2,
+        group=group,
+        head_dim=64,
+        head_lengths=[lengths(2, seed=1), lengths(2, seed=2, full=300), None],
+        suffix_lens=[5, 40, 33],
+        q_lens=[1, 1, 1],
+        seed=group,
+    )
     check(kv, ref, dtype)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_head_dims_with_splits(head_dim):
-    kv, ref = build(dtype=torch.float32, num_kv_heads=2, group=2, head_dim=head_dim,
-                    head_lengths=[lengths(2, seed=3, full=400), lengths(2, seed=4)],
-                    suffix_lens=[20, 1], q_lens=[1, 1], seed=head_dim)
+    kv, ref = build(
+        dtype=torch.float32,
+        num_kv_heads=2,
+        group=2,
+        head_dim=head_dim,
+        head_lengths=[lengths(2, seed=3, full=400), lengths(2, seed=4)],
+        suffix_lens=[20, 1],
+        q_lens=[1, 1],
+        seed=head_dim,
+    )
     for splits in (1, 4):
         check(kv, ref, torch.float32, splits)
 
 
 def test_chunked_prefill_on_a_compacted_prefix():
-    kv, ref = build(dtype=torch.float32, num_kv_heads=2, group=3, head_dim=64,
-                    head_lengths=[lengths(2, seed=5), None], suffix_lens=[70, 40], q_lens=[37, 9], seed=5)
+    kv, ref = build(
+        dtype=torch.float32,
+        num_kv_heads=2,
+        group=3,
+        head_dim=64,
+        head_lengths=[lengths(2, seed=5), None],
+        suffix_lens=[70, 40],
+        q_lens=[37, 9],
+        seed=5,
+    )
     for splits in (1, 2):
         check(kv, ref, torch.float32, splits)
 
@@ -151,8 +248,16 @@ def test_chunked_prefill_on_a_compacted_prefix():
 def test_every_head_empty_but_the_suffix():
     zero = torch.zeros(LAYERS, 2, dtype=torch.long)
     zero[0, 0] = 3  # other layers keep rows, this one none
-    kv, ref = build(dtype=torch.float32, num_kv_heads=2, group=2, head_dim=64, head_lengths=[zero],
-                    suffix_lens=[3], q_lens=[1], seed=6)
+    kv, ref = build(
+        dtype=torch.float32,
+        num_kv_heads=2,
+        group=2,
+        head_dim=64,
+        head_lengths=[zero],
+        suffix_lens=[3],
+        q_lens=[1],
+        seed=6,
+    )
     check(kv, ref, torch.float32, 2)
 
 
@@ -160,9 +265,19 @@ def test_every_head_empty_but_the_suffix():
 def test_widened_pages_add_the_suffix_bias(dtype):
     """Widened pages: every suffix key adds its beta (hi + lo coordinates); masked slots
     (``MASKED_BETA``, the padding of padded prefixes) get exactly no weight."""
-    kv, ref = build(dtype=dtype, num_kv_heads=2, group=2, head_dim=64, width=80,
-                    head_lengths=[None, lengths(2, seed=7), None], suffix_lens=[50, 17, 33], q_lens=[2, 1, 1],
-                    suffix_bias=True, masked=True, seed=7)
+    kv, ref = build(
+        dtype=dtype,
+        num_kv_heads=2,
+        group=2,
+        head_dim=64,
+        width=80,
+        head_lengths=[None, lengths(2, seed=7), None],
+        suffix_lens=[50, 17, 33],
+        q_lens=[2, 1, 1],
+        suffix_bias=True,
+        masked=True,
+        seed=7,
+    )
     out = torch.empty(kv["query"].shape, dtype=dtype, device=DEVICE)
     check(kv, ref, dtype, 2)
     args = {k: v for k, v in kv.items() if k != "keep_alive"}
@@ -174,8 +289,17 @@ def test_widened_pages_add_the_suffix_bias(dtype):
 def test_vllm_page_layouts_and_strided_outputs(physical):
     """vLLM's logical ``[B, H, N, 2A]`` pages over either physical order; an output that is a
     strided slice of a wider buffer; padding rows past the last request untouched."""
-    kv, ref = build(dtype=torch.float32, num_kv_heads=2, group=3, head_dim=64, physical=physical,
-                    head_lengths=[lengths(2, seed=8), None], suffix_lens=[9, 30], q_lens=[3, 1], seed=8)
+    kv, ref = build(
+        dtype=torch.float32,
+        num_kv_heads=2,
+        group=3,
+        head_dim=64,
+        physical=physical,
+        head_lengths=[lengths(2, seed=8), None],
+        suffix_lens=[9, 30],
+        q_lens=[3, 1],
+        seed=8,
+    )
     wide = torch.full((kv["query"].shape[0] + 2, 6, 80), 7.0, device=DEVICE)
     args = {k: v for k, v in kv.items() if k != "keep_alive"}
     query = torch.cat([args.pop("query"), torch.zeros(2, 6, 64, device=DEVICE)])
@@ -184,17 +308,38 @@ def test_vllm_page_layouts_and_strided_outputs(physical):
     n = kv["query"].shape[0]
     assert (wide[n:] == 7.0).all() and (wide[..., 64:] == 7.0).all()
     expected, _ = compacted_attention_reference(**ref)
-    torch.testing.assert_close(wide[:n, :, :64].cpu(), expected.float(), atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    torch.testing.assert_close(
+        wide[:n, :, :64].cpu(),
+        expected.float(),
+        atol=TOL[torch.float32],
+        rtol=TOL[torch.float32],
+    )
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(query=lambda q: q.to(torch.float16)), "share one float dtype"),
-    (dict(query=lambda q: q[:, :5]), "multiple"),
-    (dict(out=lambda q: torch.empty(q.shape[0], q.shape[1], 32, device=q.device)), "out must be"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(query=lambda q: q.to(torch.float16)), "share one float dtype"),
+        (dict(query=lambda q: q[:, :5]), "multiple"),
+        (
+            dict(
+                out=lambda q: torch.empty(q.shape[0], q.shape[1], 32, device=q.device)
+            ),
+            "out must be",
+        ),
+    ],
+)
 def test_bad_inputs_are_refused(change, match):
-    kv, _ = build(dtype=torch.float32, num_kv_heads=2, group=3, head_dim=64, head_lengths=[None], suffix_lens=[4],
-                  q_lens=[1], seed=9)
+    kv, _ = build(
+        dtype=torch.float32,
+        num_kv_heads=2,
+        group=3,
+        head_dim=64,
+        head_lengths=[None],
+        suffix_lens=[4],
+        q_lens=[1],
+        seed=9,
+    )
     args = {k: v for k, v in kv.items() if k != "keep_alive"}
     if "out" in change:
         args["out"] = change["out"](args["query"])
@@ -209,8 +354,16 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
         pytest.skip("only meaningful where the cases run on CPU tensors")
     import triton
 
-    kv, _ = build(dtype=torch.float32, num_kv_heads=1, group=1, head_dim=64, head_lengths=[None], suffix_lens=[2],
-                  q_lens=[1], seed=10)
+    kv, _ = build(
+        dtype=torch.float32,
+        num_kv_heads=1,
+        group=1,
+        head_dim=64,
+        head_lengths=[None],
+        suffix_lens=[2],
+        q_lens=[1],
+        seed=10,
+    )
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         compacted_attention(**{k: v for k, v in kv.items() if k != "keep_alive"})

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from kernels.test_kernel_cases import INLINE_ENV, REPORT_ENV, RUNS, CaseRuns, KernelCase, is_case_file
+from kernels.test_kernel_cases import (
+    INLINE_ENV,
+    REPORT_ENV,
+    RUNS,
+    CaseRuns,
+    KernelCase,
+    is_case_file,
+)
 
 INLINE = bool(os.environ.get(INLINE_ENV))
 
@@ -19,7 +26,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[RUNS] = CaseRuns()
 
 
-def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:
+def pytest_collect_file(
+    file_path: Path, parent: pytest.Collector
+) -> pytest.Module | None:
     """The case files do not match ``test_*.py``; a file named on the command line is collected
     by pytest itself."""
     if INLINE or not is_case_file(file_path) or parent.session.isinitpath(file_path):
@@ -34,7 +43,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for i, item in enumerate(items):
         if isinstance(item, pytest.Function) and is_case_file(item.path):
             case = KernelCase.from_parent(item.parent, name=item.name)
-            case.own_markers.extend(m for m in item.iter_markers() if m.name != "parametrize")
+            case.own_markers.extend(
+                m for m in item.iter_markers() if m.name != "parametrize"
+            )
             items[i] = case
 
 
@@ -47,4 +58,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.skipped and isinstance(report.longrepr, tuple):
         text = report.longrepr[2]
     with open(path, "a") as out:
-        out.write(json.dumps({"nodeid": report.nodeid, "outcome": report.outcome, "text": text}) + "\n")
+        out.write(
+            json.dumps(
+                {"nodeid": report.nodeid, "outcome": report.outcome, "text": text}
+            )
+            + "\n"
+        )

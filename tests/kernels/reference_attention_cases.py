@@ -46,47 +46,67 @@ def float64_stats(k, v, q, scale):
 @pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
 def test_statistics_match_float64(dim, precision):
     k, v, q = inputs(2, 70, 45, dim)
-    scale = dim ** -0.5
-    got = reference_attention_triton(k, v, q, scale=scale, aggregation="rms", keep_features=True,
-                                     precision=precision)
+    scale = dim**-0.5
+    got = reference_attention_triton(
+        k, v, q, scale=scale, aggregation="rms", keep_features=True, precision=precision
+    )
     shift, mass, out, weights, features = float64_stats(k, v, q, scale)
     tol = dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got.shift.double(), shift, **tol)
     torch.testing.assert_close(got.mass.double(), mass, **tol)
     torch.testing.assert_close(got.output.double(), out, **tol)
     torch.testing.assert_close(got.scores.double(), weights.square().sum(1), **tol)
-    torch.testing.assert_close(got.features.double(), features.transpose(1, 2), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(
+        got.features.double(), features.transpose(1, 2), atol=1e-3, rtol=1e-3
+    )
 
 
 @pytest.mark.parametrize("aggregation", ["rms", "mean", "max", "weighted-max", None])
 def test_fused_pass_equals_the_torch_pass(aggregation):
     k, v, q = inputs(3, 90, 60, 32, seed=1)
-    weights = torch.rand(3, 60, generator=torch.Generator().manual_seed(2)).to(DEVICE) + 0.05
+    weights = (
+        torch.rand(3, 60, generator=torch.Generator().manual_seed(2)).to(DEVICE) + 0.05
+    )
     weights = weights / weights.amax(-1, keepdim=True)
     results = {}
     for backend in ("torch", "triton:ieee"):
         attention.REFERENCE_BACKEND = backend
         try:
-            results[backend] = attention.reference_attention(k, v, q, scale=0.2, aggregation=aggregation,
-                                                             keep_features=True, query_weights=weights)
+            results[backend] = attention.reference_attention(
+                k,
+                v,
+                q,
+                scale=0.2,
+                aggregation=aggregation,
+                keep_features=True,
+                query_weights=weights,
+            )
         finally:
             attention.REFERENCE_BACKEND = "auto"
     ref, got = results["torch"], results["triton:ieee"]
     for name in ("shift", "mass", "output"):
-        torch.testing.assert_close(getattr(got, name), getattr(ref, name), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got.features.float(), ref.features.float(), atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(
+            getattr(got, name), getattr(ref, name), atol=1e-5, rtol=1e-5
+        )
+    torch.testing.assert_close(
+        got.features.float(), ref.features.float(), atol=1e-3, rtol=1e-3
+    )
     if aggregation is not None:
         torch.testing.assert_close(got.scores, ref.scores, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["am-highest-attn", "am-omp-fast", "kvzip", "snapkv"])
+@pytest.mark.parametrize(
+    "method", ["am-highest-attn", "am-omp-fast", "kvzip", "snapkv"]
+)
 def test_compact_heads_with_the_fused_pass_equals_the_torch_pass(method):
     k, v, q = inputs(2, 80, 120, 32, seed=3)
     results = {}
     for backend in ("torch", "triton:ieee"):
         attention.REFERENCE_BACKEND = backend
         try:
-            results[backend] = compact_heads(k, v, q, [7, 19], method=RECIPES[method].math)
+            results[backend] = compact_heads(
+                k, v, q, [7, 19], method=RECIPES[method].math
+            )
         finally:
             attention.REFERENCE_BACKEND = "auto"
     ref, got = results["torch"], results["triton:ieee"]

@@ -39,7 +39,18 @@ def compile_for_sm90(script: str, tmp_path: Path) -> None:
 
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton build has no NVIDIA backend")
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
-    proc = subprocess.run([sys.executable, "-c", PRELUDE + script], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[2])
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "0",
+        "TRITON_CACHE_DIR": str(tmp_path),
+        "TRITON_DEFAULT_FP_FUSION": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELUDE + script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -35,20 +35,43 @@ def is_case_file(path: Path) -> bool:
     return path.parent == HERE and path in CASES
 
 
-def run_cases(path: Path, *, interpret: bool, node_ids: list[str] | None = None,
-              report: Path | None = None) -> subprocess.CompletedProcess:
+def run_cases(
+    path: Path,
+    *,
+    interpret: bool,
+    node_ids: list[str] | None = None,
+    report: Path | None = None,
+) -> subprocess.CompletedProcess:
     """Run the cases of ``path`` (or only ``node_ids`` of it) in a fresh interpreter; with
     ``report``, each phase's outcome is written there as JSON lines."""
-    env = {**os.environ, "VLLM_COMPACTION_TUNE": "0", INLINE_ENV: "1"}  # one tile configuration: fewer compiles
+    env = {
+        **os.environ,
+        "VLLM_COMPACTION_TUNE": "0",
+        INLINE_ENV: "1",
+    }  # one tile configuration: fewer compiles
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     else:
         env.pop("TRITON_INTERPRET", None)
     if report is not None:
         env[REPORT_ENV] = str(report)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
-                           *(node_ids or [str(path)])],
-                          cwd=path.parents[2], env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rfE",
+            "-p",
+            "no:cacheprovider",
+            *(node_ids or [str(path)]),
+        ],
+        cwd=path.parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @dataclass
@@ -68,23 +91,41 @@ class CaseRuns:
     def outcome(self, item: pytest.Item) -> Outcome:
         if item.nodeid not in self.outcomes:
             self._run(item)
-        return self.outcomes.get(item.nodeid) or Outcome("failed", "the case was not reported by its subprocess")
+        return self.outcomes.get(item.nodeid) or Outcome(
+            "failed", "the case was not reported by its subprocess"
+        )
 
     def _run(self, item: pytest.Item) -> None:
         """Run every selected, not yet run case of ``item``'s file in one subprocess."""
-        ids = [i.nodeid for i in item.session.items
-               if isinstance(i, KernelCase) and i.path == item.path and i.nodeid not in self.outcomes]
+        ids = [
+            i.nodeid
+            for i in item.session.items
+            if isinstance(i, KernelCase)
+            and i.path == item.path
+            and i.nodeid not in self.outcomes
+        ]
         with tempfile.TemporaryDirectory() as tmp:
             report = Path(tmp) / "report.jsonl"
-            proc = run_cases(item.path, interpret=not torch.cuda.is_available(), node_ids=ids, report=report)
+            proc = run_cases(
+                item.path,
+                interpret=not torch.cuda.is_available(),
+                node_ids=ids,
+                report=report,
+            )
             lines = report.read_text().splitlines() if report.exists() else []
         for entry in map(json.loads, lines):
             seen = self.outcomes.get(entry["nodeid"])
-            if seen is None or seen.outcome == "passed":  # a failure or a skip in any phase stands
-                self.outcomes[entry["nodeid"]] = Outcome(entry["outcome"], entry["text"])
+            if (
+                seen is None or seen.outcome == "passed"
+            ):  # a failure or a skip in any phase stands
+                self.outcomes[entry["nodeid"]] = Outcome(
+                    entry["outcome"], entry["text"]
+                )
         tail = proc.stdout[-4000:] + proc.stderr[-2000:]
         for nodeid in ids:  # a case the subprocess never reached fails with its output
-            self.outcomes.setdefault(nodeid, Outcome("failed", f"exit status {proc.returncode}\n{tail}"))
+            self.outcomes.setdefault(
+                nodeid, Outcome("failed", f"exit status {proc.returncode}\n{tail}")
+            )
 
 
 class KernelCase(pytest.Item):
@@ -97,7 +138,9 @@ class KernelCase(pytest.Item):
         if result.outcome != "passed":
             raise CaseFailed(result.text)
 
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style=None) -> str:
+    def repr_failure(
+        self, excinfo: pytest.ExceptionInfo[BaseException], style=None
+    ) -> str:
         if isinstance(excinfo.value, CaseFailed):
             return str(excinfo.value)
         return super().repr_failure(excinfo, style)

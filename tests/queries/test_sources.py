@@ -7,7 +7,13 @@ import torch
 
 from vllm_compaction.eval.niah import make_needle, needle_prompt
 from vllm_compaction.pipeline import PreparedPrefix, compact_prefix, compact_prepared
-from vllm_compaction.queries import QueryCollector, QueryPlan, auto_spacing, parse_sources, resolve_spacing
+from vllm_compaction.queries import (
+    QueryCollector,
+    QueryPlan,
+    auto_spacing,
+    parse_sources,
+    resolve_spacing,
+)
 from vllm_compaction.queries.base import PrefixSpec
 from vllm_compaction.queries.quote_prefill import QuotePrefill
 from vllm_compaction.queries.repeat_prefill import REPEAT_INSTRUCTION
@@ -25,7 +31,9 @@ def _spec(adapter, ids=IDS):
 
 def test_collector_records_only_marked_rows_and_caps(tiny_llama):
     spec = _spec(tiny_llama)
-    plan = QueryPlan(continuations=[[1, 2, 3, 4], [5, 6]], record_from=[2, 0], prefix_queries=True)
+    plan = QueryPlan(
+        continuations=[[1, 2, 3, 4], [5, 6]], record_from=[2, 0], prefix_queries=True
+    )
     queries = QueryCollector(tiny_llama, spec, plan).run(spec.kv.exact_prefix())
     group = tiny_llama.num_q_heads // tiny_llama.num_kv_heads
     assert queries[0].shape == (2, group * (40 + 2 + 2), 16)
@@ -43,15 +51,26 @@ def test_a_weight_counts_a_continuations_rows_as_if_it_ran_that_many_times(tiny_
     spec = _spec(tiny_llama)
     conts = [[1, 2, 3, 4], [5, 6, 7]]
     group = tiny_llama.num_q_heads // tiny_llama.num_kv_heads
-    weighted = QueryCollector(tiny_llama, spec, QueryPlan(conts, [1, 0], weights=[1, 3]))
+    weighted = QueryCollector(
+        tiny_llama, spec, QueryPlan(conts, [1, 0], weights=[1, 3])
+    )
     plain = QueryCollector(tiny_llama, spec, QueryPlan(conts, [1, 0]))
-    for a, b in zip(weighted.run(spec.kv.exact_prefix()), plain.run(spec.kv.exact_prefix())):
+    for a, b in zip(
+        weighted.run(spec.kv.exact_prefix()), plain.run(spec.kv.exact_prefix())
+    ):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert plain.weights(0) is None
     assert weighted.weights(2).tolist() == ([1.0] * 3 + [3.0] * 3) * group
-    with_prefix = QueryCollector(tiny_llama, spec, QueryPlan(conts, [1, 0], prefix_queries=True, weights=[1, 3]))
-    assert with_prefix.weights(0).tolist() == [1.0] * (group * spec.length) + ([1.0] * 3 + [3.0] * 3) * group
-    capped = QueryCollector(tiny_llama, spec, QueryPlan(conts, [1, 0], weights=[1, 3]), cap=5)
+    with_prefix = QueryCollector(
+        tiny_llama, spec, QueryPlan(conts, [1, 0], prefix_queries=True, weights=[1, 3])
+    )
+    assert (
+        with_prefix.weights(0).tolist()
+        == [1.0] * (group * spec.length) + ([1.0] * 3 + [3.0] * 3) * group
+    )
+    capped = QueryCollector(
+        tiny_llama, spec, QueryPlan(conts, [1, 0], weights=[1, 3]), cap=5
+    )
     rows = capped.run(spec.kv.exact_prefix())[1]
     full = weighted.run(spec.kv.exact_prefix())[1]
     keep = [int((full[0] == row).all(-1).nonzero()[0]) for row in rows[0]]
@@ -60,20 +79,39 @@ def test_a_weight_counts_a_continuations_rows_as_if_it_ran_that_many_times(tiny_
     # The same rows in another order set the rounding noise (an ill-conditioned value fit
     # amplifies it): the weighted fit must be as close to the repeated one as that.
     long = [list(range(1, 25)), list(range(30, 50))]
-    plans = (QueryPlan(long, [0, 0], weights=[1, 3]), QueryPlan([long[0]] + [long[1]] * 3, [0] * 4),
-             QueryPlan([long[1]] * 3 + [long[0]], [0] * 4))
+    plans = (
+        QueryPlan(long, [0, 0], weights=[1, 3]),
+        QueryPlan([long[0]] + [long[1]] * 3, [0] * 4),
+        QueryPlan([long[1]] * 3 + [long[0]], [0] * 4),
+    )
     # on-policy: later layers' queries see the earlier layers compacted. The global ranking
     # takes the plain max: a repeated row leaves a max unchanged, while the default weighted
     # max counts a weight there too (tests/test_pipeline.py checks that ranking)
     ours, theirs, reordered = (
-        compact_prepared(PreparedPrefix(tiny_llama, spec, "repeat-prefill", QueryCollector(tiny_llama, spec, plan), {}),
-                         ratio=0.1, method="am-highest-attn-fast", score_aggregation="max").layers for plan in plans)
+        compact_prepared(
+            PreparedPrefix(
+                tiny_llama,
+                spec,
+                "repeat-prefill",
+                QueryCollector(tiny_llama, spec, plan),
+                {},
+            ),
+            ratio=0.1,
+            method="am-highest-attn-fast",
+            score_aggregation="max",
+        ).layers
+        for plan in plans
+    )
     for a, b, c in zip(ours, theirs, reordered):
         assert torch.equal(a.indices, b.indices) and torch.equal(b.indices, c.indices)
         for field in ("beta", "values"):
             noise = (getattr(b, field) - getattr(c, field)).abs().max()
-            assert (getattr(a, field) - getattr(b, field)).abs().max() <= 2 * noise + 1e-4
-    scored = weighted.run_scored(spec.kv.exact_prefix())[1]  # a max: weights change nothing
+            assert (
+                getattr(a, field) - getattr(b, field)
+            ).abs().max() <= 2 * noise + 1e-4
+    scored = weighted.run_scored(spec.kv.exact_prefix())[
+        1
+    ]  # a max: weights change nothing
     for a, b in zip(scored, plain.run_scored(spec.kv.exact_prefix())[1]):
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="weights"):
@@ -87,8 +125,12 @@ def test_probe_scores_are_weights_of_the_full_softmax_of_each_probe(tiny_llama):
     probes, in the softmax each probe row has when it runs alone after the whole prefix."""
     spec = _spec(tiny_llama)
     continuations, record_from = [[1, 2, 3, 4], [5, 6, 7]], [2, 0]
-    plan = QueryPlan(continuations=continuations, record_from=record_from, prefix_queries=True)
-    queries, scores = QueryCollector(tiny_llama, spec, plan).run_scored(spec.kv.exact_prefix())
+    plan = QueryPlan(
+        continuations=continuations, record_from=record_from, prefix_queries=True
+    )
+    queries, scores = QueryCollector(tiny_llama, spec, plan).run_scored(
+        spec.kv.exact_prefix()
+    )
     assert len(queries) == len(scores) == tiny_llama.num_layers
     group = tiny_llama.num_q_heads // tiny_llama.num_kv_heads
     t = spec.length
@@ -101,18 +143,27 @@ def test_probe_scores_are_weights_of_the_full_softmax_of_each_probe(tiny_llama):
             q = q.reshape(q.shape[0], group, length, -1)
             for row in range(t + start, length):
                 logits = torch.einsum("hgd,hsd->hgs", q[:, :, row], keys[:, : row + 1])
-                weights = torch.softmax(logits * tiny_llama.layer_scales()[layer], dim=-1)[..., :t]
+                weights = torch.softmax(
+                    logits * tiny_llama.layer_scales()[layer], dim=-1
+                )[..., :t]
                 expected = torch.maximum(expected, weights.amax(dim=1))
         torch.testing.assert_close(scores[layer], expected, rtol=1e-4, atol=1e-6)
     # the plan's static queries stay out of the probe scores, and are exposed uncapped
-    assert QueryCollector(tiny_llama, spec, plan, cap=5).static_queries(0).shape[1] == group * t
-    no_probe = QueryCollector(tiny_llama, spec, QueryPlan(prefix_queries=True)).run_scored(spec.kv.exact_prefix())
+    assert (
+        QueryCollector(tiny_llama, spec, plan, cap=5).static_queries(0).shape[1]
+        == group * t
+    )
+    no_probe = QueryCollector(
+        tiny_llama, spec, QueryPlan(prefix_queries=True)
+    ).run_scored(spec.kv.exact_prefix())
     assert no_probe[1] == [None] * tiny_llama.num_layers
 
 
 def test_random_vectors_match_query_norms(tiny_llama):
     spec = _spec(tiny_llama)
-    q = QueryCollector(tiny_llama, spec, QueryPlan(random_vectors=64)).run(spec.kv.exact_prefix())
+    q = QueryCollector(tiny_llama, spec, QueryPlan(random_vectors=64)).run(
+        spec.kv.exact_prefix()
+    )
     real = spec.kv.queries[1].norm(dim=-1).mean(-1)
     torch.testing.assert_close(q[1].norm(dim=-1).mean(-1), real, rtol=1e-4, atol=1e-5)
 
@@ -128,7 +179,9 @@ def test_on_policy_layers_see_earlier_compaction(tiny_llama):
         p = spec.kv.exact_prefix()[layer]
         keep = slice(0, 20)
         half[layer] = True
-        return type(p)(p.keys[:, keep], p.values[:, keep], p.bias[:, keep], p.positions[:, keep])
+        return type(p)(
+            p.keys[:, keep], p.values[:, keep], p.bias[:, keep], p.positions[:, keep]
+        )
 
     on = collector.run(spec.kv.exact_prefix(), on_layer=drop_half)
     torch.testing.assert_close(on[0], off[0])  # layer 0 sees no compaction before it
@@ -142,41 +195,86 @@ def test_parse_sources_mixture_and_errors():
     with pytest.raises(ValueError, match="unknown query source"):
         parse_sources("repeat-prefill+telepathy")
     weighted = parse_sources("repeat-prefill+surprise-quote*4")
-    assert [s.name for s in weighted] == ["repeat-prefill", "surprise-quote*4"] and weighted[1].weight == 4
+    assert [s.name for s in weighted] == [
+        "repeat-prefill",
+        "surprise-quote*4",
+    ] and weighted[1].weight == 4
     assert parse_sources("surprise-quote*1")[0].name == "surprise-quote"
-    spaced = parse_sources("repeat-prefill+surprise-quote/80*4")[1]  # one probe per 80 tokens, weighted 4
+    spaced = parse_sources("repeat-prefill+surprise-quote/80*4")[
+        1
+    ]  # one probe per 80 tokens, weighted 4
     assert spaced.weight == 4 and spaced.source.tokens_per_span == 80
     assert parse_sources("surprise-quote/80")[0].tokens_per_span == 80
-    assert parse_sources("surprise-quote")[0].tokens_per_span == SurpriseQuote().tokens_per_span
-    for bad in ("surprise-quote/0", "surprise-quote/", "surprise-quote/x*4", "surprise-quote/-3", "surprise-quote/Auto",
-                "surprise-quote/15"):  # closer than a probe's span of 16 tokens
+    assert (
+        parse_sources("surprise-quote")[0].tokens_per_span
+        == SurpriseQuote().tokens_per_span
+    )
+    for bad in (
+        "surprise-quote/0",
+        "surprise-quote/",
+        "surprise-quote/x*4",
+        "surprise-quote/-3",
+        "surprise-quote/Auto",
+        "surprise-quote/15",
+    ):  # closer than a probe's span of 16 tokens
         with pytest.raises(ValueError, match="spacing is a whole number"):
             parse_sources(bad)
-    for unspaced in ("repeat-prefill/80", "surprise-quote+context-prefill/50", "repeat-prefill/auto"):
+    for unspaced in (
+        "repeat-prefill/80",
+        "surprise-quote+context-prefill/50",
+        "repeat-prefill/auto",
+    ):
         with pytest.raises(ValueError, match="sources that probe spans"):
             parse_sources(unspaced)
-    for bad in ("surprise-quote*0", "surprise-quote*", "surprise-quote*two", "surprise-quote*17"):
+    for bad in (
+        "surprise-quote*0",
+        "surprise-quote*",
+        "surprise-quote*two",
+        "surprise-quote*17",
+    ):
         with pytest.raises(ValueError, match="weight is an integer"):
             parse_sources(bad)
-    for static in ("context-prefill*2", "repeat-prefill+random-vectors*3"):  # refused when parsed
+    for static in (
+        "context-prefill*2",
+        "repeat-prefill+random-vectors*3",
+    ):  # refused when parsed
         with pytest.raises(ValueError, match="sources that run probes"):
             parse_sources(static)
 
 
 def test_auto_spacing_follows_the_ratio():
     # about 4 slots per head for each probe, between the two measured spacings (80 and 160)
-    assert [auto_spacing(r) for r in (1.0, 0.1, 0.05, 0.03, 0.025, 0.02, 0.01)] == [80, 80, 80, 133, 160, 160, 160]
+    assert [auto_spacing(r) for r in (1.0, 0.1, 0.05, 0.03, 0.025, 0.02, 0.01)] == [
+        80,
+        80,
+        80,
+        133,
+        160,
+        160,
+        160,
+    ]
     for bad in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError, match="ratio must be in"):
             auto_spacing(bad)
-    assert resolve_spacing("repeat-prefill+surprise-quote/auto*4", 0.1) == "repeat-prefill+surprise-quote/80*4"
-    assert resolve_spacing("surprise-quote/auto+repeat-prefill", 0.02) == "surprise-quote/160+repeat-prefill"
+    assert (
+        resolve_spacing("repeat-prefill+surprise-quote/auto*4", 0.1)
+        == "repeat-prefill+surprise-quote/80*4"
+    )
+    assert (
+        resolve_spacing("surprise-quote/auto+repeat-prefill", 0.02)
+        == "surprise-quote/160+repeat-prefill"
+    )
     for unchanged in ("repeat-prefill+surprise-quote/80*4", "repeat-prefill"):
         assert resolve_spacing(unchanged, 0.02) == unchanged
     # a prepared prefix is planned for one spacing: '/auto' is resolved for a ratio first
     with pytest.raises(ValueError, match="takes the spacing from the compaction ratio"):
         parse_sources("repeat-prefill+surprise-quote/auto*4")
-    assert parse_sources(resolve_spacing("surprise-quote/auto*4", 0.05))[0].source.tokens_per_span == 80
+    assert (
+        parse_sources(resolve_spacing("surprise-quote/auto*4", 0.05))[
+            0
+        ].source.tokens_per_span
+        == 80
+    )
 
 
 @pytest.mark.slow
@@ -188,15 +286,27 @@ def test_real_auto_spacing_is_resolved_by_compact(smollm2):
     content = int(mask.sum())
 
     def run(queries, **budget):
-        return compact_prefix(smollm2, ids, mask, method="kvzip", queries=queries, **budget)
+        return compact_prefix(
+            smollm2, ids, mask, method="kvzip", queries=queries, **budget
+        )
 
-    auto, dense = run("surprise-quote/auto", ratio=0.1), run("surprise-quote/80", ratio=0.1)
+    auto, dense = (
+        run("surprise-quote/auto", ratio=0.1),
+        run("surprise-quote/80", ratio=0.1),
+    )
     assert auto.query_source == "surprise-quote/80"
-    assert all(torch.equal(a.indices, b.indices) for a, b in zip(auto.layers, dense.layers))
+    assert all(
+        torch.equal(a.indices, b.indices) for a, b in zip(auto.layers, dense.layers)
+    )
     assert run("surprise-quote/auto", ratio=0.02).query_source == "surprise-quote/160"
-    target = round(0.03 * content)  # a ratio between the two spacings: 4 / ratio tokens per probe
+    target = round(
+        0.03 * content
+    )  # a ratio between the two spacings: 4 / ratio tokens per probe
     assert 80 < auto_spacing(target / content) < 160
-    assert run("surprise-quote/auto", target_tokens=target).query_source == f"surprise-quote/{auto_spacing(target / content)}"
+    assert (
+        run("surprise-quote/auto", target_tokens=target).query_source
+        == f"surprise-quote/{auto_spacing(target / content)}"
+    )
 
 
 @pytest.mark.slow
@@ -208,7 +318,9 @@ def test_real_repeat_prefill_and_self_study_plans(smollm2):
     decoded = smollm2.tokenizer.decode(repeat.continuations[0])
     assert REPEAT_INSTRUCTION in decoded and decoded.rstrip().endswith(text)
     study = SelfStudy(max_new_tokens=12).plan(smollm2, spec)
-    assert len(study.continuations) >= 4 and all(len(c) > 12 for c in study.continuations)
+    assert len(study.continuations) >= 4 and all(
+        len(c) > 12 for c in study.continuations
+    )
 
 
 def test_quote_prefill_refuses_empty_windows():
@@ -219,20 +331,28 @@ def test_quote_prefill_refuses_empty_windows():
 
 @pytest.mark.slow
 def test_real_quote_prefill_answers_every_token_after_the_first_lead_once(smollm2):
-    text = ("Ada Lovelace wrote the first published algorithm.\nIt was for Babbage's Analytical Engine, "
-            "in 1843, and it computed Bernoulli numbers. The engine was never built.")
+    text = (
+        "Ada Lovelace wrote the first published algorithm.\nIt was for Babbage's Analytical Engine, "
+        "in 1843, and it computed Bernoulli numbers. The engine was never built."
+    )
     ids, mask = smollm2.chat_content([{"role": "user", "content": text}])
     spec = PrefixSpec(torch.tensor(ids), mask, smollm2.prefill(ids))
     source = QuotePrefill(window=7, lead=3)
     plan = source.plan(smollm2, spec)
     content = spec.content_ids
-    assert len(plan.continuations) == -(-(len(content) - 3) // 7) and plan.record_from == [0] * len(plan.continuations)
+    assert len(plan.continuations) == -(
+        -(len(content) - 3) // 7
+    ) and plan.record_from == [0] * len(plan.continuations)
     answered = []
     for i, cont in enumerate(plan.continuations):
-        lead = " ".join(smollm2.tokenizer.decode(content[7 * i:7 * i + 3]).split())
-        turn = smollm2.turn_ids([{"role": "user", "content": source.instruction.format(lead=lead)}])
-        assert cont[:len(turn)] == turn  # a one-line quote of the window's lead, then the answer
-        answered += cont[len(turn):]
+        lead = " ".join(smollm2.tokenizer.decode(content[7 * i : 7 * i + 3]).split())
+        turn = smollm2.turn_ids(
+            [{"role": "user", "content": source.instruction.format(lead=lead)}]
+        )
+        assert (
+            cont[: len(turn)] == turn
+        )  # a one-line quote of the window's lead, then the answer
+        answered += cont[len(turn) :]
     assert answered == content[3:]
 
 
@@ -249,7 +369,13 @@ def test_surprising_spans_pick_the_highest_sums_without_overlap():
 
 
 def test_surprise_quote_refuses_bad_sizes():
-    for bad in ({"span": 0}, {"window": 0}, {"margin": -1}, {"spans": 0}, {"tokens_per_span": 0}):
+    for bad in (
+        {"span": 0},
+        {"window": 0},
+        {"margin": -1},
+        {"spans": 0},
+        {"tokens_per_span": 0},
+    ):
         with pytest.raises(ValueError, match="surprise-quote needs"):
             SurpriseQuote(**bad)
 
@@ -259,12 +385,18 @@ def test_token_surprisal_matches_the_logits_of_a_forward_pass(model, request):
     adapter = request.getfixturevalue(model)
     ids = IDS[:30]
     nll = adapter.token_surprisal(ids, chunk=7)
-    logits = adapter.forward(ids, torch.arange(len(ids)), logits_to_keep=len(ids)).logits
-    expected = -torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    logits = adapter.forward(
+        ids, torch.arange(len(ids)), logits_to_keep=len(ids)
+    ).logits
+    expected = -torch.log_softmax(logits[:-1], -1).gather(
+        1, torch.tensor(ids[1:])[:, None]
+    )[:, 0]
     assert nll[0] == 0
     torch.testing.assert_close(nll[1:], expected, rtol=1e-5, atol=1e-5)
     # from the prefill's hidden states (what surprise-quote uses), without another decoder pass
-    torch.testing.assert_close(adapter.token_surprisal(ids, hidden=adapter.prefill(ids).last_hidden), nll)
+    torch.testing.assert_close(
+        adapter.token_surprisal(ids, hidden=adapter.prefill(ids).last_hidden), nll
+    )
 
 
 @pytest.mark.slow
@@ -280,7 +412,9 @@ def test_real_surprise_quote_probes_the_needle(smollm2):
     assert len(plan.continuations) == round(len(content) / source.tokens_per_span)
     turns = [smollm2.tokenizer.decode(c) for c in plan.continuations]
     assert all(t.count(source.instruction.split('"')[0]) == 1 for t in turns)
-    assert any(inst.value in t.split("assistant")[-1] for t in turns)  # answered, not only quoted
+    assert any(
+        inst.value in t.split("assistant")[-1] for t in turns
+    )  # answered, not only quoted
     # '/80' probes twice as densely, and the greedy span choice keeps every sparser probe
     dense = parse_sources("surprise-quote/80")[0].plan(smollm2, spec).continuations
     assert len(dense) == round(len(content) / 80) > len(plan.continuations)

@@ -14,16 +14,42 @@ AUTO_THRESHOLD_TOKENS = 500
 
 def compaction_server(store: Path, log_path: Path) -> ServerProcess:
     """SmolLM2 in fp32 on CPU with two API keys and auto-compaction above 500 tokens."""
-    return ServerProcess(MODEL, [
-        "--dtype", "float32", "--max-model-len", "4096", "--enforce-eager", "--kv-cache-memory-bytes",
-        str(1 << 30), "--max-num-seqs", "8", "--seed", "0", "--api-key", *API_KEYS,
-        "--compaction-store", str(store), "--compaction-worker-lease-s", "20",
-        "--auto-compact-threshold-tokens", str(AUTO_THRESHOLD_TOKENS), "--auto-compact-ratio", "0.25",
-        "--auto-compact-method", "am-highest-attn", "--auto-compact-queries", "repeat-prefill",
-    ], log_path)
+    return ServerProcess(
+        MODEL,
+        [
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "4096",
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(1 << 30),
+            "--max-num-seqs",
+            "8",
+            "--seed",
+            "0",
+            "--api-key",
+            *API_KEYS,
+            "--compaction-store",
+            str(store),
+            "--compaction-worker-lease-s",
+            "20",
+            "--auto-compact-threshold-tokens",
+            str(AUTO_THRESHOLD_TOKENS),
+            "--auto-compact-ratio",
+            "0.25",
+            "--auto-compact-method",
+            "am-highest-attn",
+            "--auto-compact-queries",
+            "repeat-prefill",
+        ],
+        log_path,
+    )
 
 
-def wait_status(client, compaction_id: str, statuses: tuple[str, ...], timeout_s: float = 300.0) -> dict:
+def wait_status(
+    client, compaction_id: str, statuses: tuple[str, ...], timeout_s: float = 300.0
+) -> dict:
     """Poll ``GET /v1/compact/{id}`` until its status is one of ``statuses``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -31,8 +57,12 @@ def wait_status(client, compaction_id: str, statuses: tuple[str, ...], timeout_s
         if job["status"] in statuses:
             return job
         time.sleep(0.25)
-    raise TimeoutError(f"compaction {compaction_id} never reached {statuses} in {timeout_s:.0f} s")
+    raise TimeoutError(
+        f"compaction {compaction_id} never reached {statuses} in {timeout_s:.0f} s"
+    )
 
 
 def wait_finished(client, compaction_id: str, timeout_s: float = 600.0) -> dict:
-    return wait_status(client, compaction_id, ("succeeded", "failed", "cancelled"), timeout_s)
+    return wait_status(
+        client, compaction_id, ("succeeded", "failed", "cancelled"), timeout_s
+    )

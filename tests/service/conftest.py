@@ -15,4 +15,8 @@ def checkpoint():
     from vllm_compaction.models.fingerprint import checkpoint_fingerprint
 
     path = resolve(MODEL)
-    return path, AutoTokenizer.from_pretrained(path), checkpoint_fingerprint(path, dtype="float32")
+    return (
+        path,
+        AutoTokenizer.from_pretrained(path),
+        checkpoint_fingerprint(path, dtype="float32"),
+    )

@@ -19,13 +19,24 @@ from vllm_compaction.service.protocol import JobStatus
 from vllm_compaction.service.service import CompactionService
 
 MODEL = "smollm2-135m"
-HISTORY = [{"role": "user", "content": "The vault code is 7319. " * 20}, {"role": "assistant", "content": "Noted."}]
+HISTORY = [
+    {"role": "user", "content": "The vault code is 7319. " * 20},
+    {"role": "assistant", "content": "Noted."},
+]
 
 
 def record(owner: str = "a", **fields) -> JobRecord:
     fields = {"messages_covered": 1, **fields}
-    return JobRecord(id=new_compaction_id(), status=JobStatus.queued, created=0, model="m", method="am",
-                     original_tokens=10, owner=owner, **fields)
+    return JobRecord(
+        id=new_compaction_id(),
+        status=JobStatus.queued,
+        created=0,
+        model="m",
+        method="am",
+        original_tokens=10,
+        owner=owner,
+        **fields,
+    )
 
 
 def test_queue_limits_answer_429_with_a_retry_hint(tmp_path):
@@ -45,14 +56,24 @@ def test_workers_take_keys_in_turn(tmp_path):
     flood = [book.submit(record("a")) for _ in range(5)]
     single = book.submit(record("b"))
     order = [book.claim(f"w{i}").id for i in range(3)]
-    assert order == [flood[0].id, single.id, flood[1].id]  # b's one job does not wait for a's five
+    assert order == [
+        flood[0].id,
+        single.id,
+        flood[1].id,
+    ]  # b's one job does not wait for a's five
 
 
 def test_an_idempotency_key_returns_the_first_job(tmp_path):
     book = JobBook(tmp_path / "jobs")
     first = book.submit(record("a", idempotency_key="k1", request_digest="x"))
-    assert book.submit(record("a", idempotency_key="k1", request_digest="x")).id == first.id
-    assert book.submit(record("b", idempotency_key="k1", request_digest="x")).id != first.id  # keys are per owner
+    assert (
+        book.submit(record("a", idempotency_key="k1", request_digest="x")).id
+        == first.id
+    )
+    assert (
+        book.submit(record("b", idempotency_key="k1", request_digest="x")).id
+        != first.id
+    )  # keys are per owner
     with pytest.raises(JobError) as info:
         book.submit(record("a", idempotency_key="k1", request_digest="y"))
     assert info.value.status == 409 and info.value.param == "Idempotency-Key"
@@ -75,11 +96,15 @@ def test_unreadable_records_are_quarantined_and_reported(tmp_path):
     kept = book.submit(record("a"))
     broken = book.submit(record("a"))
     path = tmp_path / "jobs" / f"{broken.id}.json"
-    path.write_text(path.read_text()[:40])  # truncated, as a crash without fsync could leave it
+    path.write_text(
+        path.read_text()[:40]
+    )  # truncated, as a crash without fsync could leave it
     again = JobBook(tmp_path / "jobs")
     assert [r.id for r in again.list()] == [kept.id]
     assert again.quarantined == [broken.id]
-    assert (tmp_path / "jobs" / "quarantine" / f"{broken.id}.json").is_file() and not path.exists()
+    assert (
+        tmp_path / "jobs" / "quarantine" / f"{broken.id}.json"
+    ).is_file() and not path.exists()
 
 
 def test_a_failed_save_queues_nothing(tmp_path, monkeypatch):
@@ -117,13 +142,29 @@ def test_one_server_per_store(tmp_path):
 @pytest.fixture
 def app(tmp_path, checkpoint):
     path, tokenizer, fingerprint = checkpoint
-    config = ServiceConfig(store=tmp_path / "store", max_queued_jobs=4, max_queued_per_key=2)
-    service = CompactionService(config, model_path=path, served_model_names=[MODEL], fingerprint=fingerprint,
-                                tokenizer=tokenizer, kv_bytes_per_token=100, max_model_len=4096, layout="varlen")
+    config = ServiceConfig(
+        store=tmp_path / "store", max_queued_jobs=4, max_queued_per_key=2
+    )
+    service = CompactionService(
+        config,
+        model_path=path,
+        served_model_names=[MODEL],
+        fingerprint=fingerprint,
+        tokenizer=tokenizer,
+        kv_bytes_per_token=100,
+        max_model_len=4096,
+        layout="varlen",
+    )
     app = FastAPI()
     # vLLM's server answers invalid bodies 400 with the field as param; the same here
-    app.add_exception_handler(RequestValidationError, lambda request, exc: error_response(
-        400, str(exc.errors()[0]["msg"]), param=".".join(map(str, exc.errors()[0]["loc"]))))
+    app.add_exception_handler(
+        RequestValidationError,
+        lambda request, exc: error_response(
+            400,
+            str(exc.errors()[0]["msg"]),
+            param=".".join(map(str, exc.errors()[0]["loc"])),
+        ),
+    )
     app.include_router(router)
     app.add_middleware(RequestGuard, max_compact_body_bytes=200_000)
     app.state.compaction_service = service
@@ -144,54 +185,104 @@ def test_without_api_keys_every_caller_sees_every_compaction(app):
     client = TestClient(app)
     app.state.compaction_service.keyed_owners = False  # vLLM started without --api-key
     job = client.post("/v1/compact", json=body()).json()
-    seen = client.get(f"/v1/compact/{job['id']}", headers={"Authorization": "Bearer EMPTY"})
+    seen = client.get(
+        f"/v1/compact/{job['id']}", headers={"Authorization": "Bearer EMPTY"}
+    )
     assert seen.status_code == 200 and seen.json()["id"] == job["id"]
 
 
 def test_with_api_keys_another_key_sees_nothing(app):
     client = TestClient(app)
-    job = client.post("/v1/compact", json=body(), headers={"Authorization": "Bearer key-a"}).json()
+    job = client.post(
+        "/v1/compact", json=body(), headers={"Authorization": "Bearer key-a"}
+    ).json()
     for method in ("get", "delete"):
-        other = getattr(client, method)(f"/v1/compact/{job['id']}", headers={"Authorization": "Bearer key-b"})
-        assert other.status_code == 404 and other.json()["error"]["type"] == "NotFoundError"
-    assert client.get(f"/v1/compact/{job['id']}", headers={"Authorization": "Bearer key-a"}).json()["status"] == "queued"
+        other = getattr(client, method)(
+            f"/v1/compact/{job['id']}", headers={"Authorization": "Bearer key-b"}
+        )
+        assert (
+            other.status_code == 404
+            and other.json()["error"]["type"] == "NotFoundError"
+        )
+    assert (
+        client.get(
+            f"/v1/compact/{job['id']}", headers={"Authorization": "Bearer key-a"}
+        ).json()["status"]
+        == "queued"
+    )
 
 
 def test_errors_are_typed_by_status_with_the_field(app):
     client = TestClient(app)
     key = {"Authorization": "Bearer key-a"}
-    first = client.post("/v1/compact", json=body(), headers={**key, "Idempotency-Key": "once"})
-    assert client.post("/v1/compact", json=body(), headers={**key, "Idempotency-Key": "once"}).json()["id"] == \
-        first.json()["id"]
-    conflict = client.post("/v1/compact", json=body(ratio=0.3), headers={**key, "Idempotency-Key": "once"}).json()
-    assert conflict["error"]["type"] == "ConflictError" and conflict["error"]["param"] == "Idempotency-Key"
+    first = client.post(
+        "/v1/compact", json=body(), headers={**key, "Idempotency-Key": "once"}
+    )
+    assert (
+        client.post(
+            "/v1/compact", json=body(), headers={**key, "Idempotency-Key": "once"}
+        ).json()["id"]
+        == first.json()["id"]
+    )
+    conflict = client.post(
+        "/v1/compact", json=body(ratio=0.3), headers={**key, "Idempotency-Key": "once"}
+    ).json()
+    assert (
+        conflict["error"]["type"] == "ConflictError"
+        and conflict["error"]["param"] == "Idempotency-Key"
+    )
     client.post("/v1/compact", json=body(), headers=key)
     limited = client.post("/v1/compact", json=body(), headers=key)
-    assert limited.status_code == 429 and limited.json()["error"]["type"] == "RateLimitError"
+    assert (
+        limited.status_code == 429
+        and limited.json()["error"]["type"] == "RateLimitError"
+    )
     assert int(limited.headers["Retry-After"]) >= 1
     page = client.get("/v1/compact?limit=1", headers=key).json()
-    assert len(page["data"]) == 1 and page["has_more"] and page["first_id"] == first.json()["id"]
+    assert (
+        len(page["data"]) == 1
+        and page["has_more"]
+        and page["first_id"] == first.json()["id"]
+    )
 
 
-@pytest.mark.parametrize("change", [dict(ratio=float("nan")), dict(ratio=0), dict(ratio=1.0001),
-                                    dict(ratio=None, target_tokens=10 ** 400), dict(ratio=None, target_tokens=0),
-                                    dict(queries="surprise-quote/1"), dict(messages=[{"role": "user", "content": "x"}]
-                                                                           * 10_001)])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(ratio=float("nan")),
+        dict(ratio=0),
+        dict(ratio=1.0001),
+        dict(ratio=None, target_tokens=10**400),
+        dict(ratio=None, target_tokens=0),
+        dict(queries="surprise-quote/1"),
+        dict(messages=[{"role": "user", "content": "x"}] * 10_001),
+    ],
+)
 def test_out_of_range_requests_are_4xx(app, change):
     client = TestClient(app)
     payload = json.dumps(body(**change), allow_nan=True)
-    response = client.post("/v1/compact", content=payload, headers={"Content-Type": "application/json"})
+    response = client.post(
+        "/v1/compact", content=payload, headers={"Content-Type": "application/json"}
+    )
     assert 400 <= response.status_code < 500, response.text
 
 
 def test_bodies_over_the_limit_and_reserved_salts_are_refused(app):
     client = TestClient(app)
-    big = client.post("/v1/compact", json=body(messages=[{"role": "user", "content": "x" * 300_000}]))
-    assert big.status_code == 413 and big.json()["error"]["type"] == "RequestTooLargeError"
-    salted = client.post("/v1/responses", json={"input": "hi", "cache_salt": "vllm-compaction:cmp_x"})
+    big = client.post(
+        "/v1/compact", json=body(messages=[{"role": "user", "content": "x" * 300_000}])
+    )
+    assert (
+        big.status_code == 413 and big.json()["error"]["type"] == "RequestTooLargeError"
+    )
+    salted = client.post(
+        "/v1/responses", json={"input": "hi", "cache_salt": "vllm-compaction:cmp_x"}
+    )
     assert salted.status_code == 400 and salted.json()["error"]["param"] == "cache_salt"
     plain = client.post("/v1/responses", json={"input": "hi", "cache_salt": "mine"})
-    assert plain.status_code == 200 and plain.json()["echo"]["cache_salt"] == "mine"  # passed on unchanged
+    assert (
+        plain.status_code == 200 and plain.json()["echo"]["cache_salt"] == "mine"
+    )  # passed on unchanged
 
 
 def test_eviction_spares_held_entries_and_counts_every_file(tmp_path):
@@ -209,7 +300,11 @@ def test_eviction_spares_held_entries_and_counts_every_file(tmp_path):
     (store.root / "incoming.safetensors").write_bytes(b"n" * 1000)
     store._evict(keep=store.path_for("incoming"))
     left = sorted(p.stem for p in store.root.glob("*.safetensors"))
-    assert left == ["held", "incoming", "newer"]  # quarantine, then the oldest unheld entry went
+    assert left == [
+        "held",
+        "incoming",
+        "newer",
+    ]  # quarantine, then the oldest unheld entry went
     assert not list((store.root / "quarantine").iterdir())
 
 
@@ -234,20 +329,44 @@ def test_only_the_claim_lets_a_worker_report_on_a_job(app):
     client = TestClient(app)
     service = app.state.compaction_service
     worker = {"Authorization": f"Bearer {service.worker_token}"}
-    assert client.post("/compaction/worker/v1/claim", json={"worker_id": "w"}).status_code == 401
+    assert (
+        client.post("/compaction/worker/v1/claim", json={"worker_id": "w"}).status_code
+        == 401
+    )
     job = client.post("/v1/compact", json=body()).json()
-    claimed = client.post("/compaction/worker/v1/claim", json={"worker_id": "w"}, headers=worker).json()
+    claimed = client.post(
+        "/compaction/worker/v1/claim", json={"worker_id": "w"}, headers=worker
+    ).json()
     assert claimed["id"] == job["id"] and len(claimed["token"]) > 20
     beat = {"worker_id": "w", "progress": 0.5}
     url = f"/compaction/worker/v1/jobs/{job['id']}"
-    assert client.post(f"{url}/heartbeat", json=beat, headers=worker).json()["action"] == "cancel"
+    assert (
+        client.post(f"{url}/heartbeat", json=beat, headers=worker).json()["action"]
+        == "cancel"
+    )
     own = {**worker, "X-Job-Token": claimed["token"]}
-    assert client.post(f"{url}/heartbeat", json=beat, headers=own).json()["action"] == "continue"
+    assert (
+        client.post(f"{url}/heartbeat", json=beat, headers=own).json()["action"]
+        == "continue"
+    )
     forged = {**worker, "X-Worker-Id": "w", "Content-Type": "application/octet-stream"}
-    assert client.put(f"{url}/result", content=b"poison", headers=forged).status_code == 403
-    assert client.post(f"{url}/fail", json={"worker_id": "w", "error": "x"}, headers=worker).status_code == 403
+    assert (
+        client.put(f"{url}/result", content=b"poison", headers=forged).status_code
+        == 403
+    )
+    assert (
+        client.post(
+            f"{url}/fail", json={"worker_id": "w", "error": "x"}, headers=worker
+        ).status_code
+        == 403
+    )
     assert client.get(f"/v1/compact/{job['id']}").json()["status"] == "running"
-    assert client.post(f"{url}/fail", json={"worker_id": "w", "error": "x"}, headers=own).status_code == 200
+    assert (
+        client.post(
+            f"{url}/fail", json={"worker_id": "w", "error": "x"}, headers=own
+        ).status_code
+        == 200
+    )
 
 
 def test_a_restarted_server_leaves_no_temp_files(tmp_path, checkpoint):
@@ -257,8 +376,14 @@ def test_a_restarted_server_leaves_no_temp_files(tmp_path, checkpoint):
     leftovers = [store / ".upload-0123.tmp", store / "jobs" / ".cmp_x.json.77.tmp"]
     for leftover in leftovers:
         leftover.write_text("half")
-    service = CompactionService(ServiceConfig(store=store), model_path=path, served_model_names=[MODEL],
-                                fingerprint=fingerprint, tokenizer=tokenizer, kv_bytes_per_token=100,
-                                max_model_len=4096)
+    service = CompactionService(
+        ServiceConfig(store=store),
+        model_path=path,
+        served_model_names=[MODEL],
+        fingerprint=fingerprint,
+        tokenizer=tokenizer,
+        kv_bytes_per_token=100,
+        max_model_len=4096,
+    )
     assert not any(p.exists() for p in leftovers)
     service.lock.release()

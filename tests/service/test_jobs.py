@@ -11,9 +11,19 @@ from vllm_compaction.service.protocol import JobStatus
 
 
 def record(owner: str = "a", **fields) -> JobRecord:
-    return JobRecord(id=new_compaction_id(), status=JobStatus.queued, created=int(time.time()), model="m",
-                     method="am-omp-fast", original_tokens=10, messages_covered=1, owner=owner,
-                     messages=[{"role": "user", "content": "hi"}], ratio_requested=0.5, **fields)
+    return JobRecord(
+        id=new_compaction_id(),
+        status=JobStatus.queued,
+        created=int(time.time()),
+        model="m",
+        method="am-omp-fast",
+        original_tokens=10,
+        messages_covered=1,
+        owner=owner,
+        messages=[{"role": "user", "content": "hi"}],
+        ratio_requested=0.5,
+        **fields,
+    )
 
 
 def test_ids_are_unguessable_store_ids():
@@ -32,11 +42,21 @@ def test_lifecycle_and_owner_isolation(tmp_path):
     assert info.value.status == 404
     assert book.list("b") == [] and [r.id for r in book.list("a")] == [job.id]
     claimed = book.claim("w1")
-    assert claimed.id == job.id and claimed.status == JobStatus.running and "queued_s" in claimed.timings
+    assert (
+        claimed.id == job.id
+        and claimed.status == JobStatus.running
+        and "queued_s" in claimed.timings
+    )
     assert book.claim("w2") is None
-    assert book.heartbeat(job.id, "w1", 0.5, "layers") and not book.heartbeat(job.id, "w2", 0.5, None)
+    assert book.heartbeat(job.id, "w1", 0.5, "layers") and not book.heartbeat(
+        job.id, "w2", 0.5, None
+    )
     done = book.succeed(job.id, "w1", {"compacted_tokens": 3, "digest": "ab"})
-    assert done.status == JobStatus.succeeded and done.progress == 1.0 and "run_s" in done.timings
+    assert (
+        done.status == JobStatus.succeeded
+        and done.progress == 1.0
+        and "run_s" in done.timings
+    )
     assert changes == [JobStatus.queued, JobStatus.running, JobStatus.succeeded]
     with pytest.raises(JobError) as info:
         book.cancel(job.id, "a")
@@ -60,12 +80,18 @@ def test_cancel_stops_the_worker_and_a_late_result_is_refused(tmp_path):
 def test_a_claim_no_worker_acknowledges_goes_back_to_the_queue(tmp_path):
     book = JobBook(tmp_path, lease_s=0.05)
     job = book.submit(record())
-    assert book.claim("w1").attempts == 1  # handed out, but w1 never heartbeats (it had gone)
+    assert (
+        book.claim("w1").attempts == 1
+    )  # handed out, but w1 never heartbeats (it had gone)
     time.sleep(0.1)
     book.expire_leases()
     again = book.get(job.id)
-    assert again.status == JobStatus.queued and again.attempts == 0 and again.error is None
-    assert book.claim("w2").id == job.id  # at once: a claim that never reached a worker costs nothing
+    assert (
+        again.status == JobStatus.queued and again.attempts == 0 and again.error is None
+    )
+    assert (
+        book.claim("w2").id == job.id
+    )  # at once: a claim that never reached a worker costs nothing
 
 
 def test_lapsed_lease_and_lost_worker_fail_the_job_after_its_attempts(tmp_path):
@@ -76,12 +102,19 @@ def test_lapsed_lease_and_lost_worker_fail_the_job_after_its_attempts(tmp_path):
     time.sleep(0.1)
     book.expire_leases()
     failed = book.get(first.id)
-    assert failed.status == JobStatus.failed and "no heartbeat" in failed.error and "after 1 attempts" in failed.error
+    assert (
+        failed.status == JobStatus.failed
+        and "no heartbeat" in failed.error
+        and "after 1 attempts" in failed.error
+    )
     book.lease_s = 60
     book.claim("w2")
     book.heartbeat(second.id, "w2", 0.1, None)
     book.fail_worker("w2", "the compaction worker (pid 1) was killed by signal 9")
-    assert book.get(second.id).status == JobStatus.failed and "signal 9" in book.get(second.id).error
+    assert (
+        book.get(second.id).status == JobStatus.failed
+        and "signal 9" in book.get(second.id).error
+    )
 
 
 def test_a_dead_worker_s_job_runs_again_after_a_backoff(tmp_path):
@@ -90,13 +123,20 @@ def test_a_dead_worker_s_job_runs_again_after_a_backoff(tmp_path):
     book.claim("w1"), book.heartbeat(job.id, "w1", 0.5, "layers")
     book.fail_worker("w1", "the compaction worker (pid 1) was killed by signal 9")
     waiting = book.get(job.id)
-    assert waiting.status == JobStatus.queued and waiting.attempts == 1 and "signal 9" in waiting.error
+    assert (
+        waiting.status == JobStatus.queued
+        and waiting.attempts == 1
+        and "signal 9" in waiting.error
+    )
     assert book.claim("w2") is None  # its backoff
     time.sleep(0.25)
     assert book.claim("w2").id == job.id and book.get(job.id).attempts == 2
     book.heartbeat(job.id, "w2", 0.5, None)
     book.fail_worker("w2", "the compaction worker (pid 2) was killed by signal 9")
-    assert book.get(job.id).status == JobStatus.failed and "after 2 attempts" in book.get(job.id).error
+    assert (
+        book.get(job.id).status == JobStatus.failed
+        and "after 2 attempts" in book.get(job.id).error
+    )
 
 
 def test_a_job_past_its_deadline_fails_and_its_worker_is_told_to_stop(tmp_path):
@@ -105,20 +145,35 @@ def test_a_job_past_its_deadline_fails_and_its_worker_is_told_to_stop(tmp_path):
     book.claim("w1"), book.heartbeat(job.id, "w1", 0.5, None)
     time.sleep(0.1)
     book.expire_leases()
-    assert book.get(job.id).status == JobStatus.failed and "deadline" in book.get(job.id).error
-    assert not book.heartbeat(job.id, "w1", 0.6, None)  # the worker's next heartbeat: stop (kill the computation)
+    assert (
+        book.get(job.id).status == JobStatus.failed
+        and "deadline" in book.get(job.id).error
+    )
+    assert not book.heartbeat(
+        job.id, "w1", 0.6, None
+    )  # the worker's next heartbeat: stop (kill the computation)
 
 
 def test_restart_keeps_finished_jobs_and_requeues_running_ones(tmp_path):
     book = JobBook(tmp_path)
-    done, running, queued = book.submit(record()), book.submit(record()), book.submit(record())
+    done, running, queued = (
+        book.submit(record()),
+        book.submit(record()),
+        book.submit(record()),
+    )
     book.claim("w1")
     book.succeed(done.id, "w1", {"compacted_tokens": 4})
     book.claim("w1")  # running stays running: the server "stops" here
     (tmp_path / "cmp_garbage.json").write_text("{not json")
     again = JobBook(tmp_path)
-    assert again.get(done.id).status == JobStatus.succeeded and again.get(done.id).compacted_tokens == 4
-    assert again.get(running.id).status == JobStatus.queued and again.get(running.id).worker_id is None
+    assert (
+        again.get(done.id).status == JobStatus.succeeded
+        and again.get(done.id).compacted_tokens == 4
+    )
+    assert (
+        again.get(running.id).status == JobStatus.queued
+        and again.get(running.id).worker_id is None
+    )
     assert again.get(queued.id).status == JobStatus.queued
     assert again.claim("w9").id == running.id  # oldest first
 

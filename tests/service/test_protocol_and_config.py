@@ -11,33 +11,128 @@ from vllm_compaction.service.config import ServiceConfig
 from vllm_compaction.service.protocol import CompactRequest, normalize_messages
 
 
-@pytest.mark.parametrize("body, fragment", [
-    ({"model": "m", "ratio": 0.5}, "one of messages, prompt or conversation_id"),
-    ({"model": "m", "prompt": "x"}, "exactly one of ratio"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "target_tokens": 4}, "exactly one of ratio"),
-    ({"model": "m", "prompt": "x", "ratio": 0}, "greater than 0"),
-    ({"model": "m", "prompt": "x", "ratio": 1.5}, "less than or equal to 1"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "method": "nope"}, "unknown method"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "nope"}, "queries"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill+nope"}, "joined by '+'"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill+repeat-prefill"}, "each once"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill+repeat-prefill*2"}, "each once"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "surprise-quote*0"}, "weight is an integer"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "context-prefill*2"}, "sources that run probes"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "surprise-quote/0*4"}, "spacing is a whole number"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill/80"}, "sources that probe spans"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "surprise-quote+surprise-quote/80"}, "each once"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "mix*2"}, "sources that run probes"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "mix/80"}, "not to the alias 'mix'"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill/auto"}, "sources that probe spans"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "surprise-quote/autox"}, "or 'auto'"),
-    ({"model": "m", "prompt": "x", "messages": [], "ratio": 0.5}, "not both"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "keep_last_tokens": -1}, "greater than or equal to 0"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "surprise": 1}, "Extra inputs"),
-    ({"model": "m", "conversation_id": "a/b", "ratio": 0.5}, "pattern"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "min_layer_share": 1.5}, "less than or equal to 1"),
-    ({"model": "m", "prompt": "x", "ratio": 0.5, "method": "snapkv", "min_layer_share": 0.3}, "global budgets"),
-])
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"model": "m", "ratio": 0.5}, "one of messages, prompt or conversation_id"),
+        ({"model": "m", "prompt": "x"}, "exactly one of ratio"),
+        (
+            {"model": "m", "prompt": "x", "ratio": 0.5, "target_tokens": 4},
+            "exactly one of ratio",
+        ),
+        ({"model": "m", "prompt": "x", "ratio": 0}, "greater than 0"),
+        ({"model": "m", "prompt": "x", "ratio": 1.5}, "less than or equal to 1"),
+        (
+            {"model": "m", "prompt": "x", "ratio": 0.5, "method": "nope"},
+            "unknown method",
+        ),
+        ({"model": "m", "prompt": "x", "ratio": 0.5, "queries": "nope"}, "queries"),
+        (
+            {
+                "model": "m",
+                "prompt": "x",
+                "ratio": 0.5,
+                "queries": "repeat-prefill+nope",
+            },
+            "joined by '+'",
+        ),
+        (
+            {
+                "model": "m",
+                "prompt": "x",
+                "ratio": 0.5,
+                "queries": "repeat-prefill+repeat-prefill",
+            },
+            "each once",
+        ),
+        (
+            {
+                "model": "m",
+                "prompt": "x",
+                "ratio": 0.5,
+                "queries": "repeat-prefill+repeat-prefill*2",
+            },
+            "each once",
+        ),
+        (
+            {"model": "m", "prompt": "x", "ratio": 0.5, "queries": "surprise-quote*0"},
+            "weight is an integer",
+        ),
+        (
+            {"model": "m", "prompt": "x", "ratio": 0.5, "queries": "context-prefill*2"},
+            "sources that run probes",
+        ),
+        (
+            {
+                "model": "m",
+                "prompt": "x",
+                "ratio": 0.5,
+                "queries": "surprise-quote/0*4",
+            },
+            "spacing is a whole number",
+        ),
+        (
+            {"model": "m", "prompt": "x", "ratio": 0.5, "queries": "repeat-prefill/80"},
+            "sources that probe spans",
+        ),
+        (
+            {
+                "model": "m",
+                "prompt": "x",
+                "ratio": 0.5,
+                "queries": "surprise-quote+surprise-quote/80",
+            },
+            "each once",
+        ),
+        (
+            {"model": "m", "prompt": "x", "ratio": 0.5, "queries": "mix*2"},
+            "sources that run probes",
+        ),
+        (
+            {"model": "m", "prompt": "x", "ratio": 0.5, "queries": "mix/80"},
+            "not to the alias 'mix'",
+        ),
+        (
+            {
+                "model": "m",
+                "prompt": "x",
+                "ratio": 0.5,
+                "queries": "repeat-prefill/auto",
+            },
+            "sources that probe spans",
+        ),
+        (
+            {
+                "model": "m",
+                "prompt": "x",
+                "ratio": 0.5,
+                "queries": "surprise-quote/autox",
+            },
+            "or 'auto'",
+        ),
+        ({"model": "m", "prompt": "x", "messages": [], "ratio": 0.5}, "not both"),
+        (
+            {"model": "m", "prompt": "x", "ratio": 0.5, "keep_last_tokens": -1},
+            "greater than or equal to 0",
+        ),
+        ({"model": "m", "prompt": "x", "ratio": 0.5, "surprise": 1}, "Extra inputs"),
+        ({"model": "m", "conversation_id": "a/b", "ratio": 0.5}, "pattern"),
+        (
+            {"model": "m", "prompt": "x", "ratio": 0.5, "min_layer_share": 1.5},
+            "less than or equal to 1",
+        ),
+        (
+            {
+                "model": "m",
+                "prompt": "x",
+                "ratio": 0.5,
+                "method": "snapkv",
+                "min_layer_share": 0.3,
+            },
+            "global budgets",
+        ),
+    ],
+)
 def test_bad_compact_requests_say_why(body, fragment):
     with pytest.raises(ValidationError) as info:
         CompactRequest.model_validate(body)
@@ -45,55 +140,124 @@ def test_bad_compact_requests_say_why(body, fragment):
 
 
 def test_compact_request_defaults_and_query_names():
-    req = CompactRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                         "target_tokens": 64, "queries": "mix"})
+    req = CompactRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "target_tokens": 64,
+            "queries": "mix",
+        }
+    )
     assert req.method == "am" and req.query_source() == "self-study+repeat-prefill"
     assert req.max_head_ratio is None and req.keep_last_tokens == 0
     mixed = req.model_copy(update={"queries": "repeat-prefill+surprise-quote"})
     assert mixed.query_source() == "repeat-prefill+surprise-quote"
-    assert req.model_copy(update={"queries": "mix+repeat-prefill"}).query_source() == "self-study+repeat-prefill"
-    weighted = CompactRequest.model_validate({"model": "m", "prompt": "x", "ratio": 0.5,
-                                              "queries": "repeat-prefill+surprise-quote*4"})
-    assert weighted.query_source() == "repeat-prefill+surprise-quote*4"  # the pipeline parses the weight
-    spaced = CompactRequest.model_validate({"model": "m", "prompt": "x", "ratio": 0.5,
-                                            "queries": "repeat-prefill+surprise-quote/80*4"})
-    assert spaced.query_source() == "repeat-prefill+surprise-quote/80*4"  # and the spacing
-    auto = CompactRequest.model_validate({"model": "m", "prompt": "x", "ratio": 0.05,
-                                          "queries": "repeat-prefill+surprise-quote/auto*4"})
-    assert auto.query_source() == "repeat-prefill+surprise-quote/auto*4"  # compact() resolves it by the ratio
+    assert (
+        req.model_copy(update={"queries": "mix+repeat-prefill"}).query_source()
+        == "self-study+repeat-prefill"
+    )
+    weighted = CompactRequest.model_validate(
+        {
+            "model": "m",
+            "prompt": "x",
+            "ratio": 0.5,
+            "queries": "repeat-prefill+surprise-quote*4",
+        }
+    )
+    assert (
+        weighted.query_source() == "repeat-prefill+surprise-quote*4"
+    )  # the pipeline parses the weight
+    spaced = CompactRequest.model_validate(
+        {
+            "model": "m",
+            "prompt": "x",
+            "ratio": 0.5,
+            "queries": "repeat-prefill+surprise-quote/80*4",
+        }
+    )
+    assert (
+        spaced.query_source() == "repeat-prefill+surprise-quote/80*4"
+    )  # and the spacing
+    auto = CompactRequest.model_validate(
+        {
+            "model": "m",
+            "prompt": "x",
+            "ratio": 0.05,
+            "queries": "repeat-prefill+surprise-quote/auto*4",
+        }
+    )
+    assert (
+        auto.query_source() == "repeat-prefill+surprise-quote/auto*4"
+    )  # compact() resolves it by the ratio
 
 
 def test_normalize_messages():
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    assert normalize_messages([{"role": "user", "content": parts, "name": "x"}]) == [{"role": "user", "content": "ab"}]
-    for bad, fragment in [([], "non-empty"), ("hi", "non-empty"), ([{"content": "x"}], "messages[0]"),
-                          ([{"role": "user", "content": [{"type": "image_url"}]}], "only text"),
-                          ([{"role": "wizard", "content": "x"}], "messages[0]")]:
-        with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+    assert normalize_messages([{"role": "user", "content": parts, "name": "x"}]) == [
+        {"role": "user", "content": "ab"}
+    ]
+    for bad, fragment in [
+        ([], "non-empty"),
+        ("hi", "non-empty"),
+        ([{"content": "x"}], "messages[0]"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "only text"),
+        ([{"role": "wizard", "content": "x"}], "messages[0]"),
+    ]:
+        with pytest.raises(
+            ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")
+        ):
             normalize_messages(bad)
 
 
 def test_config_from_env_names_the_bad_variable():
-    cfg = ServiceConfig.from_env({"VLLM_COMPACTION_LOCAL_WORKERS": "2",
-                                  "VLLM_COMPACTION_AUTO_COMPACT_THRESHOLD_TOKENS": "1000"}, store="/s")
-    assert cfg.local_workers == 2 and cfg.auto_compact_threshold_tokens == 1000 and str(cfg.store) == "/s"
-    with pytest.raises(ValueError, match="VLLM_COMPACTION_AUTO_COMPACT_RATIO .*--auto-compact-ratio"):
+    cfg = ServiceConfig.from_env(
+        {
+            "VLLM_COMPACTION_LOCAL_WORKERS": "2",
+            "VLLM_COMPACTION_AUTO_COMPACT_THRESHOLD_TOKENS": "1000",
+        },
+        store="/s",
+    )
+    assert (
+        cfg.local_workers == 2
+        and cfg.auto_compact_threshold_tokens == 1000
+        and str(cfg.store) == "/s"
+    )
+    with pytest.raises(
+        ValueError, match="VLLM_COMPACTION_AUTO_COMPACT_RATIO .*--auto-compact-ratio"
+    ):
         ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_RATIO": "2"})
     with pytest.raises(ValueError, match="WORKER_TOKEN"):
         ServiceConfig.from_env({"VLLM_COMPACTION_WORKER_TOKEN": "short"})
     # automatic compactions are checked at start-up, not when the first one fails
-    with pytest.raises(ValueError, match="--auto-compact-method.*unknown method 'nope'"):
+    with pytest.raises(
+        ValueError, match="--auto-compact-method.*unknown method 'nope'"
+    ):
         ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_METHOD": "nope"})
     with pytest.raises(ValueError, match="--auto-compact-queries.*joined by '\\+'"):
-        ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_QUERIES": "repeat-prefill+nope"})
-    mixed = ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_QUERIES": "repeat-prefill+surprise-quote"})
+        ServiceConfig.from_env(
+            {"VLLM_COMPACTION_AUTO_COMPACT_QUERIES": "repeat-prefill+nope"}
+        )
+    mixed = ServiceConfig.from_env(
+        {"VLLM_COMPACTION_AUTO_COMPACT_QUERIES": "repeat-prefill+surprise-quote"}
+    )
     assert mixed.auto_compact_queries == "repeat-prefill+surprise-quote"
-    floor = ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_MIN_LAYER_SHARE": "0.3"})
+    floor = ServiceConfig.from_env(
+        {"VLLM_COMPACTION_AUTO_COMPACT_MIN_LAYER_SHARE": "0.3"}
+    )
     assert floor.auto_compact_min_layer_share == 0.3
-    with pytest.raises(ValueError, match="--auto-compact-min-layer-share.*global budgets only.*method 'h2o\\+'"):
-        ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_MIN_LAYER_SHARE": "0.3",
-                                "VLLM_COMPACTION_AUTO_COMPACT_METHOD": "h2o+"})
-    with pytest.raises(ValueError, match="--auto-compact-min-layer-share.*less than or equal to 1"):
+    with pytest.raises(
+        ValueError,
+        match="--auto-compact-min-layer-share.*global budgets only.*method 'h2o\\+'",
+    ):
+        ServiceConfig.from_env(
+            {
+                "VLLM_COMPACTION_AUTO_COMPACT_MIN_LAYER_SHARE": "0.3",
+                "VLLM_COMPACTION_AUTO_COMPACT_METHOD": "h2o+",
+            }
+        )
+    with pytest.raises(
+        ValueError, match="--auto-compact-min-layer-share.*less than or equal to 1"
+    ):
         ServiceConfig.from_env({"VLLM_COMPACTION_AUTO_COMPACT_MIN_LAYER_SHARE": "2"})
 
 
@@ -102,8 +266,20 @@ def test_serve_arguments(tmp_path):
     from vllm_compaction.vllm.serve import vllm_serve_argv
 
     env = {"VLLM_PLUGINS": "other"}
-    args = vllm_serve_argv(["smollm2-135m", "--port", "9", "--compaction-store", str(tmp_path),
-                            "--auto-compact-threshold-tokens", "800", "--dtype", "float32"], env)
+    args = vllm_serve_argv(
+        [
+            "smollm2-135m",
+            "--port",
+            "9",
+            "--compaction-store",
+            str(tmp_path),
+            "--auto-compact-threshold-tokens",
+            "800",
+            "--dtype",
+            "float32",
+        ],
+        env,
+    )
     assert args[0] == str(resolve("smollm2-135m"))
     assert args[args.index("--served-model-name") + 1] == "smollm2-135m"
     assert "--enable-prefix-caching" in args and args[args.index("--port") + 1] == "9"
@@ -111,9 +287,13 @@ def test_serve_arguments(tmp_path):
     assert transfer["kv_connector"] == "CompactionConnector"
     assert transfer["kv_connector_extra_config"]["store"] == str(tmp_path)
     assert env["VLLM_PLUGINS"] == "other,vllm_compaction,vllm_compaction_api"
-    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"  # the connector needs no extra core
+    assert (
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    )  # the connector needs no extra core
     assert env["VLLM_COMPACTION_AUTO_COMPACT_THRESHOLD_TOKENS"] == "800"
-    assert not any(a.startswith("--compaction") or a.startswith("--auto-compact") for a in args)
+    assert not any(
+        a.startswith("--compaction") or a.startswith("--auto-compact") for a in args
+    )
     with pytest.raises(ValueError, match="model first"):
         vllm_serve_argv(["--port", "9"], {})
     with pytest.raises(ValueError, match="--auto-compact-ratio"):
@@ -133,5 +313,18 @@ def test_worker_cli_errors_are_sentences(capsys, monkeypatch):
     monkeypatch.delenv("VLLM_COMPACTION_WORKER_TOKEN", raising=False)
     assert main(["worker", "--server", "http://127.0.0.1:1"]) == 2
     assert "no worker token" in capsys.readouterr().err
-    assert main(["worker", "--server", "http://127.0.0.1:1", "--token", "t" * 20, "--connect-timeout", "1"]) == 2
+    assert (
+        main(
+            [
+                "worker",
+                "--server",
+                "http://127.0.0.1:1",
+                "--token",
+                "t" * 20,
+                "--connect-timeout",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "no compaction server at http://127.0.0.1:1" in capsys.readouterr().err

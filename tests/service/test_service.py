@@ -11,17 +11,30 @@ from vllm_compaction.service.protocol import CompactRequest, JobStatus
 from vllm_compaction.service.service import CompactionService
 
 MODEL = "smollm2-135m"
-HISTORY = [{"role": "user", "content": "The vault code is 7319. " * 20},
-           {"role": "assistant", "content": "Noted."}]
+HISTORY = [
+    {"role": "user", "content": "The vault code is 7319. " * 20},
+    {"role": "assistant", "content": "Noted."},
+]
 QUESTION = [{"role": "user", "content": "What is the vault code?"}]
 
 
 @pytest.fixture
 def service(tmp_path, checkpoint):
     path, tokenizer, fingerprint = checkpoint
-    config = ServiceConfig(store=tmp_path / "store", auto_compact_threshold_tokens=150, auto_compact_ratio=0.2)
-    return CompactionService(config, model_path=path, served_model_names=[MODEL], fingerprint=fingerprint,
-                             tokenizer=tokenizer, kv_bytes_per_token=100, max_model_len=4096)
+    config = ServiceConfig(
+        store=tmp_path / "store",
+        auto_compact_threshold_tokens=150,
+        auto_compact_ratio=0.2,
+    )
+    return CompactionService(
+        config,
+        model_path=path,
+        served_model_names=[MODEL],
+        fingerprint=fingerprint,
+        tokenizer=tokenizer,
+        kv_bytes_per_token=100,
+        max_model_len=4096,
+    )
 
 
 def request(**body) -> CompactRequest:
@@ -43,19 +56,53 @@ def status_of(call) -> int:
 
 def test_submit_checks(service):
     job = service.submit(request(messages=HISTORY), "a")
-    assert job.original_tokens == len(service.chat.chat_ids(HISTORY)) and job.messages_covered == 2
+    assert (
+        job.original_tokens == len(service.chat.chat_ids(HISTORY))
+        and job.messages_covered == 2
+    )
     assert job.max_head_ratio == pytest.approx(0.6)  # 3 x ratio: padded serving
     service.layout = "varlen"  # each head its own slots: no cap by default
     assert service.submit(request(messages=HISTORY), "a").max_head_ratio == 1.0
     service.layout = "padded"
-    assert status_of(lambda: service.submit(CompactRequest(model="other", prompt="x", ratio=0.5), "a")) == 404
-    assert status_of(lambda: service.submit(request(messages=[{"role": "user"}]), "a")) == 400
-    assert status_of(lambda: service.submit(request(prompt="one two", keep_last_tokens=10), "a")) == 400
-    assert status_of(lambda: service.submit(request(prompt="x " * 5000), "a")) == 400  # over the window
-    assert status_of(lambda: service.submit(request(prompt="x y z", max_head_ratio=0.1), "a")) == 400
-    assert status_of(lambda: service.submit(request(conversation_id="unknown"), "a")) == 404
-    floor = service.submit(request(messages=HISTORY, method="am-highest-attn-fast", min_layer_share=0.3), "a")
-    assert floor.public().min_layer_share == 0.3 and floor.worker_job().min_layer_share == 0.3
+    assert (
+        status_of(
+            lambda: service.submit(
+                CompactRequest(model="other", prompt="x", ratio=0.5), "a"
+            )
+        )
+        == 404
+    )
+    assert (
+        status_of(lambda: service.submit(request(messages=[{"role": "user"}]), "a"))
+        == 400
+    )
+    assert (
+        status_of(
+            lambda: service.submit(request(prompt="one two", keep_last_tokens=10), "a")
+        )
+        == 400
+    )
+    assert (
+        status_of(lambda: service.submit(request(prompt="x " * 5000), "a")) == 400
+    )  # over the window
+    assert (
+        status_of(
+            lambda: service.submit(request(prompt="x y z", max_head_ratio=0.1), "a")
+        )
+        == 400
+    )
+    assert (
+        status_of(lambda: service.submit(request(conversation_id="unknown"), "a"))
+        == 404
+    )
+    floor = service.submit(
+        request(messages=HISTORY, method="am-highest-attn-fast", min_layer_share=0.3),
+        "a",
+    )
+    assert (
+        floor.public().min_layer_share == 0.3
+        and floor.worker_job().min_layer_share == 0.3
+    )
     assert job.worker_job().min_layer_share == 0.0
 
 
@@ -63,34 +110,60 @@ def test_plans_follow_the_job(service):
     job = service.submit(request(messages=HISTORY), "a")
     # not ready: a request with the history is served as sent, one without it cannot be
     assert service.plan_chat("a", HISTORY + QUESTION, compaction_id=job.id) is None
-    assert status_of(lambda: service.plan_chat("a", QUESTION, compaction_id=job.id)) == 409
+    assert (
+        status_of(lambda: service.plan_chat("a", QUESTION, compaction_id=job.id)) == 409
+    )
     finish(service, job.id)
     stored = service.store.path_for(job.id)
     before = stored.stat().st_mtime_ns
     with_history = service.plan_chat("a", HISTORY + QUESTION, compaction_id=job.id)
-    assert stored.stat().st_mtime_ns > before  # serving counts as use for the store's LRU
+    assert (
+        stored.stat().st_mtime_ns > before
+    )  # serving counts as use for the store's LRU
     new_only = service.plan_chat("a", QUESTION, compaction_id=job.id)
     assert with_history == new_only
-    assert new_only.num_slots == 40 and new_only.continuation_ids == service.chat.turn_ids(QUESTION)
-    assert new_only.logical_prompt_tokens == job.original_tokens + len(new_only.continuation_ids)
-    assert status_of(lambda: service.plan_chat("b", QUESTION, compaction_id=job.id)) == 404
-    assert status_of(lambda: service.plan_chat("a", HISTORY, compaction_id=job.id)) == 400  # nothing follows
-    assert status_of(lambda: service.plan_chat("a", [{"role": "user", "content": 3}], compaction_id=job.id)) == 400
+    assert (
+        new_only.num_slots == 40
+        and new_only.continuation_ids == service.chat.turn_ids(QUESTION)
+    )
+    assert new_only.logical_prompt_tokens == job.original_tokens + len(
+        new_only.continuation_ids
+    )
+    assert (
+        status_of(lambda: service.plan_chat("b", QUESTION, compaction_id=job.id)) == 404
+    )
+    assert (
+        status_of(lambda: service.plan_chat("a", HISTORY, compaction_id=job.id)) == 400
+    )  # nothing follows
+    assert (
+        status_of(
+            lambda: service.plan_chat(
+                "a", [{"role": "user", "content": 3}], compaction_id=job.id
+            )
+        )
+        == 400
+    )
     text = service.plan_text("a", job.id, "What is the code?")
     assert text.continuation_ids == service.chat.encode("What is the code?")
     service.store.delete_id(job.id)  # evicted
     assert service.plan_chat("a", HISTORY + QUESTION, compaction_id=job.id) is None
-    assert status_of(lambda: service.plan_chat("a", QUESTION, compaction_id=job.id)) == 410
+    assert (
+        status_of(lambda: service.plan_chat("a", QUESTION, compaction_id=job.id)) == 410
+    )
 
 
 def test_cancel_or_delete(service):
     job = service.submit(request(messages=HISTORY), "a")
     record, deleted = service.cancel_or_delete(job.id, "a")
     assert record.status == JobStatus.cancelled and not deleted
-    assert status_of(lambda: service.plan_chat("a", QUESTION, compaction_id=job.id)) == 409
+    assert (
+        status_of(lambda: service.plan_chat("a", QUESTION, compaction_id=job.id)) == 409
+    )
     done = service.submit(request(messages=HISTORY), "a")
     finish(service, done.id)
-    assert service.cancel_or_delete(done.id, "a")[1] and not service.store.contains_id(done.id)
+    assert service.cancel_or_delete(done.id, "a")[1] and not service.store.contains_id(
+        done.id
+    )
 
 
 def test_auto_compaction_by_conversation(service):
@@ -98,15 +171,27 @@ def test_auto_compaction_by_conversation(service):
     assert service.plan_chat("a", short, conversation_id="c") is None
     assert service.book.list("a") == []  # under the threshold
     long = HISTORY + QUESTION
-    assert service.plan_chat("a", long, conversation_id="c") is None  # served as sent, job queued
+    assert (
+        service.plan_chat("a", long, conversation_id="c") is None
+    )  # served as sent, job queued
     (job,) = service.book.list("a")
-    assert job.conversation_id == "c" and job.messages == long and job.ratio_requested == 0.2
+    assert (
+        job.conversation_id == "c"
+        and job.messages == long
+        and job.ratio_requested == 0.2
+    )
     service.plan_chat("a", long, conversation_id="c")
     assert len(service.book.list("a")) == 1  # one pending job per conversation
     finish(service, job.id)
-    later = long + [{"role": "assistant", "content": "7319"}, {"role": "user", "content": "Thanks"}]
+    later = long + [
+        {"role": "assistant", "content": "7319"},
+        {"role": "user", "content": "Thanks"},
+    ]
     plan = service.plan_chat("a", later, conversation_id="c")
-    assert plan.compaction_id == job.id and plan.continuation_ids == service.chat.turn_ids(later[3:])
+    assert (
+        plan.compaction_id == job.id
+        and plan.continuation_ids == service.chat.turn_ids(later[3:])
+    )
     diverged = [{"role": "user", "content": "Another story"}] + later[1:]
     assert service.plan_chat("a", diverged, conversation_id="c") is None
     # compact the conversation by id: its latest messages
@@ -116,15 +201,28 @@ def test_auto_compaction_by_conversation(service):
 
 def test_auto_compaction_to_a_target_size(tmp_path, checkpoint):
     path, tokenizer, fingerprint = checkpoint
-    config = ServiceConfig(store=tmp_path / "store", auto_compact_threshold_tokens=20, auto_compact_target_tokens=16,
-                           auto_compact_min_layer_share=0.3)
-    service = CompactionService(config, model_path=path, served_model_names=[MODEL], fingerprint=fingerprint,
-                                tokenizer=tokenizer, kv_bytes_per_token=100, max_model_len=4096)
+    config = ServiceConfig(
+        store=tmp_path / "store",
+        auto_compact_threshold_tokens=20,
+        auto_compact_target_tokens=16,
+        auto_compact_min_layer_share=0.3,
+    )
+    service = CompactionService(
+        config,
+        model_path=path,
+        served_model_names=[MODEL],
+        fingerprint=fingerprint,
+        tokenizer=tokenizer,
+        kv_bytes_per_token=100,
+        max_model_len=4096,
+    )
     long = HISTORY + QUESTION
     assert service.plan_chat("a", long, conversation_id="c") is None
     (job,) = service.book.list("a")
     assert job.target_tokens == 16 and job.ratio_requested is None
-    assert job.worker_job().min_layer_share == 0.3  # the configured floor reaches the worker
+    assert (
+        job.worker_job().min_layer_share == 0.3
+    )  # the configured floor reaches the worker
     # content no longer than the target: nothing to gain, so no job
     config.auto_compact_target_tokens = 10_000
     assert service.plan_chat("a", long, conversation_id="d") is None
@@ -150,5 +248,9 @@ def test_a_corrupt_cache_is_diagnosed_and_quarantined(service):
     problem = service.diagnose(job.id)
     assert problem and "quarantine" in problem
     assert not service.store.contains_id(job.id)
-    assert service.plan_chat("a", HISTORY + QUESTION, compaction_id=job.id) is None  # served as sent
-    assert status_of(lambda: service.plan_chat("a", QUESTION, compaction_id=job.id)) == 410
+    assert (
+        service.plan_chat("a", HISTORY + QUESTION, compaction_id=job.id) is None
+    )  # served as sent
+    assert (
+        status_of(lambda: service.plan_chat("a", QUESTION, compaction_id=job.id)) == 410
+    )

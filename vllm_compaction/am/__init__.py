@@ -17,7 +17,13 @@ from vllm_compaction.am.attention import (
 from vllm_compaction.am.compact import compact_heads
 from vllm_compaction.am.fit import lstsq_values, nnls_pgd
 from vllm_compaction.am.heads import CompactedHeads, cu_seqlens_from_lengths
-from vllm_compaction.am.presets import AM_HIGHEST_ATTENTION, FitOptions, MethodSpec, ResolvedMethod, resolve_method
+from vllm_compaction.am.presets import (
+    AM_HIGHEST_ATTENTION,
+    FitOptions,
+    MethodSpec,
+    ResolvedMethod,
+    resolve_method,
+)
 from vllm_compaction.am.selectors import SELECTORS, Selector
 
 __all__ = [

@@ -81,7 +81,9 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
     return float(scale)
 
 
-def check_query_weights(weights: torch.Tensor | None, queries: torch.Tensor) -> torch.Tensor | None:
+def check_query_weights(
+    weights: torch.Tensor | None, queries: torch.Tensor
+) -> torch.Tensor | None:
     """``[H, n]`` float32 weights scaled to a largest weight of 1 per head (a common factor
     changes no fit), or ``None``."""
     if weights is None:
@@ -89,7 +91,9 @@ def check_query_weights(weights: torch.Tensor | None, queries: torch.Tensor) -> 
     h, n, _ = queries.shape
     w = torch.as_tensor(weights, device=queries.device)
     if w.shape not in ((n,), (h, n)) or w.dtype == torch.bool or w.is_complex():
-        raise ValueError(f"query_weights must be [n={n}] or [H={h}, n={n}] numbers, got {tuple(w.shape)} {w.dtype}")
+        raise ValueError(
+            f"query_weights must be [n={n}] or [H={h}, n={n}] numbers, got {tuple(w.shape)} {w.dtype}"
+        )
     w = w.float().expand(h, n)
     if n and not (torch.isfinite(w).all() and (w > 0).all()):
         raise ValueError("query_weights must be finite and positive")
@@ -108,7 +112,9 @@ def query_chunks(n: int, row_bytes: int, budget_bytes: int) -> list[slice]:
     return [slice(a, min(n, a + rows)) for a in range(0, n, rows)]
 
 
-def _shifted_exp_(logits: torch.Tensor, *, base2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _shifted_exp_(
+    logits: torch.Tensor, *, base2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Turn ``logits [H, c, T]`` *in place* into shifted features ``exp(l - s)`` (``2^(l - s)``
     with ``base2``, for logits in log2 units).
 
@@ -160,8 +166,13 @@ class ReferenceAttention:
         """
         if self.features is not None:
             self.features.mul_(row_scale[:, None, :].to(self.features.dtype))
-        return ReferenceAttention(shift=self.shift - row_scale.log(), mass=self.mass * row_scale,
-                                  output=self.output, scores=self.scores, features=self.features)
+        return ReferenceAttention(
+            shift=self.shift - row_scale.log(),
+            mass=self.mass * row_scale,
+            output=self.output,
+            scores=self.scores,
+            features=self.features,
+        )
 
 
 def row_split(num_heads: int, rows: int, device: torch.device | str = "cpu") -> int:
@@ -180,7 +191,9 @@ def row_split(num_heads: int, rows: int, device: torch.device | str = "cpu") -> 
     return split if split > 1 and rows >= MIN_SPLIT_ROWS * split else 1
 
 
-def block_chunks(n: int, rows: int, num_heads: int, device: torch.device | str) -> tuple[list[slice], int]:
+def block_chunks(
+    n: int, rows: int, num_heads: int, device: torch.device | str
+) -> tuple[list[slice], int]:
     """Chunks of ``range(n)`` of at most ``rows`` rows and their ``row_split``: every chunk but
     the last holds whole blocks, so the batched GEMMs of ``bmm_row_split`` can cut it."""
     split = row_split(num_heads, rows, device)
@@ -193,7 +206,9 @@ def repeat_heads(b: torch.Tensor, split: int) -> torch.Tensor:
     return b.repeat_interleave(split, 0) if split > 1 else b
 
 
-def bmm_row_split(a: torch.Tensor, b_rep: torch.Tensor, split: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def bmm_row_split(
+    a: torch.Tensor, b_rep: torch.Tensor, split: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``bmm(a [H, c, k], b [H, k, m]) -> [H, c, m]`` with ``a``'s rows cut into ``split``
     blocks (``row_split``), ``b_rep = repeat_heads(b, split)``; a chunk whose rows ``split``
     does not divide is multiplied whole. ``out``: flat storage of at least ``H c m`` elements."""
@@ -239,10 +254,21 @@ def reference_attention(
         1. A ``max`` ignores them, as a repeated row leaves a max unchanged.
     """
     if aggregation is not None and aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+        raise ValueError(
+            f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}"
+        )
     precision = _fused_precision(keys.device)
     if precision is not None:
-        return _fused_reference(keys, values, queries, scale, aggregation, keep_features, query_weights, precision)
+        return _fused_reference(
+            keys,
+            values,
+            queries,
+            scale,
+            aggregation,
+            keep_features,
+            query_weights,
+            precision,
+        )
     h, t, d = keys.shape
     n = queries.shape[1]
     # Logits in log2 units: exp(l - s) = 2^((l - s) log2 e), and exp2 costs ~40% less than exp
@@ -251,7 +277,9 @@ def reference_attention(
     shift, mass = keys.new_empty(h, n), keys.new_empty(h, n)
     output = keys.new_empty(h, n, values.shape[-1]) if values is not None else None
     features = keys.new_empty(h, t, n, dtype=FEATURE_DTYPE) if keep_features else None
-    chunks, split = block_chunks(n, min(n, max(1, chunk_bytes_per_head(keys) // (4 * t))), h, keys.device)
+    chunks, split = block_chunks(
+        n, min(n, max(1, chunk_bytes_per_head(keys) // (4 * t))), h, keys.device
+    )
     rows = chunks[0].stop - chunks[0].start if chunks else 0
     # keys and values repeated once per row block: tiny next to the logits
     kt_rep = repeat_heads(kt, split)
@@ -259,15 +287,21 @@ def reference_attention(
     weighted = query_weights is not None and aggregation in ("rms", "mean")
     max_weights = None
     if query_weights is not None and aggregation == "weighted-max":
-        max_weights = query_weights / query_weights.amax(-1, keepdim=True).clamp_min(TINY)
+        max_weights = query_weights / query_weights.amax(-1, keepdim=True).clamp_min(
+            TINY
+        )
     acc = keys.new_zeros(h, split, t)  # score accumulators, one per row block
     scratch = keys.new_empty(h * rows * t)
     for sl in chunks:
         c = sl.stop - sl.start
-        p, s = _shifted_exp_(bmm_row_split(qs[:, sl], kt_rep, split, out=scratch), base2=True)
+        p, s = _shifted_exp_(
+            bmm_row_split(qs[:, sl], kt_rep, split, out=scratch), base2=True
+        )
         m = p.sum(-1, keepdim=True)  # [H, c, 1] shifted mass
         shift[:, sl], mass[:, sl] = s[..., 0] * LN_2, m[..., 0]
-        if features is not None:  # key-major, so that OMP's correlation is a fast half GEMV
+        if (
+            features is not None
+        ):  # key-major, so that OMP's correlation is a fast half GEMV
             features[:, :, sl] = p.transpose(1, 2)
         inv_m = m.reciprocal()  # [H, c, 1]
         if output is not None:
@@ -276,20 +310,35 @@ def reference_attention(
             p.mul_(inv_m if max_weights is None else inv_m * max_weights[:, sl, None])
             torch.maximum(acc[:, :1], p.amax(1, keepdim=True), out=acc[:, :1])
         elif aggregation is not None:
-            weight, p = (inv_m, p) if aggregation == "mean" else (inv_m.square(), p.square_())
+            weight, p = (
+                (inv_m, p) if aggregation == "mean" else (inv_m.square(), p.square_())
+            )
             if weighted:
                 weight = weight * query_weights[:, sl, None]
-            blocks = split if c % split == 0 else 1  # the per-block GEMVs are balanced too
+            blocks = (
+                split if c % split == 0 else 1
+            )  # the per-block GEMVs are balanced too
             acc_view = acc.view(h * split, 1, t) if blocks > 1 else acc[:, :1]
-            acc_view.baddbmm_(weight.reshape(h * blocks, 1, c // blocks), p.view(h * blocks, c // blocks, t))
+            acc_view.baddbmm_(
+                weight.reshape(h * blocks, 1, c // blocks),
+                p.view(h * blocks, c // blocks, t),
+            )
     scores = acc.sum(1)
-    count = query_weights.sum(1, keepdim=True).float().clamp_min(TINY) if weighted else max(n, 1)
+    count = (
+        query_weights.sum(1, keepdim=True).float().clamp_min(TINY)
+        if weighted
+        else max(n, 1)
+    )
     if aggregation == "rms":
         scores = scores.div_(count).sqrt_()
     elif aggregation == "mean":
         scores = scores.div_(count)
     return ReferenceAttention(
-        shift=shift, mass=mass, output=output, scores=scores if aggregation else None, features=features
+        shift=shift,
+        mass=mass,
+        output=output,
+        scores=scores if aggregation else None,
+        features=features,
     )
 
 
@@ -307,13 +356,22 @@ def _fused_precision(device: torch.device) -> str | None:
         return FUSED_PRECISION
     name, _, precision = backend.partition(":")
     if name != "triton" or not precision:
-        raise ValueError(f"REFERENCE_BACKEND must be auto, torch or triton:<precision>, got {backend!r}")
+        raise ValueError(
+            f"REFERENCE_BACKEND must be auto, torch or triton:<precision>, got {backend!r}"
+        )
     return precision
 
 
-def _fused_reference(keys: torch.Tensor, values: torch.Tensor | None, queries: torch.Tensor, scale: float,
-                     aggregation: str | None, keep_features: bool, query_weights: torch.Tensor | None,
-                     precision: str) -> ReferenceAttention:
+def _fused_reference(
+    keys: torch.Tensor,
+    values: torch.Tensor | None,
+    queries: torch.Tensor,
+    scale: float,
+    aggregation: str | None,
+    keep_features: bool,
+    query_weights: torch.Tensor | None,
+    precision: str,
+) -> ReferenceAttention:
     """``reference_attention`` by the fused Triton kernels: the same statistics, the scores
     normalised as the torch pass normalises them."""
     from vllm_compaction_kernels.reference_attention import reference_attention_triton
@@ -322,17 +380,36 @@ def _fused_reference(keys: torch.Tensor, values: torch.Tensor | None, queries: t
     weighted = query_weights is not None and aggregation in ("rms", "mean")
     row_weights = query_weights if weighted else None
     if query_weights is not None and aggregation == "weighted-max":
-        row_weights = query_weights / query_weights.amax(-1, keepdim=True).clamp_min(TINY)
-    stats = reference_attention_triton(keys, values, queries, scale=scale, aggregation=aggregation,
-                                       keep_features=keep_features, row_weights=row_weights, precision=precision)
+        row_weights = query_weights / query_weights.amax(-1, keepdim=True).clamp_min(
+            TINY
+        )
+    stats = reference_attention_triton(
+        keys,
+        values,
+        queries,
+        scale=scale,
+        aggregation=aggregation,
+        keep_features=keep_features,
+        row_weights=row_weights,
+        precision=precision,
+    )
     scores = stats.scores
     if aggregation in ("rms", "mean"):
-        count = query_weights.sum(1, keepdim=True).float().clamp_min(TINY) if weighted else max(n, 1)
+        count = (
+            query_weights.sum(1, keepdim=True).float().clamp_min(TINY)
+            if weighted
+            else max(n, 1)
+        )
         scores = scores.div_(count)
         if aggregation == "rms":
             scores = scores.sqrt_()
-    return ReferenceAttention(shift=stats.shift, mass=stats.mass, output=stats.output, scores=scores,
-                              features=stats.features)
+    return ReferenceAttention(
+        shift=stats.shift,
+        mass=stats.mass,
+        output=stats.output,
+        scores=scores,
+        features=stats.features,
+    )
 
 
 def max_pool_scores(scores: torch.Tensor, kernel: int | None) -> torch.Tensor:
@@ -368,17 +445,28 @@ def score_keys(
     ``[H, T]`` float32 scores; comparable across heads and layers (each is a softmax weight
     statistic in ``[0, 1]``), which is what global (KVzip) budgets rank.
     """
-    if keys.dim() != 3 or queries.dim() != 3 or keys.shape[0] != queries.shape[0] or keys.shape[2] != queries.shape[2]:
+    if (
+        keys.dim() != 3
+        or queries.dim() != 3
+        or keys.shape[0] != queries.shape[0]
+        or keys.shape[2] != queries.shape[2]
+    ):
         raise ValueError(
             f"keys must be [H, T, d] and queries [H, n, d], got {tuple(keys.shape)} and {tuple(queries.shape)}"
         )
     if queries.shape[1] == 0:
         raise ValueError("scoring keys needs at least one query per head")
     if pool_kernel is not None and (pool_kernel < 1 or pool_kernel % 2 == 0):
-        raise ValueError(f"pool_kernel must be a positive odd integer, got {pool_kernel}")
+        raise ValueError(
+            f"pool_kernel must be a positive odd integer, got {pool_kernel}"
+        )
     weights = check_query_weights(query_weights, queries)
     ref = reference_attention(
-        keys.float(), None, queries.float(), scale=resolve_scale(scale, keys.shape[-1]), aggregation=aggregation,
+        keys.float(),
+        None,
+        queries.float(),
+        scale=resolve_scale(scale, keys.shape[-1]),
+        aggregation=aggregation,
         query_weights=weights,
     )
     scores: torch.Tensor = ref.scores  # type: ignore[assignment]  # set since aggregation is given
@@ -425,9 +513,13 @@ def attention_output_and_mass(
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
     if keys.shape != values.shape or keys.dim() != 3 or queries.dim() != 3:
-        raise ValueError(f"keys/values must be equal [H, t, d], got {tuple(keys.shape)}, {tuple(values.shape)}")
+        raise ValueError(
+            f"keys/values must be equal [H, t, d], got {tuple(keys.shape)}, {tuple(values.shape)}"
+        )
     if queries.shape[0] != keys.shape[0] or queries.shape[2] != keys.shape[2]:
-        raise ValueError(f"queries {tuple(queries.shape)} do not match keys {tuple(keys.shape)}")
+        raise ValueError(
+            f"queries {tuple(queries.shape)} do not match keys {tuple(keys.shape)}"
+        )
     h, t, d = keys.shape
     n = queries.shape[1]
     qs = queries.to(dtype) * resolve_scale(scale, d)
@@ -475,13 +567,15 @@ def attention_output_error(
     """Errors of compacted ``heads`` against the original ``keys``/``values [H, T, d]`` under
     ``queries [H, n, d]`` (use held-out queries to measure generalisation)."""
     if heads.num_heads != keys.shape[0]:
-        raise ValueError(f"heads has {heads.num_heads} heads but keys has {keys.shape[0]}")
+        raise ValueError(
+            f"heads has {heads.num_heads} heads but keys has {keys.shape[0]}"
+        )
     ref = attention_output_and_mass(queries, keys, values, scale=scale)
     ck, cbeta, cv, _ = heads.padded()
     got = attention_output_and_mass(queries, ck, cv, scale=scale, beta=cbeta)
-    out_rel = torch.linalg.vector_norm(got.output - ref.output, dim=(1, 2)) / torch.linalg.vector_norm(
-        ref.output, dim=(1, 2)
-    ).clamp_min(1e-30)
+    out_rel = torch.linalg.vector_norm(
+        got.output - ref.output, dim=(1, 2)
+    ) / torch.linalg.vector_norm(ref.output, dim=(1, 2)).clamp_min(1e-30)
     diff = got.log_mass - ref.log_mass
     return OutputError(
         output_rel=out_rel,

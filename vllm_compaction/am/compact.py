@@ -17,11 +17,21 @@ from typing import Any
 
 import torch
 
-from vllm_compaction.am.attention import FEATURE_DTYPE, check_query_weights, reference_attention, resolve_scale
+from vllm_compaction.am.attention import (
+    FEATURE_DTYPE,
+    check_query_weights,
+    reference_attention,
+    resolve_scale,
+)
 from vllm_compaction.am.device import device_limits
 from vllm_compaction.am.fit import SelectedFeatures, fit_beta, fit_values
 from vllm_compaction.am.heads import CompactedHeads
-from vllm_compaction.am.presets import AM_HIGHEST_ATTENTION, MethodSpec, ResolvedMethod, resolve_method
+from vllm_compaction.am.presets import (
+    AM_HIGHEST_ATTENTION,
+    MethodSpec,
+    ResolvedMethod,
+    resolve_method,
+)
 from vllm_compaction.am.selectors.base import Selection, SelectionProblem, slot_mask
 
 __all__ = ["STAGES", "compact_heads"]
@@ -36,41 +46,63 @@ SMALL_BUDGET = 256
 STAGES = ("reference_s", "select_s", "beta_s", "values_s", "total_s")
 
 
-def _check_inputs(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor) -> None:
+def _check_inputs(
+    keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
+) -> None:
     for name, x in (("keys", keys), ("values", values), ("queries", queries)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point [H, *, d] tensor, got {getattr(x, 'shape', type(x))}")
+            raise ValueError(
+                f"{name} must be a floating-point [H, *, d] tensor, got {getattr(x, 'shape', type(x))}"
+            )
     if keys.shape != values.shape:
         raise ValueError(
             f"keys and values must have the same [H, T, d] shape, got {tuple(keys.shape)} and {tuple(values.shape)}"
         )
     if queries.shape[0] != keys.shape[0] or queries.shape[2] != keys.shape[2]:
-        raise ValueError(f"queries must be [H, n, d] matching keys {tuple(keys.shape)}, got {tuple(queries.shape)}")
+        raise ValueError(
+            f"queries must be [H, n, d] matching keys {tuple(keys.shape)}, got {tuple(queries.shape)}"
+        )
 
 
-def _check_budgets(budget: int | Sequence[int] | torch.Tensor, num_heads: int, total: int) -> torch.Tensor:
+def _check_budgets(
+    budget: int | Sequence[int] | torch.Tensor, num_heads: int, total: int
+) -> torch.Tensor:
     """``[H]`` int64 CPU budgets, each in ``[0, T]`` (host bookkeeping: they size the groups)."""
-    if isinstance(budget, bool) or (isinstance(budget, float) and not budget.is_integer()):
+    if isinstance(budget, bool) or (
+        isinstance(budget, float) and not budget.is_integer()
+    ):
         raise ValueError(f"budget must be an int or H ints, got {budget!r}")
-    b = budget.detach().cpu() if isinstance(budget, torch.Tensor) else torch.as_tensor(budget, device="cpu")
+    b = (
+        budget.detach().cpu()
+        if isinstance(budget, torch.Tensor)
+        else torch.as_tensor(budget, device="cpu")
+    )
     if b.is_floating_point() or b.is_complex() or b.dtype == torch.bool:
         raise ValueError(f"budget must hold integers, got dtype {b.dtype}")
     b = b.to(torch.int64).reshape(-1)
     if b.numel() == 1:
         b = b.expand(num_heads).clone()
     if b.numel() != num_heads:
-        raise ValueError(f"budget must be one int or {num_heads} per-head ints, got {b.numel()} values")
+        raise ValueError(
+            f"budget must be one int or {num_heads} per-head ints, got {b.numel()} values"
+        )
     if (b < 0).any() or (b > total).any():
-        raise ValueError(f"every head budget must lie in [0, T={total}], got {b.tolist()}")
+        raise ValueError(
+            f"every head budget must lie in [0, T={total}], got {b.tolist()}"
+        )
     return b
 
 
-def _check_positions(positions: torch.Tensor | None, total: int, device: torch.device) -> torch.Tensor:
+def _check_positions(
+    positions: torch.Tensor | None, total: int, device: torch.device
+) -> torch.Tensor:
     if positions is None:
         return torch.arange(total, device=device)
     pos = torch.as_tensor(positions, device=device)
     if pos.shape != (total,) or pos.is_floating_point() or pos.dtype == torch.bool:
-        raise ValueError(f"positions must be a [T={total}] integer tensor, got {tuple(pos.shape)} {pos.dtype}")
+        raise ValueError(
+            f"positions must be a [T={total}] integer tensor, got {tuple(pos.shape)} {pos.dtype}"
+        )
     return pos.to(torch.int64)
 
 
@@ -87,21 +119,37 @@ def _head_groups(
     """
     if heads.numel() == 0:
         return []
-    size = max(1, memory_limit // max(1, bytes_per_head)) if bytes_per_head else heads.numel()
+    size = (
+        max(1, memory_limit // max(1, bytes_per_head))
+        if bytes_per_head
+        else heads.numel()
+    )
     if bytes_per_head > memory_limit:
-        logger.warning("one head needs %d bytes of features, above memory_limit=%d", bytes_per_head, memory_limit)
+        logger.warning(
+            "one head needs %d bytes of features, above memory_limit=%d",
+            bytes_per_head,
+            memory_limit,
+        )
     head_budgets = budgets.to(heads.device)[heads]
     groups: list[list[int]] = []
     narrowest = 0
     order = head_budgets.argsort(stable=True)
     for head, budget in zip(heads[order].tolist(), head_budgets[order].tolist()):
-        if not groups or len(groups[-1]) >= size or budget > max(SMALL_BUDGET, PAD_FACTOR * narrowest):
+        if (
+            not groups
+            or len(groups[-1]) >= size
+            or budget > max(SMALL_BUDGET, PAD_FACTOR * narrowest)
+        ):
             groups.append([])
             narrowest = budget
         groups[-1].append(head)
     if len(groups) > 1:
-        logger.debug("compacting %d heads in %d groups (budget widths, memory_limit=%d)", heads.numel(), len(groups),
-                     memory_limit)
+        logger.debug(
+            "compacting %d heads in %d groups (budget widths, memory_limit=%d)",
+            heads.numel(),
+            len(groups),
+            memory_limit,
+        )
     return [torch.tensor(g, dtype=heads.dtype, device=heads.device) for g in groups]
 
 
@@ -149,7 +197,9 @@ def _compact_group(
     if row_scale is not None:
         ref = ref.weighted_rows(row_scale)
     clock["reference_s"] += (mark := now()) - start
-    sel = plan.selector.select(SelectionProblem(keys, values, queries, scale, budgets, ref))
+    sel = plan.selector.select(
+        SelectionProblem(keys, values, queries, scale, budgets, ref)
+    )
     if ref is not None:
         ref.features = None  # release the [H, T, n] features early
     clock["select_s"] += (start := now()) - mark
@@ -158,20 +208,39 @@ def _compact_group(
     kept_keys = keys.gather(1, sel.indices[..., None].expand(h, t_max, keys.shape[-1]))
     features = None
     if ref is not None and (plan.fit.beta == "nnls" or plan.fit.values == "lstsq"):
-        features = SelectedFeatures(queries, kept_keys, valid, ref.shift, scale=scale, budget_bytes=memory_limit)
+        features = SelectedFeatures(
+            queries, kept_keys, valid, ref.shift, scale=scale, budget_bytes=memory_limit
+        )
     if plan.fit.beta == "nnls":
-        beta = fit_beta(features, ref.mass, valid, bounds=plan.fit.beta_bounds, iters=plan.fit.beta_iters)
+        beta = fit_beta(
+            features,
+            ref.mass,
+            valid,
+            bounds=plan.fit.beta_bounds,
+            iters=plan.fit.beta_iters,
+        )
     elif plan.fit.beta == "selector":
         beta = sel.beta
     else:
         beta = torch.zeros(h, t_max, device=keys.device)
     clock["beta_s"] += (mark := now()) - start
-    original = None  # the kept keys' own values: the direct values, or the anchor of the fit
+    original = (
+        None  # the kept keys' own values: the direct values, or the anchor of the fit
+    )
     if plan.fit.values == "direct" or plan.fit.value_anchor:
-        original = values.gather(1, sel.indices[..., None].expand(h, t_max, values.shape[-1]))
+        original = values.gather(
+            1, sel.indices[..., None].expand(h, t_max, values.shape[-1])
+        )
     if plan.fit.values == "lstsq":
-        fitted = fit_values(features, beta, ref.output, valid, anchor=original, anchor_weight=plan.fit.value_anchor,
-                            row_scale=row_scale)
+        fitted = fit_values(
+            features,
+            beta,
+            ref.output,
+            valid,
+            anchor=original,
+            anchor_weight=plan.fit.value_anchor,
+            row_scale=row_scale,
+        )
     elif plan.fit.values == "selector":
         fitted = sel.values
     else:
@@ -180,26 +249,36 @@ def _compact_group(
     return Selection(indices=sel.indices, lengths=sel.lengths, beta=beta, values=fitted)
 
 
-def _resolve(method: MethodSpec | ResolvedMethod, options: dict[str, Any]) -> ResolvedMethod:
+def _resolve(
+    method: MethodSpec | ResolvedMethod, options: dict[str, Any]
+) -> ResolvedMethod:
     """The method to run; a name is refused with where its math is (the names are recipes, a
     layer above this package)."""
     if isinstance(method, ResolvedMethod):
         if options:
-            raise ValueError(f"a ResolvedMethod is resolved already: give its options to resolve_method, "
-                             f"not to compact_heads ({', '.join(sorted(options))})")
+            raise ValueError(
+                f"a ResolvedMethod is resolved already: give its options to resolve_method, "
+                f"not to compact_heads ({', '.join(sorted(options))})"
+            )
         return method
     if isinstance(method, str):
-        raise TypeError(f"compact_heads takes the math of a method, a MethodSpec, not the name {method!r}: "
-                        f"use vllm_compaction.recipes.RECIPES[{method!r}].math")
+        raise TypeError(
+            f"compact_heads takes the math of a method, a MethodSpec, not the name {method!r}: "
+            f"use vllm_compaction.recipes.RECIPES[{method!r}].math"
+        )
     return resolve_method(method, options)
 
 
-def _pack(keys: torch.Tensor, padded: Selection, positions: torch.Tensor) -> CompactedHeads:
+def _pack(
+    keys: torch.Tensor, padded: Selection, positions: torch.Tensor
+) -> CompactedHeads:
     """Sort each head's slots by key index and pack them varlen (padding dropped)."""
     h, total, d = keys.shape
     t_max = padded.indices.shape[1]
     valid = slot_mask(padded.lengths, t_max)
-    order = torch.where(valid, padded.indices, total).argsort(dim=1)  # real slots first, by index
+    order = torch.where(valid, padded.indices, total).argsort(
+        dim=1
+    )  # real slots first, by index
     idx, beta = padded.indices.gather(1, order), padded.beta.gather(1, order)
     vals = padded.values.gather(1, order[..., None].expand(h, t_max, d))
     kept = keys.gather(1, idx[..., None].expand(h, t_max, d))
@@ -262,16 +341,26 @@ def compact_heads(
     scale = resolve_scale(scale, d)
     if memory_limit is None:
         memory_limit = device_limits(keys.device).memory_limit
-    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit <= 0:
-        raise ValueError(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
+    if (
+        isinstance(memory_limit, bool)
+        or not isinstance(memory_limit, int)
+        or memory_limit <= 0
+    ):
+        raise ValueError(
+            f"memory_limit must be a positive number of bytes, got {memory_limit!r}"
+        )
     work = ((budgets > 0) & (budgets < total)).nonzero()[:, 0]
     if plan.needs_reference and queries.shape[1] == 0 and work.numel():
-        raise ValueError(f"method {plan.name!r} needs at least one reference query per head")
+        raise ValueError(
+            f"method {plan.name!r} needs at least one reference query per head"
+        )
     clock = dict.fromkeys(STAGES, 0.0)
     start = time.perf_counter()
     dev, t_max = keys.device, int(budgets.max()) if h else 0
     lengths = budgets.to(dev)
-    idx = torch.arange(t_max, device=dev).expand(h, t_max).clone()  # exact heads: all keys
+    idx = (
+        torch.arange(t_max, device=dev).expand(h, t_max).clone()
+    )  # exact heads: all keys
     beta = torch.zeros(h, t_max, device=dev)
     vals = values[:, :t_max].float().clone()
     n, per_head = queries.shape[1], 0
@@ -290,5 +379,13 @@ def compact_heads(
     clock["total_s"] = _clock(keys.device)() - start
     if timings is not None:
         timings.update(clock)
-    logger.debug("compact_heads %s H=%d T=%d n=%d budgets=%s: %s", plan.name, h, total, n, budgets.tolist(), clock)
+    logger.debug(
+        "compact_heads %s H=%d T=%d n=%d budgets=%s: %s",
+        plan.name,
+        h,
+        total,
+        n,
+        budgets.tolist(),
+        clock,
+    )
     return heads

@@ -73,7 +73,6 @@ class DeviceLimits:
         return min(CUDA_CHUNK_MAX, self.chunk_bytes // max(1, num_heads))
 
 
-
 @functools.cache
 def _cpu_l2_bytes() -> int:
     """L2 size of CPU 0 from sysfs, or 512 KiB when it cannot be read."""
@@ -123,4 +122,6 @@ def runtime_rows(device: torch.device | str, bytes_per_row: int) -> int:
     if device.type != "cuda":
         return CPU_RUNTIME_ROWS
     low, high = CUDA_RUNTIME_ROWS
-    return max(low, min(high, device_limits(device).chunk_bytes // max(1, bytes_per_row)))
+    return max(
+        low, min(high, device_limits(device).chunk_bytes // max(1, bytes_per_row))
+    )

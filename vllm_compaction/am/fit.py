@@ -23,7 +23,13 @@ from collections.abc import Iterator
 
 import torch
 
-from vllm_compaction.am.attention import LOG2_E, block_chunks, bmm_row_split, chunk_bytes_per_head, repeat_heads
+from vllm_compaction.am.attention import (
+    LOG2_E,
+    block_chunks,
+    bmm_row_split,
+    chunk_bytes_per_head,
+    repeat_heads,
+)
 
 __all__ = [
     "SelectedFeatures",
@@ -58,7 +64,11 @@ def _masked_gram(gram: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor
 
 
 def solve_normal_equations(
-    gram: torch.Tensor, rhs: torch.Tensor, valid: torch.Tensor | None = None, *, jitter: float = JITTER
+    gram: torch.Tensor,
+    rhs: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    jitter: float = JITTER,
 ) -> torch.Tensor:
     """Solve ``(G + jitter * mean(diag G) I) x = b`` for a batch of small SPD systems.
 
@@ -78,14 +88,24 @@ def solve_normal_equations(
     if valid is not None:
         b = torch.where(valid[..., None], b, 0.0)
     diag = g.diagonal(dim1=-2, dim2=-1)
-    count = valid.sum(-1, keepdim=True).clamp_min(1) if valid is not None else diag.shape[-1]
-    ridge = jitter * diag.sum(-1, keepdim=True) / count + torch.finfo(torch.float64).tiny
+    count = (
+        valid.sum(-1, keepdim=True).clamp_min(1)
+        if valid is not None
+        else diag.shape[-1]
+    )
+    ridge = (
+        jitter * diag.sum(-1, keepdim=True) / count + torch.finfo(torch.float64).tiny
+    )
     diag += ridge if valid is None else torch.where(valid, ridge, 1.0)
     factor, info = torch.linalg.cholesky_ex(g)
     x = torch.cholesky_solve(b, factor)
     bad = info != 0
     if bad.any():
-        logger.debug("normal equations not positive definite in %d of %d systems; using pinv", int(bad.sum()), len(bad))
+        logger.debug(
+            "normal equations not positive definite in %d of %d systems; using pinv",
+            int(bad.sum()),
+            len(bad),
+        )
         x[bad] = torch.linalg.pinv(g[bad], hermitian=True) @ b[bad]
     return x
 
@@ -124,12 +144,16 @@ def nnls_pgd_gram(
     """
     hi = float("inf") if upper is None else upper
     if not lower <= hi:
-        raise ValueError(f"NNLS bounds must satisfy lower <= upper, got [{lower}, {upper}]")
+        raise ValueError(
+            f"NNLS bounds must satisfy lower <= upper, got [{lower}, {upper}]"
+        )
     w = solve_normal_equations(gram, rhs[..., None], valid)[..., 0].clamp(lower, hi)
     if iters > 0:
         g = _masked_gram(gram, valid)
         b = rhs.to(torch.float64)
-        step = 1.0 / _power_lmax(g, power_iters).clamp_min(torch.finfo(torch.float64).tiny)
+        step = 1.0 / _power_lmax(g, power_iters).clamp_min(
+            torch.finfo(torch.float64).tiny
+        )
         for _ in range(iters):
             grad = (g @ w[..., None])[..., 0] - b
             w = (w - step * grad).clamp(lower, hi)
@@ -166,10 +190,14 @@ def nnls_pgd(
     m = matrix.to(GRAM_DTYPE)
     gram = m.transpose(1, 2) @ m
     rhs = (m.transpose(1, 2) @ target.to(GRAM_DTYPE)[..., None])[..., 0]
-    return nnls_pgd_gram(gram, rhs, lower=lower, upper=upper, iters=iters, valid=valid).to(matrix.dtype)
+    return nnls_pgd_gram(
+        gram, rhs, lower=lower, upper=upper, iters=iters, valid=valid
+    ).to(matrix.dtype)
 
 
-def lstsq_values(weights: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def lstsq_values(
+    weights: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Least-squares values ``argmin_C ||X C - Y||_F`` through the normal equations.
 
     Parameters
@@ -184,7 +212,9 @@ def lstsq_values(weights: torch.Tensor, targets: torch.Tensor, valid: torch.Tens
     """
     x = weights.to(GRAM_DTYPE)
     xt = x.transpose(1, 2)
-    return solve_normal_equations(xt @ x, xt @ targets.to(GRAM_DTYPE), valid).to(targets.dtype)
+    return solve_normal_equations(xt @ x, xt @ targets.to(GRAM_DTYPE), valid).to(
+        targets.dtype
+    )
 
 
 class SelectedFeatures:
@@ -202,27 +232,50 @@ class SelectedFeatures:
     (``row_split``), which the products here and in the consumers use.
     """
 
-    def __init__(self, queries: torch.Tensor, kept_keys: torch.Tensor, valid: torch.Tensor, shift: torch.Tensor,
-                 *, scale: float, budget_bytes: int):
+    def __init__(
+        self,
+        queries: torch.Tensor,
+        kept_keys: torch.Tensor,
+        valid: torch.Tensor,
+        shift: torch.Tensor,
+        *,
+        scale: float,
+        budget_bytes: int,
+    ):
         h, n, _ = queries.shape
         t = max(1, kept_keys.shape[1])
         rows = max(chunk_bytes_per_head(queries), 4 * t * MIN_GRAM_ROWS) // (4 * t)
         self.chunks, self.split = block_chunks(n, rows, h, queries.device)
         self._q = queries * (scale * LOG2_E)  # [H, n, d], logits in log2 units
         self._shift = shift[..., None] * LOG2_E  # [H, n, 1]
-        self._kt = repeat_heads(kept_keys.transpose(1, 2), self.split)  # [H * split, d, t]
-        self._mask = None if bool(valid.all()) else torch.where(valid, 0.0, float("-inf")).to(queries.dtype)
-        self._cached = [self._compute(sl) for sl in self.chunks] if 3 * 4 * h * n * t <= budget_bytes else None
+        self._kt = repeat_heads(
+            kept_keys.transpose(1, 2), self.split
+        )  # [H * split, d, t]
+        self._mask = (
+            None
+            if bool(valid.all())
+            else torch.where(valid, 0.0, float("-inf")).to(queries.dtype)
+        )
+        self._cached = (
+            [self._compute(sl) for sl in self.chunks]
+            if 3 * 4 * h * n * t <= budget_bytes
+            else None
+        )
 
     def _compute(self, sl: slice) -> torch.Tensor:
-        logits = bmm_row_split(self._q[:, sl], self._kt, self.split).sub_(self._shift[:, sl])
+        logits = bmm_row_split(self._q[:, sl], self._kt, self.split).sub_(
+            self._shift[:, sl]
+        )
         if self._mask is not None:
             logits.add_(self._mask[:, None, :])
         return logits.exp2_()
 
     def __iter__(self) -> Iterator[tuple[slice, torch.Tensor]]:
         for i, sl in enumerate(self.chunks):
-            yield sl, (self._cached[i] if self._cached is not None else self._compute(sl))
+            yield (
+                sl,
+                (self._cached[i] if self._cached is not None else self._compute(sl)),
+            )
 
 
 class _NormalEquations:
@@ -241,8 +294,13 @@ class _NormalEquations:
     def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         h, c, t = x.shape
         blocks = self.split if c % self.split == 0 else 1
-        x, y = x.reshape(h * blocks, c // blocks, t), y.reshape(h * blocks, c // blocks, -1)
-        gram, rhs = (self.gram, self.rhs) if blocks > 1 else (self.gram[:, :1], self.rhs[:, :1])
+        x, y = (
+            x.reshape(h * blocks, c // blocks, t),
+            y.reshape(h * blocks, c // blocks, -1),
+        )
+        gram, rhs = (
+            (self.gram, self.rhs) if blocks > 1 else (self.gram[:, :1], self.rhs[:, :1])
+        )
         gram.view(h * blocks, t, t).baddbmm_(x.transpose(1, 2), x)
         rhs.view(h * blocks, t, -1).baddbmm_(x.transpose(1, 2), y)
 
@@ -279,13 +337,29 @@ def fit_beta(
         sums.add(phi.to(GRAM_DTYPE), mass[:, sl, None].to(GRAM_DTYPE))
     gram, rhs = sums.sums()
     lo, hi = bounds
-    w = nnls_pgd_gram(gram, rhs[..., 0], lower=math.exp(lo), upper=math.exp(hi), iters=iters, valid=valid)
-    return torch.where(valid, w.clamp_min(torch.finfo(torch.float64).tiny).log(), 0.0).float()
+    w = nnls_pgd_gram(
+        gram,
+        rhs[..., 0],
+        lower=math.exp(lo),
+        upper=math.exp(hi),
+        iters=iters,
+        valid=valid,
+    )
+    return torch.where(
+        valid, w.clamp_min(torch.finfo(torch.float64).tiny).log(), 0.0
+    ).float()
 
 
-def fit_values(features: SelectedFeatures, beta: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, *,
-               anchor: torch.Tensor | None = None, anchor_weight: float = 0.0,
-               row_scale: torch.Tensor | None = None) -> torch.Tensor:
+def fit_values(
+    features: SelectedFeatures,
+    beta: torch.Tensor,
+    targets: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    anchor: torch.Tensor | None = None,
+    anchor_weight: float = 0.0,
+    row_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Least-squares values for kept keys with biases ``beta [H, t]`` onto ``targets [H, n, d]``.
 
     ``row_scale [H, n]`` weighs query ``i``'s squared error by ``row_scale_i^2`` (its rows of
@@ -301,9 +375,13 @@ def fit_values(features: SelectedFeatures, beta: torch.Tensor, targets: torch.Te
     h, t = valid.shape
     sums = _NormalEquations(h, t, targets.shape[-1], features.split, targets.device)
     # e^beta up to a per-head constant, which the row normalisation cancels (no overflow)
-    weight = (beta - beta.amax(-1, keepdim=True)).exp()[:, None, :].to(GRAM_DTYPE)  # [H, 1, t]
+    weight = (
+        (beta - beta.amax(-1, keepdim=True)).exp()[:, None, :].to(GRAM_DTYPE)
+    )  # [H, 1, t]
     for sl, phi in features:
-        x = torch.mul(phi.to(GRAM_DTYPE), weight)  # [H, c, t]: softmax(l + beta) up to each row's sum
+        x = torch.mul(
+            phi.to(GRAM_DTYPE), weight
+        )  # [H, c, t]: softmax(l + beta) up to each row's sum
         total = x.sum(-1, keepdim=True)
         # a row with no feature left (every kept key > ~100 nats below the max) weighs nothing
         x.div_(torch.where(total > 0, total, torch.inf))

@@ -8,16 +8,17 @@ packed head after head (no padding), and ``cu_seqlens`` holds the int32 cumulati
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 __all__ = ["CompactedHeads", "cu_seqlens_from_lengths"]
 
 
-def cu_seqlens_from_lengths(lengths: Sequence[int] | torch.Tensor,
-                            device: torch.device | str | None = None) -> torch.Tensor:
+def cu_seqlens_from_lengths(
+    lengths: Sequence[int] | torch.Tensor, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Int32 cumulative offsets ``[H+1]`` (starting at 0) from per-head lengths ``[H]``, on
     ``device`` (default: the lengths' own device, the CPU for a sequence)."""
     if device is None:
@@ -55,7 +56,11 @@ class CompactedHeads:
         n = self.keys.shape[0]
         if self.keys.dim() != 2 or self.values.dim() != 2:
             raise ValueError("keys and values must be packed [N, d] tensors")
-        if self.values.shape[0] != n or self.beta.shape != (n,) or self.indices.shape != (n,):
+        if (
+            self.values.shape[0] != n
+            or self.beta.shape != (n,)
+            or self.indices.shape != (n,)
+        ):
             raise ValueError(
                 f"packed lengths disagree: keys {tuple(self.keys.shape)}, values "
                 f"{tuple(self.values.shape)}, beta {tuple(self.beta.shape)}, "
@@ -64,7 +69,9 @@ class CompactedHeads:
         if self.cu_seqlens.dim() != 1 or self.cu_seqlens.numel() < 1:
             raise ValueError("cu_seqlens must be a 1-D [H+1] tensor")
         if int(self.cu_seqlens[0]) != 0 or int(self.cu_seqlens[-1]) != n:
-            raise ValueError(f"cu_seqlens must run from 0 to N={n}, got {self.cu_seqlens.tolist()}")
+            raise ValueError(
+                f"cu_seqlens must run from 0 to N={n}, got {self.cu_seqlens.tolist()}"
+            )
         if (self.cu_seqlens[1:] < self.cu_seqlens[:-1]).any():
             raise ValueError("cu_seqlens must be non-decreasing")
 
@@ -86,7 +93,9 @@ class CompactedHeads:
     def total_slots(self) -> int:
         return self.keys.shape[0]
 
-    def head(self, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def head(
+        self, h: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(keys [t_h, d], beta [t_h], values [t_h, d], indices [t_h])`` of head ``h``."""
         if not 0 <= h < self.num_heads:
             raise IndexError(f"head {h} out of range for {self.num_heads} heads")
@@ -94,7 +103,9 @@ class CompactedHeads:
         return self.keys[a:b], self.beta[a:b], self.values[a:b], self.indices[a:b]
 
     # ------------------------------------------------------------------ conversions
-    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "CompactedHeads":
+    def to(
+        self, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> CompactedHeads:
         """Keys/values cast to ``dtype`` (storage dtype); beta stays float32."""
         return CompactedHeads(
             keys=self.keys.to(device=device, dtype=dtype or self.keys.dtype),
@@ -111,13 +122,21 @@ class CompactedHeads:
         for reference code and small caches, not for serving.
         """
         lengths = self.head_budgets
-        h, t_max, d = self.num_heads, int(lengths.max()) if self.num_heads else 0, self.head_dim
+        h, t_max, d = (
+            self.num_heads,
+            int(lengths.max()) if self.num_heads else 0,
+            self.head_dim,
+        )
         slot = torch.arange(t_max, device=lengths.device).expand(h, t_max)
         valid = slot < lengths[:, None]  # [H, t_max]
         keys = self.keys.new_zeros(h, t_max, d)
         values = self.values.new_zeros(h, t_max, d)
-        beta = torch.full((h, t_max), float("-inf"), dtype=torch.float32, device=self.beta.device)
-        indices = torch.full((h, t_max), -1, dtype=torch.int64, device=self.indices.device)
+        beta = torch.full(
+            (h, t_max), float("-inf"), dtype=torch.float32, device=self.beta.device
+        )
+        indices = torch.full(
+            (h, t_max), -1, dtype=torch.int64, device=self.indices.device
+        )
         keys[valid], values[valid] = self.keys, self.values
         beta[valid], indices[valid] = self.beta.float(), self.indices
         return keys, beta, values, indices
@@ -130,7 +149,7 @@ class CompactedHeads:
         values: torch.Tensor,
         indices: torch.Tensor,
         lengths: Sequence[int] | torch.Tensor,
-    ) -> "CompactedHeads":
+    ) -> CompactedHeads:
         """Pack ``[H, t_max, ...]`` tensors whose first ``lengths[h]`` slots are valid."""
         lengths = torch.as_tensor(lengths, dtype=torch.int64, device=keys.device)
         t_max = keys.shape[1]
@@ -144,7 +163,7 @@ class CompactedHeads:
         )
 
     @classmethod
-    def concat_slots(cls, parts: Sequence["CompactedHeads"]) -> "CompactedHeads":
+    def concat_slots(cls, parts: Sequence[CompactedHeads]) -> CompactedHeads:
         """Join several packings of the same ``H`` heads: head h gets the slots of head h of
         every part, ordered by original position (used to put exact template slots around
         compacted ones)."""
@@ -154,8 +173,14 @@ class CompactedHeads:
         if any(p.num_heads != num_heads for p in parts):
             raise ValueError("all parts must have the same number of heads")
         device = parts[0].keys.device
-        head_ids = torch.cat([torch.repeat_interleave(torch.arange(num_heads, device=device), p.head_budgets.to(device))
-                              for p in parts])
+        head_ids = torch.cat(
+            [
+                torch.repeat_interleave(
+                    torch.arange(num_heads, device=device), p.head_budgets.to(device)
+                )
+                for p in parts
+            ]
+        )
         indices = torch.cat([p.indices for p in parts])
         # sort key (head, position): positions are < 2**40, so one int64 key orders both
         order = torch.argsort(head_ids * (1 << 40) + indices, stable=True)
@@ -169,7 +194,9 @@ class CompactedHeads:
         )
 
     @classmethod
-    def exact(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> "CompactedHeads":
+    def exact(
+        cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> CompactedHeads:
         """Every key kept with ``beta = 0``: keys/values ``[H, T, d]``, positions ``[T]``."""
         h, t, _ = keys.shape
         return cls(

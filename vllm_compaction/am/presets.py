@@ -66,24 +66,48 @@ class FitOptions:
 
     def __post_init__(self) -> None:
         if self.beta not in BETA_MODES:
-            raise ValueError(f"beta must be one of {', '.join(BETA_MODES)}, got {self.beta!r}")
+            raise ValueError(
+                f"beta must be one of {', '.join(BETA_MODES)}, got {self.beta!r}"
+            )
         if self.values not in VALUE_MODES:
-            raise ValueError(f"values must be one of {', '.join(VALUE_MODES)}, got {self.values!r}")
-        bounds = self.beta_bounds.split(":") if isinstance(self.beta_bounds, str) else self.beta_bounds
+            raise ValueError(
+                f"values must be one of {', '.join(VALUE_MODES)}, got {self.values!r}"
+            )
+        bounds = (
+            self.beta_bounds.split(":")
+            if isinstance(self.beta_bounds, str)
+            else self.beta_bounds
+        )
         try:
             lo, hi = (float(b) for b in bounds)
         except (TypeError, ValueError):
             lo, hi = math.nan, math.nan
         if not lo <= hi:  # also refuses NaN
-            raise ValueError(f"beta_bounds must be a pair (lo, hi) or 'lo:hi' with lo <= hi, got {self.beta_bounds!r}")
+            raise ValueError(
+                f"beta_bounds must be a pair (lo, hi) or 'lo:hi' with lo <= hi, got {self.beta_bounds!r}"
+            )
         object.__setattr__(self, "beta_bounds", (lo, hi))
-        if not isinstance(self.beta_iters, int) or isinstance(self.beta_iters, bool) or self.beta_iters < 0:
-            raise ValueError(f"beta_iters must be a non-negative integer, got {self.beta_iters!r}")
-        if isinstance(self.value_anchor, bool) or not isinstance(self.value_anchor, (int, float)) \
-                or not math.isfinite(self.value_anchor) or self.value_anchor < 0:
-            raise ValueError(f"value_anchor must be a finite number >= 0, got {self.value_anchor!r}")
+        if (
+            not isinstance(self.beta_iters, int)
+            or isinstance(self.beta_iters, bool)
+            or self.beta_iters < 0
+        ):
+            raise ValueError(
+                f"beta_iters must be a non-negative integer, got {self.beta_iters!r}"
+            )
+        if (
+            isinstance(self.value_anchor, bool)
+            or not isinstance(self.value_anchor, (int, float))
+            or not math.isfinite(self.value_anchor)
+            or self.value_anchor < 0
+        ):
+            raise ValueError(
+                f"value_anchor must be a finite number >= 0, got {self.value_anchor!r}"
+            )
         if self.value_anchor and self.values != "lstsq":
-            raise ValueError(f"value_anchor applies to values='lstsq' only, not {self.values!r}")
+            raise ValueError(
+                f"value_anchor applies to values='lstsq' only, not {self.values!r}"
+            )
         object.__setattr__(self, "value_anchor", float(self.value_anchor))
 
 
@@ -94,11 +118,15 @@ class MethodSpec:
     checks it, with a caller's options on top, before any work."""
 
     selector: str
-    selector_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    selector_options: Mapping[str, Any] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
     fit: FitOptions = FitOptions()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "selector_options", MappingProxyType(dict(self.selector_options)))
+        object.__setattr__(
+            self, "selector_options", MappingProxyType(dict(self.selector_options))
+        )
 
 
 #: Attention Matching's fits: bounded NNLS for ``beta`` (paper: ``[-3, 3]``, 2 steps) and
@@ -127,26 +155,40 @@ class ResolvedMethod:
     @property
     def needs_reference(self) -> bool:
         """Whether the original attention must be computed (any step looks at queries)."""
-        return self.selector.needs_reference or self.fit.beta == "nnls" or self.fit.values == "lstsq"
+        return (
+            self.selector.needs_reference
+            or self.fit.beta == "nnls"
+            or self.fit.values == "lstsq"
+        )
 
 
-def resolve_method(spec: MethodSpec, options: Mapping[str, Any] | None = None, *,
-                   name: str | None = None) -> ResolvedMethod:
+def resolve_method(
+    spec: MethodSpec,
+    options: Mapping[str, Any] | None = None,
+    *,
+    name: str | None = None,
+) -> ResolvedMethod:
     """``spec`` with ``options`` applied on top; ``ValueError`` with a sentence on bad input.
 
     ``name`` (default: the selector's) names the method in messages and in the result."""
     if not isinstance(spec, MethodSpec):
-        raise TypeError(f"a method's math is a MethodSpec (named ones: vllm_compaction.recipes.RECIPES[name].math), "
-                        f"got {spec!r}")
+        raise TypeError(
+            f"a method's math is a MethodSpec (named ones: vllm_compaction.recipes.RECIPES[name].math), "
+            f"got {spec!r}"
+        )
     name = spec.selector if name is None else name
     options = dict(options or {})
     selector_name = options.pop("selector", spec.selector)
     if selector_name not in SELECTORS:
-        raise ValueError(f"unknown selector {selector_name!r}; valid selectors: {', '.join(SELECTORS)}")
+        raise ValueError(
+            f"unknown selector {selector_name!r}; valid selectors: {', '.join(SELECTORS)}"
+        )
     selector_cls = SELECTORS[selector_name]
     selector_fields = {f.name for f in dataclasses.fields(selector_cls)}
     fit_fields = {f.name for f in dataclasses.fields(FitOptions)}
-    base_selector = dict(spec.selector_options) if selector_name == spec.selector else {}
+    base_selector = (
+        dict(spec.selector_options) if selector_name == spec.selector else {}
+    )
     unknown = sorted((set(options) | set(base_selector)) - selector_fields - fit_fields)
     if unknown:
         valid = sorted(selector_fields | fit_fields | {"selector"})
@@ -155,9 +197,15 @@ def resolve_method(spec: MethodSpec, options: Mapping[str, Any] | None = None, *
         )
     base_selector.update({k: v for k, v in options.items() if k in selector_fields})
     selector = selector_cls(**base_selector)
-    fit = dataclasses.replace(spec.fit, **{k: v for k, v in options.items() if k in fit_fields})
+    fit = dataclasses.replace(
+        spec.fit, **{k: v for k, v in options.items() if k in fit_fields}
+    )
     if fit.beta == "selector" and not getattr(selector_cls, "provides_beta", False):
-        raise ValueError(f"beta='selector' needs a selector that fits weights (omp), not {selector_name!r}")
+        raise ValueError(
+            f"beta='selector' needs a selector that fits weights (omp), not {selector_name!r}"
+        )
     if fit.values == "selector" and not getattr(selector_cls, "provides_values", False):
-        raise ValueError(f"values='selector' needs a selector that builds values (kvmerger), not {selector_name!r}")
+        raise ValueError(
+            f"values='selector' needs a selector that builds values (kvmerger), not {selector_name!r}"
+        )
     return ResolvedMethod(name=name, selector=selector, fit=fit)

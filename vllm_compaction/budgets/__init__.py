@@ -3,8 +3,8 @@ global ranking scores keys (``scoring``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -93,5 +93,9 @@ def resolve_budgets(
             )
         budgets = shares_to_budgets(schedule.tensor(), ratio, n, layers)
     else:
-        raise ValueError(f"unknown budgets {mode!r}; choose from {', '.join(BUDGET_MODES)} or a .json file")
-    return cap_and_fill(budgets, n, layers, max_head_ratio=max_head_ratio, min_head_slots=min_head_slots)
+        raise ValueError(
+            f"unknown budgets {mode!r}; choose from {', '.join(BUDGET_MODES)} or a .json file"
+        )
+    return cap_and_fill(
+        budgets, n, layers, max_head_ratio=max_head_ratio, min_head_slots=min_head_slots
+    )

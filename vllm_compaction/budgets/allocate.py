@@ -46,7 +46,9 @@ def _round_to_total(weights: torch.Tensor, total: int) -> torch.Tensor:
     return base
 
 
-def uniform_budgets(ratio: float, n: int, layers: torch.Tensor, num_heads: int) -> torch.Tensor:
+def uniform_budgets(
+    ratio: float, n: int, layers: torch.Tensor, num_heads: int
+) -> torch.Tensor:
     """Same t for every compacted head (the total is spread with at most 1 slot difference)."""
     total = total_budget(ratio, n, layers, num_heads)
     weights = layers.double()[:, None].expand(-1, num_heads)
@@ -61,15 +63,27 @@ def check_budget_options(mode: str, *, min_layer_share: float | None = None) -> 
     """
     if min_layer_share is None:
         return
-    if isinstance(min_layer_share, bool) or not isinstance(min_layer_share, (int, float)) \
-            or not 0.0 <= min_layer_share <= 1.0:
-        raise ValueError(f"min_layer_share must be a number in [0, 1], got {min_layer_share!r}")
+    if (
+        isinstance(min_layer_share, bool)
+        or not isinstance(min_layer_share, (int, float))
+        or not 0.0 <= min_layer_share <= 1.0
+    ):
+        raise ValueError(
+            f"min_layer_share must be a number in [0, 1], got {min_layer_share!r}"
+        )
     if min_layer_share and mode != "global":
-        raise ValueError(f"min_layer_share applies to global budgets only, not {mode!r}")
+        raise ValueError(
+            f"min_layer_share applies to global budgets only, not {mode!r}"
+        )
 
 
-def global_budgets(scores: list[torch.Tensor | None], ratio: float, n: int, *,
-                   min_layer_share: float = 0.0) -> torch.Tensor:
+def global_budgets(
+    scores: list[torch.Tensor | None],
+    ratio: float,
+    n: int,
+    *,
+    min_layer_share: float = 0.0,
+) -> torch.Tensor:
     """KVzip's global selection: rank every (layer, head, key) score together, keep the top.
 
     Args:
@@ -84,7 +98,9 @@ def global_budgets(scores: list[torch.Tensor | None], ratio: float, n: int, *,
     layers = torch.tensor([s is not None for s in scores], device="cpu")
     num_heads = next(s.shape[0] for s in scores if s is not None)
     total = total_budget(ratio, n, layers, num_heads)
-    per_layer = torch.stack([s.flatten() for s in scores if s is not None])  # [L_c, H n]
+    per_layer = torch.stack(
+        [s.flatten() for s in scores if s is not None]
+    )  # [L_c, H n]
     keep = torch.zeros_like(per_layer, dtype=torch.bool)
     floor = min(per_layer.shape[1], int(min_layer_share * total / per_layer.shape[0]))
     if floor:
@@ -98,29 +114,42 @@ def global_budgets(scores: list[torch.Tensor | None], ratio: float, n: int, *,
     return budgets
 
 
-def pyramid_budgets(ratio: float, n: int, layers: torch.Tensor, num_heads: int, *,
-                    beta: float = 20.0) -> torch.Tensor:
+def pyramid_budgets(
+    ratio: float, n: int, layers: torch.Tensor, num_heads: int, *, beta: float = 20.0
+) -> torch.Tensor:
     """PyramidKV: layer budgets decrease linearly with depth (heads equal within a layer):
     the last compacted layer gets ``mean / beta``, the first ``2 * mean - mean / beta``."""
     compacted = torch.nonzero(layers).flatten()
     mean = ratio * n
     last = mean / beta
     first = 2 * mean - last
-    steps = torch.linspace(first, last, len(compacted), dtype=torch.float64, device="cpu")
+    steps = torch.linspace(
+        first, last, len(compacted), dtype=torch.float64, device="cpu"
+    )
     weights = torch.zeros(len(layers), num_heads, dtype=torch.float64, device="cpu")
     weights[compacted] = steps[:, None]
-    return cap_and_fill(_round_to_total(weights, total_budget(ratio, n, layers, num_heads)), n, layers)
+    return cap_and_fill(
+        _round_to_total(weights, total_budget(ratio, n, layers, num_heads)), n, layers
+    )
 
 
-def shares_to_budgets(shares: torch.Tensor, ratio: float, n: int, layers: torch.Tensor) -> torch.Tensor:
+def shares_to_budgets(
+    shares: torch.Tensor, ratio: float, n: int, layers: torch.Tensor
+) -> torch.Tensor:
     """A schedule's per-head shares ``[L, H]`` (summing to 1 over compacted heads) -> budgets."""
     shares = shares.double() * layers.double()[:, None]
     total = total_budget(ratio, n, layers, shares.shape[1])
     return cap_and_fill(_round_to_total(shares, total), n, layers)
 
 
-def cap_and_fill(budgets: torch.Tensor, n: int, layers: torch.Tensor, *, max_head_ratio: float = 1.0,
-                 min_head_slots: int = 0) -> torch.Tensor:
+def cap_and_fill(
+    budgets: torch.Tensor,
+    n: int,
+    layers: torch.Tensor,
+    *,
+    max_head_ratio: float = 1.0,
+    min_head_slots: int = 0,
+) -> torch.Tensor:
     """Clip every compacted head to ``[min_head_slots, ceil(max_head_ratio * n)]`` and hand the
     slots cut from capped heads to the others in proportion to their budgets (water-filling),
     keeping the total whenever it fits under the caps."""
@@ -133,13 +162,19 @@ def cap_and_fill(budgets: torch.Tensor, n: int, layers: torch.Tensor, *, max_hea
     out = torch.where(mask, budgets, torch.zeros_like(budgets))
     total = min(int(out.sum()), cap * int(mask.sum()))
     out = torch.where(mask, out.clamp(min_head_slots, cap), out)
-    for _ in range(64):  # each round saturates at least one head, so this converges quickly
+    for _ in range(
+        64
+    ):  # each round saturates at least one head, so this converges quickly
         missing = total - int(out.sum())
         room = torch.where(mask, cap - out, torch.zeros_like(out))
         if missing <= 0 or int(room.sum()) == 0:
             break
-        weights = torch.where(room > 0, out.double() + 1.0, torch.zeros_like(out, dtype=torch.float64))
-        out = out + torch.minimum(_round_to_total(weights, min(missing, int(room.sum()))), room)
+        weights = torch.where(
+            room > 0, out.double() + 1.0, torch.zeros_like(out, dtype=torch.float64)
+        )
+        out = out + torch.minimum(
+            _round_to_total(weights, min(missing, int(room.sum()))), room
+        )
     excess = int(out.sum()) - total
     if excess > 0:  # floors pushed the total up: take slots back from the largest heads
         spare = torch.where(mask, out - min_head_slots, torch.zeros_like(out))

@@ -34,7 +34,9 @@ class Schedule:
                 f"schedule shares have shape {tuple(t.shape)}, expected "
                 f"({self.num_layers}, {self.num_kv_heads})"
             )
-        if (t < 0).any() or not torch.isclose(t.sum(), torch.tensor(1.0, dtype=torch.float64, device="cpu"), atol=1e-6):
+        if (t < 0).any() or not torch.isclose(
+            t.sum(), torch.tensor(1.0, dtype=torch.float64, device="cpu"), atol=1e-6
+        ):
             raise ValueError("schedule shares must be >= 0 and sum to 1")
 
     def tensor(self) -> torch.Tensor:
@@ -46,17 +48,21 @@ class Schedule:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "Schedule":
+    def load(cls, path: str | Path) -> Schedule:
         try:
             data = json.loads(Path(path).read_text())
             return cls(**data)
         except (OSError, json.JSONDecodeError, TypeError) as exc:
-            raise ValueError(f"cannot read head-budget schedule {path}: {exc}") from None
+            raise ValueError(
+                f"cannot read head-budget schedule {path}: {exc}"
+            ) from None
 
 
 def packaged_schedule(model_name: str) -> Schedule | None:
     """The schedule shipped for a known model name, if any."""
-    ref = resources.files("vllm_compaction.budgets").joinpath("schedules", f"{model_name}.json")
+    ref = resources.files("vllm_compaction.budgets").joinpath(
+        "schedules", f"{model_name}.json"
+    )
     return Schedule.load(ref) if ref.is_file() else None
 
 
@@ -65,7 +71,9 @@ def load_schedule(spec: str, model_name: str) -> Schedule:
     if spec == "schedule":
         found = packaged_schedule(model_name)
         if found is None:
-            raise ValueError(f"no packaged head-budget schedule for model {model_name!r}; "
-                             "compute one with `vllm-compaction budgets compute`")
+            raise ValueError(
+                f"no packaged head-budget schedule for model {model_name!r}; "
+                "compute one with `vllm-compaction budgets compute`"
+            )
         return found
     return Schedule.load(spec)

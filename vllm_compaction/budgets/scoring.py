@@ -49,7 +49,9 @@ SCORE_OPTIONS = ("score_softmax", "score_aggregation", "score_weight_power")
 def check_score_softmax(softmax: str) -> None:
     """ValueError with a sentence unless ``softmax`` is a ``SCORE_SOFTMAXES`` name."""
     if softmax not in SCORE_SOFTMAXES:
-        raise ValueError(f"score_softmax must be one of {', '.join(SCORE_SOFTMAXES)}, got {softmax!r}")
+        raise ValueError(
+            f"score_softmax must be one of {', '.join(SCORE_SOFTMAXES)}, got {softmax!r}"
+        )
 
 
 def check_score_aggregation(aggregation: str, softmax: str) -> None:
@@ -61,7 +63,9 @@ def check_score_aggregation(aggregation: str, softmax: str) -> None:
         )
     if aggregation == "weighted-max" and softmax != "prefix":
         # the probe pass's own scores are a max taken inside the model run, before any weight
-        raise ValueError("score_aggregation='weighted-max' needs score_softmax='prefix'")
+        raise ValueError(
+            "score_aggregation='weighted-max' needs score_softmax='prefix'"
+        )
 
 
 def check_score_weight_power(power: float | None, aggregation: str) -> float | None:
@@ -71,9 +75,18 @@ def check_score_weight_power(power: float | None, aggregation: str) -> float | N
         return DEFAULT_SCORE_WEIGHT_POWER if aggregation == "weighted-max" else None
     if aggregation != "weighted-max":
         # the plain max uses no weight, so a power would be silently ignored
-        raise ValueError(f"score_weight_power needs score_aggregation='weighted-max', got {aggregation!r}")
-    if isinstance(power, bool) or not isinstance(power, (int, float)) or not math.isfinite(power) or power < 0:
-        raise ValueError(f"score_weight_power must be a finite number >= 0, got {power!r}")
+        raise ValueError(
+            f"score_weight_power needs score_aggregation='weighted-max', got {aggregation!r}"
+        )
+    if (
+        isinstance(power, bool)
+        or not isinstance(power, (int, float))
+        or not math.isfinite(power)
+        or power < 0
+    ):
+        raise ValueError(
+            f"score_weight_power must be a finite number >= 0, got {power!r}"
+        )
     return float(power)
 
 
@@ -89,8 +102,11 @@ class ScoreOptions:
 
     def as_options(self) -> dict[str, Any]:
         """The resolved values under their option names (what a cache records)."""
-        return {"score_softmax": self.softmax, "score_aggregation": self.aggregation,
-                "score_weight_power": self.weight_power}
+        return {
+            "score_softmax": self.softmax,
+            "score_aggregation": self.aggregation,
+            "score_weight_power": self.weight_power,
+        }
 
 
 def resolve_score_options(options: Mapping[str, Any]) -> ScoreOptions:

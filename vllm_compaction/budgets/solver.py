@@ -22,23 +22,35 @@ _EPS = 1e-9  # slack on ratio bounds against float rounding of k * step
 _MIN_GAIN = 1e-12  # a swap must lower the predicted loss by more than this
 
 
-def _check(curves: torch.Tensor, ratios: torch.Tensor, base_ratio: float, step: float) -> None:
+def _check(
+    curves: torch.Tensor, ratios: torch.Tensor, base_ratio: float, step: float
+) -> None:
     if curves.dim() != 2 or curves.shape[0] < 1:
-        raise ValueError(f"curves must be a [N, R] tensor with N >= 1 heads, got shape {tuple(curves.shape)}")
+        raise ValueError(
+            f"curves must be a [N, R] tensor with N >= 1 heads, got shape {tuple(curves.shape)}"
+        )
     if ratios.dim() != 1 or ratios.numel() != curves.shape[1] or ratios.numel() < 2:
-        raise ValueError(f"ratios must be [R] with R >= 2 matching curves' columns, got {tuple(ratios.shape)}")
+        raise ValueError(
+            f"ratios must be [R] with R >= 2 matching curves' columns, got {tuple(ratios.shape)}"
+        )
     if not torch.isfinite(curves).all():
         raise ValueError("curves must be finite")
     if (ratios.diff() <= 0).any() or ratios[0] < 0 or ratios[-1] > 1:
-        raise ValueError(f"ratios must increase strictly within [0, 1], got {ratios.tolist()}")
+        raise ValueError(
+            f"ratios must increase strictly within [0, 1], got {ratios.tolist()}"
+        )
     if not 0.0 < base_ratio <= 1.0:
         raise ValueError(f"base_ratio must be in (0, 1], got {base_ratio}")
     n = curves.shape[0]
     if not 0.0 < step <= 1.0 / n:
-        raise ValueError(f"step must be in (0, 1/N] = (0, {1.0 / n:.3g}] share units, got {step}")
+        raise ValueError(
+            f"step must be in (0, 1/N] = (0, {1.0 / n:.3g}] share units, got {step}"
+        )
 
 
-def interpolate_curves(curves: torch.Tensor, ratios: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+def interpolate_curves(
+    curves: torch.Tensor, ratios: torch.Tensor, rho: torch.Tensor
+) -> torch.Tensor:
     """``J_h(rho_h)`` for every head: piecewise-linear in the measured ``ratios [R]``.
 
     ``curves [N, R]``, ``rho [N]`` -> ``[N]``. ``rho`` is clipped to ``[0, 1]`` and then to the
@@ -109,7 +121,9 @@ def greedy_swap_shares(
         units[receiver] += 1
         moves += 1
     else:
-        logger.warning("greedy swaps stopped at max_iters=%d before converging", max_iters)
+        logger.warning(
+            "greedy swaps stopped at max_iters=%d before converging", max_iters
+        )
     shares = (1.0 / n + units * step).clamp_min(0.0)
     logger.info("greedy swaps: %d moves of %.3g share over %d heads", moves, step, n)
     return shares / shares.sum()

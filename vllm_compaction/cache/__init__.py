@@ -13,7 +13,12 @@ from vllm_compaction.cache.format import (
 )
 from vllm_compaction.cache.paged import PREFIX_LAYOUTS, PagedPacking
 from vllm_compaction.cache.serialize import load_cache, read_metadata, save_cache
-from vllm_compaction.cache.store import CacheKey, CacheStore, LocalDiskStore, validate_entry_id
+from vllm_compaction.cache.store import (
+    CacheKey,
+    CacheStore,
+    LocalDiskStore,
+    validate_entry_id,
+)
 
 __all__ = [
     "FORMAT_VERSION",

@@ -15,9 +15,10 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -66,11 +67,18 @@ def prefix_hash(token_ids: Sequence[int]) -> str:
     return hashlib.sha256(packed.tobytes()).hexdigest()
 
 
-def config_hash(method: str, ratio: float, options: dict, query_source: str, budgets: str) -> str:
+def config_hash(
+    method: str, ratio: float, options: dict, query_source: str, budgets: str
+) -> str:
     """Hex sha256 of everything about *how* a prefix was compacted."""
     return json_digest(
-        {"method": method, "ratio": float(ratio), "options": options,
-         "query_source": query_source, "budgets": budgets}
+        {
+            "method": method,
+            "ratio": float(ratio),
+            "options": options,
+            "query_source": query_source,
+            "budgets": budgets,
+        }
     )
 
 
@@ -101,23 +109,43 @@ class ModelFingerprint:
     dtype: str
     name: str = ""
 
-    _COMPARED = ("architecture", "num_layers", "num_kv_heads", "num_q_heads", "head_dim",
-                 "config_digest", "weights_digest", "dtype")
+    _COMPARED = (
+        "architecture",
+        "num_layers",
+        "num_kv_heads",
+        "num_q_heads",
+        "head_dim",
+        "config_digest",
+        "weights_digest",
+        "dtype",
+    )
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "num_q_heads", "head_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelFingerprint.{name} must be a positive int, got {value!r}.")
-        for name in ("architecture", "config_digest", "weights_digest", "dtype", "name"):
+                raise ValueError(
+                    f"ModelFingerprint.{name} must be a positive int, got {value!r}."
+                )
+        for name in (
+            "architecture",
+            "config_digest",
+            "weights_digest",
+            "dtype",
+            "name",
+        ):
             if not isinstance(getattr(self, name), str):
-                raise ValueError(f"ModelFingerprint.{name} must be a str, got {getattr(self, name)!r}.")
+                raise ValueError(
+                    f"ModelFingerprint.{name} must be a str, got {getattr(self, name)!r}."
+                )
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_q_heads={self.num_q_heads} must be a multiple of num_kv_heads={self.num_kv_heads}."
             )
 
-    def check_compatible(self, other: "ModelFingerprint", *, allow_dtype_cast: bool = True) -> None:
+    def check_compatible(
+        self, other: ModelFingerprint, *, allow_dtype_cast: bool = True
+    ) -> None:
         """Raise :class:`CacheMismatchError` naming the first field where ``other`` differs.
 
         ``self`` is the model the cache was built for, ``other`` the model it is used with. A
@@ -147,12 +175,14 @@ class ModelFingerprint:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelFingerprint":
+    def from_dict(cls, data: dict[str, Any]) -> ModelFingerprint:
         """Inverse of :meth:`to_dict`; ValueError on missing or unknown fields."""
         names = {f.name for f in dataclasses.fields(cls)}
         required = names - {"name"}
         if not isinstance(data, dict):
-            raise ValueError(f"A model fingerprint must be a dict, got {type(data).__name__}.")
+            raise ValueError(
+                f"A model fingerprint must be a dict, got {type(data).__name__}."
+            )
         if missing := sorted(required - data.keys()):
             raise ValueError(f"The model fingerprint lacks the fields {missing}.")
         if unknown := sorted(data.keys() - names):
@@ -196,15 +226,28 @@ class CompactedCache:
     created: float = field(default_factory=time.time)
 
     @classmethod
-    def identity(cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], token_ids: Sequence[int],
-                 model: ModelFingerprint) -> "CompactedCache":
+    def identity(
+        cls,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        token_ids: Sequence[int],
+        model: ModelFingerprint,
+    ) -> CompactedCache:
         """Every key kept at its position with ``beta = 0`` (t = T), from per-layer keys/values
         ``[H, T, d]`` (post-RoPE): served or decoded, it must reproduce the uncompacted prompt."""
         length = len(token_ids)
         positions = torch.arange(length, device=keys[0].device if len(keys) else "cpu")
         layers = [CompactedHeads.exact(k, v, positions) for k, v in zip(keys, values)]
-        return cls(layers=layers, logical_length=length, token_ids=list(token_ids), compacted_span=(0, length),
-                   layer_compacted=[False] * len(layers), model=model, method="none", ratio=1.0)
+        return cls(
+            layers=layers,
+            logical_length=length,
+            token_ids=list(token_ids),
+            compacted_span=(0, length),
+            layer_compacted=[False] * len(layers),
+            model=model,
+            method="none",
+            ratio=1.0,
+        )
 
     def __post_init__(self) -> None:
         self.layers = list(self.layers)
@@ -215,23 +258,33 @@ class CompactedCache:
         self.timings = {str(k): float(v) for k, v in self.timings.items()}
         self.ratio, self.created = float(self.ratio), float(self.created)
         if not math.isfinite(self.ratio) or self.ratio <= 0:
-            raise ValueError(f"ratio must be a finite positive number, got {self.ratio}.")
+            raise ValueError(
+                f"ratio must be a finite positive number, got {self.ratio}."
+            )
         self._check_lengths()
         for i, layer in enumerate(self.layers):
             self._check_layer(i, layer)
 
     def _check_lengths(self) -> None:
         if not isinstance(self.model, ModelFingerprint):
-            raise ValueError(f"model must be a ModelFingerprint, got {type(self.model).__name__}.")
+            raise ValueError(
+                f"model must be a ModelFingerprint, got {type(self.model).__name__}."
+            )
         t, n = self.logical_length, self.model.num_layers
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise ValueError(f"logical_length must be an int >= 0, got {t!r}.")
         if len(self.token_ids) != t:
-            raise ValueError(f"token_ids has {len(self.token_ids)} ids but logical_length is {t}.")
+            raise ValueError(
+                f"token_ids has {len(self.token_ids)} ids but logical_length is {t}."
+            )
         if len(self.layers) != n:
-            raise ValueError(f"The cache has {len(self.layers)} layers but the model has {n}.")
+            raise ValueError(
+                f"The cache has {len(self.layers)} layers but the model has {n}."
+            )
         if len(self.layer_compacted) != n:
-            raise ValueError(f"layer_compacted has {len(self.layer_compacted)} flags for {n} layers.")
+            raise ValueError(
+                f"layer_compacted has {len(self.layer_compacted)} flags for {n} layers."
+            )
         start, end = self.compacted_span if len(self.compacted_span) == 2 else (-1, -1)
         if not 0 <= start <= end <= t:
             raise ValueError(
@@ -240,20 +293,34 @@ class CompactedCache:
 
     def _check_layer(self, i: int, layer: CompactedHeads) -> None:
         if not isinstance(layer, CompactedHeads):
-            raise ValueError(f"Layer {i} is a {type(layer).__name__}, not CompactedHeads.")
-        if layer.num_heads != self.model.num_kv_heads or layer.head_dim != self.model.head_dim:
+            raise ValueError(
+                f"Layer {i} is a {type(layer).__name__}, not CompactedHeads."
+            )
+        if (
+            layer.num_heads != self.model.num_kv_heads
+            or layer.head_dim != self.model.head_dim
+        ):
             raise ValueError(
                 f"Layer {i} has {layer.num_heads} heads of dim {layer.head_dim}, but the model has "
                 f"{self.model.num_kv_heads} KV heads of dim {self.model.head_dim}."
             )
         first = self.layers[0]
-        if layer.keys.dtype != first.keys.dtype or layer.values.dtype != first.keys.dtype:
-            raise ValueError(f"Layer {i} keys/values are not all {first.keys.dtype} like layer 0's.")
+        if (
+            layer.keys.dtype != first.keys.dtype
+            or layer.values.dtype != first.keys.dtype
+        ):
+            raise ValueError(
+                f"Layer {i} keys/values are not all {first.keys.dtype} like layer 0's."
+            )
         if layer.beta.dtype != torch.float32 or layer.indices.dtype != torch.int64:
             raise ValueError(f"Layer {i} must have float32 beta and int64 indices.")
         idx = layer.indices
-        if layer.total_slots and (int(idx.min()) < 0 or int(idx.max()) >= self.logical_length):
-            raise ValueError(f"Layer {i} has slot indices outside [0, {self.logical_length}).")
+        if layer.total_slots and (
+            int(idx.min()) < 0 or int(idx.max()) >= self.logical_length
+        ):
+            raise ValueError(
+                f"Layer {i} has slot indices outside [0, {self.logical_length})."
+            )
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -278,11 +345,13 @@ class CompactedCache:
     def max_head_length(self) -> int:
         return int(self.head_lengths.max()) if self.layers else 0
 
-    def paged_packing(self, block_size: int) -> "PagedPacking":
+    def paged_packing(self, block_size: int) -> PagedPacking:
         """Where this cache's rows go in paged KV blocks of ``block_size`` when packed varlen."""
         return PagedPacking(self.head_lengths, self.model.head_dim, block_size)
 
-    def physical_tokens(self, layout: str = "padded", block_size: int | None = None) -> int:
+    def physical_tokens(
+        self, layout: str = "padded", block_size: int | None = None
+    ) -> int:
         """Token slots (placeholder prompt tokens) the prefix takes in a paged engine.
 
         ``varlen``: the packed rows in whole blocks of ``block_size`` (about ``sum(t) / (L*H)``);
@@ -305,13 +374,23 @@ class CompactedCache:
     def padded_nbytes(self) -> int:
         """Bytes of keys, values and beta if every head were padded to its layer's max."""
         per_slot = 2 * self.model.head_dim * self.dtype.itemsize + 4
-        return sum(int(lengths.max()) * lengths.numel() * per_slot for lengths in self.head_lengths)
+        return sum(
+            int(lengths.max()) * lengths.numel() * per_slot
+            for lengths in self.head_lengths
+        )
 
     @property
     def original_nbytes(self) -> int:
         """Bytes of the uncompacted keys and values: ``L * H * T * 2 * d * itemsize``."""
         m = self.model
-        return m.num_layers * m.num_kv_heads * self.logical_length * 2 * m.head_dim * self.dtype.itemsize
+        return (
+            m.num_layers
+            * m.num_kv_heads
+            * self.logical_length
+            * 2
+            * m.head_dim
+            * self.dtype.itemsize
+        )
 
     @property
     def compaction_ratio(self) -> float:
@@ -328,31 +407,50 @@ class CompactedCache:
 
     @property
     def config_hash(self) -> str:
-        return config_hash(self.method, self.ratio, self.options, self.query_source, self.budgets)
+        return config_hash(
+            self.method, self.ratio, self.options, self.query_source, self.budgets
+        )
 
     def fingerprint_key(self) -> str:
         """Hex digest of (model, prefix, config, format version): the store key's digest."""
-        return json_digest([FORMAT_VERSION, self.model.digest(), self.prefix_hash, self.config_hash])
+        return json_digest(
+            [FORMAT_VERSION, self.model.digest(), self.prefix_hash, self.config_hash]
+        )
 
     # ------------------------------------------------------------------ conversions
-    def to(self, dtype: torch.dtype | None = None,
-           device: torch.device | str | None = None) -> "CompactedCache":
+    def to(
+        self, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> CompactedCache:
         """A copy with keys/values cast to ``dtype`` and moved to ``device``; beta stays fp32."""
-        return dataclasses.replace(self, layers=[l.to(dtype=dtype, device=device) for l in self.layers])
+        return dataclasses.replace(
+            self, layers=[l.to(dtype=dtype, device=device) for l in self.layers]
+        )
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly description: shape, sizes, ratio, method and timings."""
         return {
             "model": self.model.name or self.model.architecture,
-            "num_layers": self.num_layers, "num_kv_heads": self.model.num_kv_heads,
-            "head_dim": self.model.head_dim, "dtype": str(self.dtype).removeprefix("torch."),
-            "logical_length": self.logical_length, "compacted_span": list(self.compacted_span),
-            "layers_compacted": sum(self.layer_compacted), "physical_slots": self.physical_slots,
-            "max_head_length": self.max_head_length, "nbytes": self.nbytes,
-            "padded_nbytes": self.padded_nbytes, "original_nbytes": self.original_nbytes,
-            "compaction_ratio": self.compaction_ratio, "method": self.method, "ratio": self.ratio,
-            "options": self.options, "query_source": self.query_source, "budgets": self.budgets,
-            "timings": dict(self.timings), "created": self.created, "prefix_hash": self.prefix_hash,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.model.num_kv_heads,
+            "head_dim": self.model.head_dim,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "logical_length": self.logical_length,
+            "compacted_span": list(self.compacted_span),
+            "layers_compacted": sum(self.layer_compacted),
+            "physical_slots": self.physical_slots,
+            "max_head_length": self.max_head_length,
+            "nbytes": self.nbytes,
+            "padded_nbytes": self.padded_nbytes,
+            "original_nbytes": self.original_nbytes,
+            "compaction_ratio": self.compaction_ratio,
+            "method": self.method,
+            "ratio": self.ratio,
+            "options": self.options,
+            "query_source": self.query_source,
+            "budgets": self.budgets,
+            "timings": dict(self.timings),
+            "created": self.created,
+            "prefix_hash": self.prefix_hash,
         }
 
     # ------------------------------------------------------------------ files
@@ -363,8 +461,13 @@ class CompactedCache:
         return save_cache(self, path)
 
     @classmethod
-    def load(cls, path: str | Path, *, expect_model: ModelFingerprint | None = None,
-             device: torch.device | str = "cpu") -> "CompactedCache":
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        expect_model: ModelFingerprint | None = None,
+        device: torch.device | str = "cpu",
+    ) -> CompactedCache:
         """Read and verify a file written by :meth:`save`.
 
         Raises:

@@ -62,12 +62,16 @@ class PagedPacking:
     def __post_init__(self) -> None:
         lengths = torch.as_tensor(self.head_lengths, dtype=torch.int64, device="cpu")
         if lengths.dim() != 2 or lengths.numel() == 0:
-            raise ValueError(f"head_lengths must be a non-empty [L, H] table, got shape {tuple(lengths.shape)}")
+            raise ValueError(
+                f"head_lengths must be a non-empty [L, H] table, got shape {tuple(lengths.shape)}"
+            )
         if (lengths < 0).any():
             raise ValueError("head lengths must be >= 0")
         if self.head_dim <= 0 or self.head_dim % 2 or self.block_size <= 0:
-            raise ValueError(f"head_dim must be even and positive and block_size positive "
-                             f"(got {self.head_dim}, {self.block_size})")
+            raise ValueError(
+                f"head_dim must be even and positive and block_size positive "
+                f"(got {self.head_dim}, {self.block_size})"
+            )
         object.__setattr__(self, "head_lengths", lengths.cpu())
 
     # ------------------------------------------------------------------ sizes
@@ -137,7 +141,9 @@ class PagedPacking:
 
     def layer_spans(self, layer: int) -> list[RegionSpan]:
         """The region pieces holding ``layer``'s rows, in row order."""
-        return self.spans(int(self.layer_offsets[layer]), int(self.layer_offsets[layer + 1]))
+        return self.spans(
+            int(self.layer_offsets[layer]), int(self.layer_offsets[layer + 1])
+        )
 
     def beta_spans(self, layer: int) -> tuple[list[RegionSpan], int]:
         """The region pieces of the beta rows that hold ``layer``'s betas, and how many betas of
@@ -168,13 +174,29 @@ class PagedPacking:
 
     def header(self) -> torch.Tensor:
         """The int32 header: magic, version, L, H, blocks, then ``t[l, h]`` row-major."""
-        fields = torch.tensor([PAGED_MAGIC, _PAGED_VERSION, self.num_layers, self.num_kv_heads,
-                               self.num_blocks], dtype=torch.int64, device="cpu")
+        fields = torch.tensor(
+            [
+                PAGED_MAGIC,
+                _PAGED_VERSION,
+                self.num_layers,
+                self.num_kv_heads,
+                self.num_blocks,
+            ],
+            dtype=torch.int64,
+            device="cpu",
+        )
         return torch.cat([fields, self.head_lengths.reshape(-1)]).to(torch.int32)
 
     @classmethod
-    def from_header(cls, words: torch.Tensor, *, num_layers: int, num_kv_heads: int,
-                    head_dim: int, block_size: int) -> "PagedPacking":
+    def from_header(
+        cls,
+        words: torch.Tensor,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+    ) -> PagedPacking:
         """Parse the header at the start of ``words`` (int32) and check it against the engine.
 
         Raises:
@@ -182,13 +204,25 @@ class PagedPacking:
         """
         words = words.reshape(-1).to(torch.int64)
         count = cls.header_words(num_layers, num_kv_heads)
-        if words.numel() < count or int(words[0]) != PAGED_MAGIC or int(words[1]) != _PAGED_VERSION:
+        if (
+            words.numel() < count
+            or int(words[0]) != PAGED_MAGIC
+            or int(words[1]) != _PAGED_VERSION
+        ):
             raise ValueError("the prefix blocks hold no packed-prefix header")
         if (int(words[2]), int(words[3])) != (num_layers, num_kv_heads):
-            raise ValueError(f"the packed prefix has {int(words[2])} layers x {int(words[3])} heads, "
-                             f"the engine {num_layers} x {num_kv_heads}")
-        packing = cls(words[_HEADER_FIELDS:count].reshape(num_layers, num_kv_heads), head_dim, block_size)
+            raise ValueError(
+                f"the packed prefix has {int(words[2])} layers x {int(words[3])} heads, "
+                f"the engine {num_layers} x {num_kv_heads}"
+            )
+        packing = cls(
+            words[_HEADER_FIELDS:count].reshape(num_layers, num_kv_heads),
+            head_dim,
+            block_size,
+        )
         if packing.num_blocks != int(words[4]):
-            raise ValueError(f"the packed-prefix header says {int(words[4])} blocks, its lengths "
-                             f"{packing.num_blocks}")
+            raise ValueError(
+                f"the packed-prefix header says {int(words[4])} blocks, its lengths "
+                f"{packing.num_blocks}"
+            )
         return packing

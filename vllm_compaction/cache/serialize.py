@@ -46,12 +46,24 @@ logger = logging.getLogger(__name__)
 FORMAT_NAME = "vllm_compaction.CompactedCache"
 _PARTS = ("keys", "values", "beta", "indices", "cu_seqlens")
 _MAX_HEADER = 256 * 1024 * 1024
-_META_FIELDS = ("logical_length", "compacted_span", "layer_compacted", "method", "ratio",
-                "options", "query_source", "budgets", "timings", "created")
+_META_FIELDS = (
+    "logical_length",
+    "compacted_span",
+    "layer_compacted",
+    "method",
+    "ratio",
+    "options",
+    "query_source",
+    "budgets",
+    "timings",
+    "created",
+)
 
 
 def _tensor_names(num_layers: int) -> list[str]:
-    return [f"layers.{i}.{part}" for i in range(num_layers) for part in _PARTS] + ["token_ids"]
+    return [f"layers.{i}.{part}" for i in range(num_layers) for part in _PARTS] + [
+        "token_ids"
+    ]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -62,7 +74,9 @@ def _tensors_sha256(tensors: dict[str, torch.Tensor], names: list[str]) -> str:
     digest = hashlib.sha256()
     for name in names:
         t = tensors[name].contiguous().reshape(-1)
-        digest.update(f"{name}|{_dtype_name(t.dtype)}|{list(tensors[name].shape)}|".encode())
+        digest.update(
+            f"{name}|{_dtype_name(t.dtype)}|{list(tensors[name].shape)}|".encode()
+        )
         digest.update(memoryview(t.view(torch.uint8).numpy()))
     return digest.hexdigest()
 
@@ -88,8 +102,12 @@ def save_cache(cache: CompactedCache, path: str | Path) -> Path:
     path = Path(path)
     tensors = _cpu_tensors(cache)
     meta = {name: getattr(cache, name) for name in _META_FIELDS}
-    meta.update(format_version=FORMAT_VERSION, num_layers=cache.num_layers,
-                dtype=_dtype_name(cache.dtype), model=cache.model.to_dict())
+    meta.update(
+        format_version=FORMAT_VERSION,
+        num_layers=cache.num_layers,
+        dtype=_dtype_name(cache.dtype),
+        model=cache.model.to_dict(),
+    )
     meta["compacted_span"] = list(cache.compacted_span)
     meta_json = json.dumps(meta, sort_keys=True, allow_nan=False)
     metadata = {
@@ -104,7 +122,9 @@ def save_cache(cache: CompactedCache, path: str | Path) -> Path:
     try:
         os.close(fd)
         safetensors.torch.save_file(tensors, tmp, metadata=metadata)
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a cache is readable like other files
+        os.chmod(
+            tmp, 0o644
+        )  # mkstemp makes it 0600; a cache is readable like other files
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -132,7 +152,9 @@ def _fsync_dir(directory: Path) -> None:
 def _parse_header(raw: bytes, file_size: int, path: Path) -> dict[str, str]:
     """The verified-format ``__metadata__`` from the first bytes of a file."""
     if len(raw) < 8:
-        raise CacheCorruptError(f"{path} is not a compacted cache: it is only {file_size} bytes long.")
+        raise CacheCorruptError(
+            f"{path} is not a compacted cache: it is only {file_size} bytes long."
+        )
     n = int.from_bytes(raw[:8], "little")
     if n > _MAX_HEADER or 8 + n > file_size:
         raise CacheCorruptError(
@@ -141,13 +163,19 @@ def _parse_header(raw: bytes, file_size: int, path: Path) -> dict[str, str]:
     try:
         header = json.loads(raw[8 : 8 + n].decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
-        raise CacheCorruptError(f"{path} is corrupt: its safetensors header is not JSON.") from None
+        raise CacheCorruptError(
+            f"{path} is corrupt: its safetensors header is not JSON."
+        ) from None
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
-        raise CacheCorruptError(f"{path} is a safetensors file but not a vllm-compaction cache.")
+        raise CacheCorruptError(
+            f"{path} is a safetensors file but not a vllm-compaction cache."
+        )
     version = metadata.get("format_version", "")
     if not isinstance(version, str) or not version.isdigit() or int(version) < 1:
-        raise CacheCorruptError(f"{path} is corrupt: unknown cache format version {version!r}.")
+        raise CacheCorruptError(
+            f"{path} is corrupt: unknown cache format version {version!r}."
+        )
     if int(version) > FORMAT_VERSION:
         raise CacheMismatchError(
             f"{path} uses cache format version {version}, newer than the supported version "
@@ -161,20 +189,28 @@ def _parse_meta(metadata: dict[str, str], path: Path) -> dict[str, Any]:
     if not isinstance(meta_json, str) or (
         hashlib.sha256(meta_json.encode()).hexdigest() != metadata.get("meta_sha256")
     ):
-        raise CacheCorruptError(f"{path} is corrupt: its metadata checksum does not match.")
+        raise CacheCorruptError(
+            f"{path} is corrupt: its metadata checksum does not match."
+        )
     try:
         meta = json.loads(meta_json)
         meta["model"] = ModelFingerprint.from_dict(meta["model"])
         dtype = getattr(torch, meta["dtype"])
-        if not isinstance(dtype, torch.dtype) or not isinstance(meta["num_layers"], int):
+        if not isinstance(dtype, torch.dtype) or not isinstance(
+            meta["num_layers"], int
+        ):
             raise ValueError("bad dtype or layer count")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CacheCorruptError(f"{path} is corrupt: its metadata is invalid ({exc}).") from None
+        raise CacheCorruptError(
+            f"{path} is corrupt: its metadata is invalid ({exc})."
+        ) from None
     meta["dtype"] = dtype
     return meta
 
 
-def read_metadata(path: str | Path, *, expect_model: ModelFingerprint | None = None) -> dict[str, Any]:
+def read_metadata(
+    path: str | Path, *, expect_model: ModelFingerprint | None = None
+) -> dict[str, Any]:
     """The verified metadata of a cache file without loading its tensors.
 
     Returns every :class:`CompactedCache` field except ``layers`` and ``token_ids``, plus
@@ -191,7 +227,9 @@ def read_metadata(path: str | Path, *, expect_model: ModelFingerprint | None = N
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise CacheCorruptError(f"{path} cannot be read: {exc.strerror or exc}.") from None
+        raise CacheCorruptError(
+            f"{path} cannot be read: {exc.strerror or exc}."
+        ) from None
     header = _parse_header(raw, size, path)
     meta = _parse_meta(header, path)
     meta["tensors_sha256"] = header.get("tensors_sha256", "")
@@ -200,15 +238,21 @@ def read_metadata(path: str | Path, *, expect_model: ModelFingerprint | None = N
     return meta
 
 
-def _check_model(built_for: ModelFingerprint, expect: ModelFingerprint, path: Path) -> None:
+def _check_model(
+    built_for: ModelFingerprint, expect: ModelFingerprint, path: Path
+) -> None:
     try:
         built_for.check_compatible(expect)
     except CacheMismatchError as exc:
         raise CacheMismatchError(f"{path}: {exc}") from None
 
 
-def load_cache(path: str | Path, *, expect_model: ModelFingerprint | None = None,
-               device: torch.device | str = "cpu") -> CompactedCache:
+def load_cache(
+    path: str | Path,
+    *,
+    expect_model: ModelFingerprint | None = None,
+    device: torch.device | str = "cpu",
+) -> CompactedCache:
     """Read, verify and return the cache at ``path`` (tensors moved to ``device``).
 
     Raises:
@@ -222,7 +266,9 @@ def load_cache(path: str | Path, *, expect_model: ModelFingerprint | None = None
     except FileNotFoundError:
         raise
     except OSError as exc:
-        raise CacheCorruptError(f"{path} cannot be read: {exc.strerror or exc}.") from None
+        raise CacheCorruptError(
+            f"{path} cannot be read: {exc.strerror or exc}."
+        ) from None
     metadata = _parse_header(data, len(data), path)
     meta = _parse_meta(metadata, path)
     if expect_model is not None:
@@ -230,20 +276,33 @@ def load_cache(path: str | Path, *, expect_model: ModelFingerprint | None = None
     try:
         tensors = safetensors.torch.load(data)
     except Exception as exc:  # safetensors raises its own untyped errors
-        raise CacheCorruptError(f"{path} is corrupt: safetensors cannot read it ({exc}).") from None
+        raise CacheCorruptError(
+            f"{path} is corrupt: safetensors cannot read it ({exc})."
+        ) from None
     names = _tensor_names(meta["num_layers"])
     if sorted(tensors) != sorted(names):
-        raise CacheCorruptError(f"{path} is corrupt: its tensor names do not match its metadata.")
+        raise CacheCorruptError(
+            f"{path} is corrupt: its tensor names do not match its metadata."
+        )
     if _tensors_sha256(tensors, names) != metadata.get("tensors_sha256"):
-        raise CacheCorruptError(f"{path} is corrupt: its tensor checksum does not match.")
+        raise CacheCorruptError(
+            f"{path} is corrupt: its tensor checksum does not match."
+        )
     cache = _build(tensors, meta, path)
     logger.debug("loaded compacted cache from %s", path)
     return cache if str(device) == "cpu" else cache.to(device=device)
 
 
-def _build(tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path) -> CompactedCache:
-    expected = {"beta": torch.float32, "indices": torch.int64, "cu_seqlens": torch.int32,
-                "keys": meta["dtype"], "values": meta["dtype"]}
+def _build(
+    tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path
+) -> CompactedCache:
+    expected = {
+        "beta": torch.float32,
+        "indices": torch.int64,
+        "cu_seqlens": torch.int32,
+        "keys": meta["dtype"],
+        "values": meta["dtype"],
+    }
     try:
         layers = []
         for i in range(meta["num_layers"]):
@@ -252,7 +311,13 @@ def _build(tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Path) -
                 raise ValueError(f"layer {i} has unexpected tensor dtypes")
             layers.append(CompactedHeads(**parts))
         fields = {name: meta[name] for name in _META_FIELDS}
-        return CompactedCache(layers=layers, token_ids=tensors["token_ids"].tolist(),
-                              model=meta["model"], **fields)
+        return CompactedCache(
+            layers=layers,
+            token_ids=tensors["token_ids"].tolist(),
+            model=meta["model"],
+            **fields,
+        )
     except (ValueError, KeyError, TypeError) as exc:
-        raise CacheCorruptError(f"{path} is corrupt: its contents are inconsistent ({exc}).") from None
+        raise CacheCorruptError(
+            f"{path} is corrupt: its contents are inconsistent ({exc})."
+        ) from None

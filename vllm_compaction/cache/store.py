@@ -12,9 +12,10 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from vllm_compaction.cache.format import (
     FORMAT_VERSION,
@@ -39,7 +40,9 @@ _STALE_TMP_S = 3600.0
 def validate_entry_id(entry_id: str) -> str:
     """Return ``entry_id`` if it matches ``[A-Za-z0-9_-]{1,128}``, else raise ValueError."""
     if not isinstance(entry_id, str) or not _ID_RE.fullmatch(entry_id):
-        raise ValueError(f"Cache entry id {entry_id!r} must match [A-Za-z0-9_-]{{1,128}}.")
+        raise ValueError(
+            f"Cache entry id {entry_id!r} must match [A-Za-z0-9_-]{{1,128}}."
+        )
     return entry_id
 
 
@@ -54,20 +57,33 @@ class CacheKey:
 
     def digest(self) -> str:
         """Hex sha256 of all fields; equals ``CompactedCache.fingerprint_key()``."""
-        return json_digest([self.format_version, self.model_digest, self.prefix_hash, self.config_hash])
+        return json_digest(
+            [self.format_version, self.model_digest, self.prefix_hash, self.config_hash]
+        )
 
     @classmethod
-    def for_cache(cls, cache: CompactedCache) -> "CacheKey":
+    def for_cache(cls, cache: CompactedCache) -> CacheKey:
         """The key of an existing cache."""
         return cls(cache.model.digest(), cache.prefix_hash, cache.config_hash)
 
     @classmethod
-    def for_request(cls, model: ModelFingerprint, token_ids: Sequence[int], *, method: str,
-                    ratio: float, options: dict[str, Any] | None = None, query_source: str = "",
-                    budgets: str = "") -> "CacheKey":
+    def for_request(
+        cls,
+        model: ModelFingerprint,
+        token_ids: Sequence[int],
+        *,
+        method: str,
+        ratio: float,
+        options: dict[str, Any] | None = None,
+        query_source: str = "",
+        budgets: str = "",
+    ) -> CacheKey:
         """The key a cache compacted with these settings would get (to look it up first)."""
-        return cls(model.digest(), prefix_hash(token_ids),
-                   config_hash(method, ratio, options or {}, query_source, budgets))
+        return cls(
+            model.digest(),
+            prefix_hash(token_ids),
+            config_hash(method, ratio, options or {}, query_source, budgets),
+        )
 
 
 @runtime_checkable
@@ -107,15 +123,23 @@ class LocalDiskStore:
     """
 
     def __init__(self, root: str | Path, max_bytes: int | None = None) -> None:
-        valid_int = isinstance(max_bytes, int) and not isinstance(max_bytes, bool) and max_bytes >= 0
+        valid_int = (
+            isinstance(max_bytes, int)
+            and not isinstance(max_bytes, bool)
+            and max_bytes >= 0
+        )
         if max_bytes is not None and not valid_int:
-            raise ValueError(f"max_bytes must be None or an int >= 0, got {max_bytes!r}.")
+            raise ValueError(
+                f"max_bytes must be None or an int >= 0, got {max_bytes!r}."
+            )
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._last_ns = 0
-        self._held: dict[str, float] = {}  # entry id -> monotonic time until which it is not evicted
+        self._held: dict[
+            str, float
+        ] = {}  # entry id -> monotonic time until which it is not evicted
         self._remove_stale_temps()
 
     def hold(self, entry_id: str, seconds: float) -> None:
@@ -152,8 +176,14 @@ class LocalDiskStore:
             self._touch(path)
             self._evict(keep=path)
 
-    def put_file(self, entry_id: str, source: str | Path, *, expect_model: ModelFingerprint | None = None,
-                 check: Callable[[CompactedCache], None] | None = None) -> CompactedCache:
+    def put_file(
+        self,
+        entry_id: str,
+        source: str | Path,
+        *,
+        expect_model: ModelFingerprint | None = None,
+        check: Callable[[CompactedCache], None] | None = None,
+    ) -> CompactedCache:
         """Verify the cache file ``source`` (checksums, model, ``check``) and move it in as ``entry_id``.
 
         ``source`` must be on the store's file system (the move is an atomic rename). Raises
@@ -183,7 +213,9 @@ class LocalDiskStore:
     def contains_id(self, entry_id: str) -> bool:
         return self.path_for(entry_id).is_file()
 
-    def verify_id(self, entry_id: str, *, expect_model: ModelFingerprint | None = None) -> str | None:
+    def verify_id(
+        self, entry_id: str, *, expect_model: ModelFingerprint | None = None
+    ) -> str | None:
         """Read an entry fully: None if it is sound, else the reason (a corrupt entry is moved to
         ``quarantine/``; a wrong-model one stays)."""
         path = self.path_for(entry_id)
@@ -231,7 +263,9 @@ class LocalDiskStore:
         return len(self.keys())
 
     # ------------------------------------------------------------------ internals
-    def _load(self, path: Path, expect_model: ModelFingerprint | None = None) -> CompactedCache:
+    def _load(
+        self, path: Path, expect_model: ModelFingerprint | None = None
+    ) -> CompactedCache:
         """Load an entry; a corrupt one is quarantined before its CacheCorruptError propagates."""
         try:
             return CompactedCache.load(path, expect_model=expect_model)
@@ -240,8 +274,11 @@ class LocalDiskStore:
             raise
 
     def _entries(self) -> list[Path]:
-        return [p for p in self.root.glob(f"*{_SUFFIX}")
-                if _ID_RE.fullmatch(p.name[: -len(_SUFFIX)]) and p.is_file()]
+        return [
+            p
+            for p in self.root.glob(f"*{_SUFFIX}")
+            if _ID_RE.fullmatch(p.name[: -len(_SUFFIX)]) and p.is_file()
+        ]
 
     def _stats(self) -> list[tuple[int, Path, int]]:
         """``(mtime_ns, path, size)`` of existing entries, oldest first."""
@@ -269,8 +306,12 @@ class LocalDiskStore:
         self._held = {k: until for k, until in self._held.items() if until > now}
         held = {self.path_for(k) for k in self._held}
         total = sum(_size(f) for f in self.root.rglob("*"))
-        quarantined = sorted((self.root / "quarantine").glob(f"*{_SUFFIX}"), key=lambda f: f.name)
-        victims = [(q, _size(q)) for q in quarantined] + [(p, size) for _, p, size in self._stats()]
+        quarantined = sorted(
+            (self.root / "quarantine").glob(f"*{_SUFFIX}"), key=lambda f: f.name
+        )
+        victims = [(q, _size(q)) for q in quarantined] + [
+            (p, size) for _, p, size in self._stats()
+        ]
         for path, size in victims:
             if total <= self.max_bytes:
                 break
@@ -280,8 +321,13 @@ class LocalDiskStore:
             total -= size
             logger.info("evicted %s (%d bytes) from %s", path.name, size, self.root)
         if total > self.max_bytes:
-            logger.warning("cache store %s holds %d bytes, over max_bytes=%d, because the newest "
-                           "entry alone exceeds it", self.root, total, self.max_bytes)
+            logger.warning(
+                "cache store %s holds %d bytes, over max_bytes=%d, because the newest "
+                "entry alone exceeds it",
+                self.root,
+                total,
+                self.max_bytes,
+            )
 
     def _quarantine(self, path: Path, exc: Exception) -> None:
         target_dir = self.root / "quarantine"
@@ -291,7 +337,9 @@ class LocalDiskStore:
             os.replace(path, target)
         except FileNotFoundError:
             return
-        logger.warning("quarantined corrupt cache entry %s to %s: %s", path.name, target, exc)
+        logger.warning(
+            "quarantined corrupt cache entry %s to %s: %s", path.name, target, exc
+        )
 
     def _remove_stale_temps(self) -> None:
         """Remove temp files left by writers that crashed more than an hour ago."""

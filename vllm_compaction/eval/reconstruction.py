@@ -23,16 +23,27 @@ class Reconstruction:
 
     @property
     def log_ppl_ratio(self) -> float:
-        return self.log_ppl_compacted / self.log_ppl_full if self.log_ppl_full > 0 else float("inf")
+        return (
+            self.log_ppl_compacted / self.log_ppl_full
+            if self.log_ppl_full > 0
+            else float("inf")
+        )
 
 
-def _scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _scores(
+    logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     logp = torch.log_softmax(logits.double(), dim=-1)
     return logp, -logp.gather(1, targets[:, None]).squeeze(1)
 
 
-def reconstruction(decoder, full_source, compacted_source, continuation_ids: list[int],
-                   answer_ids: list[int]) -> Reconstruction:
+def reconstruction(
+    decoder,
+    full_source,
+    compacted_source,
+    continuation_ids: list[int],
+    answer_ids: list[int],
+) -> Reconstruction:
     """Score ``answer_ids`` (generated from ``full_source`` after ``continuation_ids``) under both
     sources with the reference decoder (``decoder.logits``)."""
     if not answer_ids:
@@ -44,4 +55,9 @@ def reconstruction(decoder, full_source, compacted_source, continuation_ids: lis
     logp_full, nll_full = _scores(decoder.logits(full_source, ids)[span], targets)
     logp_comp, nll_comp = _scores(decoder.logits(compacted_source, ids)[span], targets)
     kl = (logp_full.exp() * (logp_full - logp_comp)).sum(-1)
-    return Reconstruction(float(nll_full.mean()), float(nll_comp.mean()), float(kl.mean()), len(answer_ids))
+    return Reconstruction(
+        float(nll_full.mean()),
+        float(nll_comp.mean()),
+        float(kl.mean()),
+        len(answer_ids),
+    )

@@ -26,12 +26,21 @@ from __future__ import annotations
 import random
 import re
 import string
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from vllm_compaction.corpus import haystack_text
-from vllm_compaction.eval.niah import (ANSWER_PREFIX, INSTRUCTION, KEYS, NEEDLE, QUESTION, NeedlePrompt,
-                                       context_prompt, insert_sentences, make_needle)
+from vllm_compaction.eval.niah import (
+    ANSWER_PREFIX,
+    INSTRUCTION,
+    KEYS,
+    NEEDLE,
+    QUESTION,
+    NeedlePrompt,
+    context_prompt,
+    insert_sentences,
+    make_needle,
+)
 
 __all__ = ["TaskInstance", "TASKS", "make_task", "task_prompt", "score_text"]
 
@@ -60,8 +69,11 @@ class TaskInstance:
 
 def score_text(text: str, answers: tuple[str, ...]) -> float:
     """Fraction of ``answers`` that occur in ``text`` as whole words (case-insensitive)."""
-    found = sum(re.search(rf"(?<![\w-]){re.escape(a)}(?![\w-])", text, re.IGNORECASE) is not None
-                for a in answers)
+    found = sum(
+        re.search(rf"(?<![\w-]){re.escape(a)}(?![\w-])", text, re.IGNORECASE)
+        is not None
+        for a in answers
+    )
     return found / len(answers)
 
 
@@ -75,12 +87,20 @@ def _number(rng: random.Random) -> str:
 
 def _niah(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
     inst = make_needle(tokenizer, n_tokens, seed=seed)
-    return TaskInstance("niah", seed, inst.context, QUESTION.format(key=inst.key),
-                        ANSWER_PREFIX.format(key=inst.key), (inst.value,))
+    return TaskInstance(
+        "niah",
+        seed,
+        inst.context,
+        QUESTION.format(key=inst.key),
+        ANSWER_PREFIX.format(key=inst.key),
+        (inst.value,),
+    )
 
 
 def _niah_ruler(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
-    return replace(_niah(tokenizer, n_tokens, seed), task="niah-ruler", instruction=INSTRUCTION)
+    return replace(
+        _niah(tokenizer, n_tokens, seed), task="niah-ruler", instruction=INSTRUCTION
+    )
 
 
 def _niah_multikey(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
@@ -88,11 +108,20 @@ def _niah_multikey(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
     keys = _keys(rng, 4)
     values = [_number(rng) for _ in keys]
     hay = haystack_text(n_tokens - 80, tokenizer, seed=seed)
-    context = insert_sentences(hay, [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)],
-                      [rng.uniform(0.1, 0.9) for _ in keys])
+    context = insert_sentences(
+        hay,
+        [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)],
+        [rng.uniform(0.1, 0.9) for _ in keys],
+    )
     asked = rng.randrange(len(keys))
-    return TaskInstance("niah-multikey", seed, context, QUESTION.format(key=keys[asked]),
-                        ANSWER_PREFIX.format(key=keys[asked]), (values[asked],))
+    return TaskInstance(
+        "niah-multikey",
+        seed,
+        context,
+        QUESTION.format(key=keys[asked]),
+        ANSWER_PREFIX.format(key=keys[asked]),
+        (values[asked],),
+    )
 
 
 def _niah_multivalue(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
@@ -100,10 +129,19 @@ def _niah_multivalue(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
     (key,) = _keys(rng, 1)
     values = [_number(rng) for _ in range(3)]
     hay = haystack_text(n_tokens - 60, tokenizer, seed=seed)
-    context = insert_sentences(hay, [NEEDLE.format(key=key, value=v) for v in values], [rng.uniform(0.1, 0.9) for _ in values])
-    return TaskInstance("niah-multivalue", seed, context,
-                        f"What are all the special magic numbers for {key} mentioned in the provided text?",
-                        f"The special magic numbers for {key} mentioned in the provided text are", tuple(values))
+    context = insert_sentences(
+        hay,
+        [NEEDLE.format(key=key, value=v) for v in values],
+        [rng.uniform(0.1, 0.9) for _ in values],
+    )
+    return TaskInstance(
+        "niah-multivalue",
+        seed,
+        context,
+        f"What are all the special magic numbers for {key} mentioned in the provided text?",
+        f"The special magic numbers for {key} mentioned in the provided text are",
+        tuple(values),
+    )
 
 
 def _var_names(rng: random.Random, n: int) -> list[str]:
@@ -115,49 +153,82 @@ def _var_names(rng: random.Random, n: int) -> list[str]:
     return names
 
 
-def _variable_tracking(tokenizer, n_tokens: int, seed: int, hops: int = 3) -> TaskInstance:
+def _variable_tracking(
+    tokenizer, n_tokens: int, seed: int, hops: int = 3
+) -> TaskInstance:
     rng = random.Random(seed)
     names = _var_names(rng, 2 * (hops + 1))
-    chain, distractor = names[: hops + 1], names[hops + 1:]
-    value, other = str(rng.randrange(10_000, 100_000)), str(rng.randrange(10_000, 100_000))
+    chain, distractor = names[: hops + 1], names[hops + 1 :]
+    value, other = (
+        str(rng.randrange(10_000, 100_000)),
+        str(rng.randrange(10_000, 100_000)),
+    )
     statements = []
     for vars_, val in ((chain, value), (distractor, other)):
         statements.append(f"VAR {vars_[0]} = {val}.")
-        statements += [f"VAR {vars_[i]} = VAR {vars_[i - 1]}." for i in range(1, len(vars_))]
+        statements += [
+            f"VAR {vars_[i]} = VAR {vars_[i - 1]}." for i in range(1, len(vars_))
+        ]
     depths = sorted(rng.uniform(0.05, 0.95) for _ in statements)
     hay = haystack_text(n_tokens - 15 * len(statements), tokenizer, seed=seed)
     # interleave the two chains, each in its own order
     chain_slots = set(rng.sample(range(len(statements)), hops + 1))
-    chain_statements, distractor_statements = iter(statements[: hops + 1]), iter(statements[hops + 1:])
-    placed = [next(chain_statements if slot in chain_slots else distractor_statements)
-              for slot in range(len(statements))]
+    chain_statements, distractor_statements = (
+        iter(statements[: hops + 1]),
+        iter(statements[hops + 1 :]),
+    )
+    placed = [
+        next(chain_statements if slot in chain_slots else distractor_statements)
+        for slot in range(len(statements))
+    ]
     context = insert_sentences(hay, placed, depths)
-    return TaskInstance("variable-tracking", seed, context,
-                        f"Find all variables that are assigned the value {value} in the text above.",
-                        f"Answer: the variables assigned the value {value} are", tuple(chain))
+    return TaskInstance(
+        "variable-tracking",
+        seed,
+        context,
+        f"Find all variables that are assigned the value {value} in the text above.",
+        f"Answer: the variables assigned the value {value} are",
+        tuple(chain),
+    )
 
 
 def _common_words(tokenizer, n_tokens: int, seed: int, top: int = 10) -> TaskInstance:
     rng = random.Random(seed)
-    vocabulary = sorted({w.lower() for w in re.findall(r"\b[a-zA-Z]{5,10}\b",
-                                                       haystack_text(4000, tokenizer, seed=seed))})
+    vocabulary = sorted(
+        {
+            w.lower()
+            for w in re.findall(
+                r"\b[a-zA-Z]{5,10}\b", haystack_text(4000, tokenizer, seed=seed)
+            )
+        }
+    )
     rng.shuffle(vocabulary)
     common, rare = vocabulary[:top], vocabulary[top:]
     words: list[str] = []
     text = ""
     rare_left = iter(rare)
-    while True:  # rounds of every common word once plus two rare words, until n_tokens is full
+    while (
+        True
+    ):  # rounds of every common word once plus two rare words, until n_tokens is full
         batch = common + [next(rare_left, rng.choice(rare)) for _ in range(2)]
         rng.shuffle(batch)
         candidate = words + batch
         candidate_text = " ".join(f"{i + 1}. {w}" for i, w in enumerate(candidate))
-        if len(tokenizer(candidate_text, add_special_tokens=False)["input_ids"]) > n_tokens - 20:
+        if (
+            len(tokenizer(candidate_text, add_special_tokens=False)["input_ids"])
+            > n_tokens - 20
+        ):
             break
         words, text = candidate, candidate_text
     context = "Below is a numbered list of words.\n" + text
-    return TaskInstance("common-words", seed, context,
-                        f"What are the {top} most common words in the list above?",
-                        f"Answer: the {top} most common words in the list are", tuple(common))
+    return TaskInstance(
+        "common-words",
+        seed,
+        context,
+        f"What are the {top} most common words in the list above?",
+        f"Answer: the {top} most common words in the list are",
+        tuple(common),
+    )
 
 
 #: open questions about the context, each answered at length by the model (never scored)
@@ -172,9 +243,15 @@ ESSAY_ANSWER_TOKENS = 96
 
 def _essay_questions(tokenizer, n_tokens: int, seed: int) -> TaskInstance:
     rng = random.Random(seed)
-    return TaskInstance("essay-questions", seed, haystack_text(n_tokens, tokenizer, seed=seed),
-                        ESSAY_QUESTIONS[rng.randrange(len(ESSAY_QUESTIONS))], "", (),
-                        answer_tokens=ESSAY_ANSWER_TOKENS)
+    return TaskInstance(
+        "essay-questions",
+        seed,
+        haystack_text(n_tokens, tokenizer, seed=seed),
+        ESSAY_QUESTIONS[rng.randrange(len(ESSAY_QUESTIONS))],
+        "",
+        (),
+        answer_tokens=ESSAY_ANSWER_TOKENS,
+    )
 
 
 TASKS: dict[str, Callable[..., TaskInstance]] = {
@@ -196,5 +273,10 @@ def make_task(task: str, tokenizer, n_tokens: int = 2000, *, seed: int) -> TaskI
 
 def task_prompt(adapter, instance: TaskInstance) -> NeedlePrompt:
     """Split the chat prompt of an instance at the end of its context (the compacted span)."""
-    return context_prompt(adapter, instance.context, instance.question, instance.answer_prefix,
-                          instance.instruction)
+    return context_prompt(
+        adapter,
+        instance.context,
+        instance.question,
+        instance.answer_prefix,
+        instance.instruction,
+    )

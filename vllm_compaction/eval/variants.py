@@ -3,12 +3,14 @@ joined by ``;`` (or ``,``), each in the method syntax of ``vllm_compaction.recip
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from vllm_compaction.recipes import RECIPE_KEYS, parse_method
 
 __all__ = ["MethodVariant", "parse_variant", "parse_variants"]
+
 
 @dataclass(frozen=True)
 class MethodVariant:
@@ -28,10 +30,14 @@ def parse_variant(spec: str) -> MethodVariant:
     takes), its recipe overrides split from its options."""
     method, overrides = parse_method(spec)
     pipeline = {k: overrides.pop(k) for k in RECIPE_KEYS if k in overrides}
-    return MethodVariant(label=spec, method=method, pipeline=pipeline, options=overrides)
+    return MethodVariant(
+        label=spec, method=method, pipeline=pipeline, options=overrides
+    )
 
 
-def parse_variants(spec: str, known: Iterable[str] | None = None) -> list[MethodVariant]:
+def parse_variants(
+    spec: str, known: Iterable[str] | None = None
+) -> list[MethodVariant]:
     """Variants separated by ``;``, or by ``,`` when there is no ``;``. With commas, a piece
     that is an override (``key=value``, never a method name) belongs to the variant before it,
     so ``"am-omp-fast:seed_share=0.25,max_rounds=8,kvzip"`` is two variants. ``known`` (the
@@ -52,6 +58,8 @@ def parse_variants(spec: str, known: Iterable[str] | None = None) -> list[Method
         known = list(known)
         for variant in variants:
             if variant.method not in known:
-                raise ValueError(f"unknown method {variant.method!r} in {variant.label!r}; "
-                                 f"choose from {', '.join(known)}")
+                raise ValueError(
+                    f"unknown method {variant.method!r} in {variant.label!r}; "
+                    f"choose from {', '.join(known)}"
+                )
     return variants

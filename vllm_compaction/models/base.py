@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Sequence
+from typing import ClassVar
 
 import torch
 
@@ -55,14 +56,18 @@ class PrefixKV:
 
     def exact_prefix(self) -> list[PrefixLayer]:
         positions = torch.arange(self.length, device=self.keys[0].device)
-        return [PrefixLayer.exact(k, v, positions) for k, v in zip(self.keys, self.values)]
+        return [
+            PrefixLayer.exact(k, v, positions) for k, v in zip(self.keys, self.values)
+        ]
 
 
 @dataclass
 class ForwardResult:
     logits: torch.Tensor | None  # [L_kept, vocab] float32
     run: AttentionRun
-    hidden: torch.Tensor | None = None  # [L, hidden] final hidden states, when no logits were asked for
+    hidden: torch.Tensor | None = (
+        None  # [L, hidden] final hidden states, when no logits were asked for
+    )
 
 
 class ModelAdapter:
@@ -72,14 +77,24 @@ class ModelAdapter:
     # RoPE variants for which rotating keys by a constant re-bases them exactly (rope_type).
     rebasable_rope: ClassVar[tuple[str, ...]] = ("default", "linear", "llama3", "yarn")
 
-    def __init__(self, model: torch.nn.Module, tokenizer, path: Path | None = None, name: str = ""):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        path: Path | None = None,
+        name: str = "",
+    ):
         runtime.install()
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.chat = ChatTokenizer(tokenizer)
         self.path = Path(path) if path is not None else None
         self.name = name
-        self.config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = (
+            model.config.get_text_config()
+            if hasattr(model.config, "get_text_config")
+            else model.config
+        )
         model.config._attn_implementation = runtime.ATTN_IMPLEMENTATION
         self.config._attn_implementation = runtime.ATTN_IMPLEMENTATION
         self._check_rope()
@@ -96,11 +111,16 @@ class ModelAdapter:
 
     @property
     def num_kv_heads(self) -> int:
-        return int(getattr(self.config, "num_key_value_heads", None) or self.num_q_heads)
+        return int(
+            getattr(self.config, "num_key_value_heads", None) or self.num_q_heads
+        )
 
     @property
     def head_dim(self) -> int:
-        return int(getattr(self.config, "head_dim", None) or self.config.hidden_size // self.num_q_heads)
+        return int(
+            getattr(self.config, "head_dim", None)
+            or self.config.hidden_size // self.num_q_heads
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -129,7 +149,11 @@ class ModelAdapter:
         return [float(m.scaling) for m in self._attention_modules()]
 
     def _attention_modules(self) -> list[torch.nn.Module]:
-        mods = [m for m in self.model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")]
+        mods = [
+            m
+            for m in self.model.modules()
+            if hasattr(m, "layer_idx") and hasattr(m, "scaling")
+        ]
         mods.sort(key=lambda m: m.layer_idx)
         if len(mods) != self.num_layers:
             raise UnsupportedModelError(
@@ -138,10 +162,22 @@ class ModelAdapter:
         return mods
 
     def _check_rope(self) -> None:
-        rope = getattr(self.config, "rope_scaling", None) or getattr(self.config, "rope_parameters", None) or {}
-        kinds = {rope.get("rope_type", rope.get("type", "default"))} if isinstance(rope, dict) else {"default"}
+        rope = (
+            getattr(self.config, "rope_scaling", None)
+            or getattr(self.config, "rope_parameters", None)
+            or {}
+        )
+        kinds = (
+            {rope.get("rope_type", rope.get("type", "default"))}
+            if isinstance(rope, dict)
+            else {"default"}
+        )
         if isinstance(rope, dict) and any(isinstance(v, dict) for v in rope.values()):
-            kinds = {v.get("rope_type", "default") for v in rope.values() if isinstance(v, dict)}
+            kinds = {
+                v.get("rope_type", "default")
+                for v in rope.values()
+                if isinstance(v, dict)
+            }
         bad = kinds - set(self.rebasable_rope)
         if bad:
             raise UnsupportedModelError(
@@ -150,10 +186,15 @@ class ModelAdapter:
             )
 
     def fingerprint(self) -> ModelFingerprint:
-        if self._fingerprint is None and self.path is not None and (Path(self.path) / "config.json").is_file():
+        if (
+            self._fingerprint is None
+            and self.path is not None
+            and (Path(self.path) / "config.json").is_file()
+        ):
             # from the files, so the serving engine (which loads the same folder) agrees
             self._fingerprint = checkpoint_fingerprint(
-                self.path, dtype=str(self.dtype).removeprefix("torch."), name=self.name)
+                self.path, dtype=str(self.dtype).removeprefix("torch."), name=self.name
+            )
         if self._fingerprint is None:
             cfg = json.dumps(self.config.to_dict(), sort_keys=True, default=str)
             weights = hashlib.sha256()
@@ -161,9 +202,17 @@ class ModelAdapter:
                 weights.update(name.encode())
                 flat = tensor.detach().contiguous().view(-1)
                 # digest a strided sample: fast, still changes with any re-trained weight
-                weights.update(flat[:: max(1, flat.numel() // 4096)].float().cpu().numpy().tobytes())
+                weights.update(
+                    flat[:: max(1, flat.numel() // 4096)]
+                    .float()
+                    .cpu()
+                    .numpy()
+                    .tobytes()
+                )
             self._fingerprint = ModelFingerprint(
-                architecture=(self.config.architectures or [type(self.model).__name__])[0],
+                architecture=(self.config.architectures or [type(self.model).__name__])[
+                    0
+                ],
                 num_layers=self.num_layers,
                 num_kv_heads=self.num_kv_heads,
                 num_q_heads=self.num_q_heads,
@@ -180,19 +229,27 @@ class ModelAdapter:
     def has_chat_template(self) -> bool:
         return self.chat.has_chat_template
 
-    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> str:
+    def render(
+        self, messages: Sequence[dict], *, add_generation_prompt: bool = False
+    ) -> str:
         return self.chat.render(messages, add_generation_prompt=add_generation_prompt)
 
-    def chat_ids(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> list[int]:
+    def chat_ids(
+        self, messages: Sequence[dict], *, add_generation_prompt: bool = False
+    ) -> list[int]:
         return self.chat.chat_ids(messages, add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         """Plain text -> token ids, without special tokens."""
         return self.chat.encode(text)
 
-    def turn_ids(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    def turn_ids(
+        self, messages: Sequence[dict], *, add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of ``messages`` continuing an existing conversation (see ``ChatTokenizer``)."""
-        return self._chat_call(self.chat.turn_ids, messages, add_generation_prompt=add_generation_prompt)
+        return self._chat_call(
+            self.chat.turn_ids, messages, add_generation_prompt=add_generation_prompt
+        )
 
     def chat_content(self, messages: Sequence[dict]) -> tuple[list[int], torch.Tensor]:
         """Token ids of a conversation and a ``[T]`` bool mask of its message-content tokens."""
@@ -230,31 +287,54 @@ class ModelAdapter:
         device = self.device
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=device).reshape(1, -1)
         positions = positions.to(device=device, dtype=torch.long).reshape(-1)
-        segments = torch.zeros_like(positions) if segments is None else segments.to(device=device, dtype=torch.long)
+        segments = (
+            torch.zeros_like(positions)
+            if segments is None
+            else segments.to(device=device, dtype=torch.long)
+        )
         if run is None:
-            run = AttentionRun(positions=positions, segments=segments,
-                               prefix=list(prefix) if prefix else [None] * self.num_layers, **run_options)
+            run = AttentionRun(
+                positions=positions,
+                segments=segments,
+                prefix=list(prefix) if prefix else [None] * self.num_layers,
+                **run_options,
+            )
         else:
             run.advance(positions, segments)
         with runtime.activate(run):
             if isinstance(logits_to_keep, int) and logits_to_keep == 0:
-                out = self._base_model()(input_ids=ids, position_ids=positions[None], use_cache=False)
+                out = self._base_model()(
+                    input_ids=ids, position_ids=positions[None], use_cache=False
+                )
                 return ForwardResult(None, run, out.last_hidden_state[0])
-            out = self.model(input_ids=ids, position_ids=positions[None], use_cache=False,
-                             logits_to_keep=logits_to_keep)
+            out = self.model(
+                input_ids=ids,
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=logits_to_keep,
+            )
         return ForwardResult(out.logits[0].float(), run)
 
     @torch.inference_mode()
-    def token_surprisal(self, token_ids: Sequence[int] | torch.Tensor, *, hidden: torch.Tensor | None = None,
-                        chunk: int = 512) -> torch.Tensor:
+    def token_surprisal(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        *,
+        hidden: torch.Tensor | None = None,
+        chunk: int = 512,
+    ) -> torch.Tensor:
         """``[T]`` float32 negative log-likelihood (nats) of every token given the ones before it
         (0 for the first). ``hidden [T, hidden]``: the prefix's final hidden states
         (``PrefixKV.last_hidden``), else one pass of the decoder computes them. The vocabulary
         projection runs ``chunk`` rows at a time, so a long prefix never holds its ``[T, vocab]``
         logits."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(
+            -1
+        )
         if hidden is None:
-            hidden = self.forward(ids, torch.arange(ids.numel(), device=self.device)).hidden
+            hidden = self.forward(
+                ids, torch.arange(ids.numel(), device=self.device)
+            ).hidden
         head = self.model.get_output_embeddings()
         softcap = getattr(self.config, "final_logit_softcapping", None)
         nll = torch.zeros(ids.numel(), dtype=torch.float32, device=self.device)
@@ -263,18 +343,32 @@ class ModelAdapter:
             logits = head(hidden[rows]).float()
             if softcap:
                 logits = torch.tanh(logits / softcap) * softcap
-            targets = ids[rows.start + 1:rows.stop + 1]
-            nll[rows.start + 1:rows.stop + 1] = -torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+            targets = ids[rows.start + 1 : rows.stop + 1]
+            nll[rows.start + 1 : rows.stop + 1] = -torch.log_softmax(logits, -1).gather(
+                1, targets[:, None]
+            )[:, 0]
         return nll
 
     def _base_model(self) -> torch.nn.Module:
-        return self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
+        return (
+            self.model.get_decoder()
+            if hasattr(self.model, "get_decoder")
+            else self.model.model
+        )
 
-    def prefill(self, token_ids: Sequence[int] | torch.Tensor, *, capture_queries: bool = True) -> PrefixKV:
+    def prefill(
+        self, token_ids: Sequence[int] | torch.Tensor, *, capture_queries: bool = True
+    ) -> PrefixKV:
         """Keys/values (and pooled queries) of every layer for a prefix, positions 0..T-1."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
-        res = self.forward(ids, torch.arange(ids.numel(), device=self.device), capture_kv=True,
-                           capture_queries=capture_queries)
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(
+            -1
+        )
+        res = self.forward(
+            ids,
+            torch.arange(ids.numel(), device=self.device),
+            capture_kv=True,
+            capture_queries=capture_queries,
+        )
         run = res.run
         layers = range(self.num_layers)
         return PrefixKV(
@@ -304,12 +398,19 @@ class ModelAdapter:
         ``temperature == 0``.
         """
         if not continuation_ids:
-            raise ValueError("generation needs at least one continuation token after the prefix")
+            raise ValueError(
+                "generation needs at least one continuation token after the prefix"
+            )
         stops = set(stop_ids if stop_ids is not None else self.stop_token_ids())
         generator = torch.Generator(device=self.device).manual_seed(seed)
         n = len(continuation_ids)
-        res = self.forward(continuation_ids, torch.arange(logical_length, logical_length + n, device=self.device),
-                           prefix=prefix, logits_to_keep=1, keep_kv=True)
+        res = self.forward(
+            continuation_ids,
+            torch.arange(logical_length, logical_length + n, device=self.device),
+            prefix=prefix,
+            logits_to_keep=1,
+            keep_kv=True,
+        )
         first_logits, logits, run = res.logits[-1], res.logits[-1], res.run
         out: list[int] = []
         position = logical_length + n
@@ -322,7 +423,12 @@ class ModelAdapter:
             out.append(token)
             if token in stops or len(out) == max_new_tokens:
                 break
-            res = self.forward([token], torch.tensor([position], device=self.device), logits_to_keep=1, run=run)
+            res = self.forward(
+                [token],
+                torch.tensor([position], device=self.device),
+                logits_to_keep=1,
+                run=run,
+            )
             logits, position = res.logits[-1], position + 1
         return out, first_logits
 

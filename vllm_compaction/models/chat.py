@@ -6,13 +6,13 @@ both render turns identically.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
 __all__ = ["ChatTokenizer", "ChatTemplateError", "Continuation"]
 
-Continuation = Union[str, Sequence[int], Sequence[dict]]
+Continuation = str | Sequence[int] | Sequence[dict]
 """What follows a prefix: text, token ids, or chat messages."""
 
 
@@ -30,16 +30,22 @@ class ChatTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> str:
+    def render(
+        self, messages: Sequence[dict], *, add_generation_prompt: bool = False
+    ) -> str:
         """The conversation as text: the chat template, or for base models without one,
         the contents separated by blank lines (a BOS is added when tokenizing)."""
         if self.has_chat_template:
             return self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+                list(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         return "".join(f"{m['content']}\n\n" for m in messages)
 
-    def chat_ids(self, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> list[int]:
+    def chat_ids(
+        self, messages: Sequence[dict], *, add_generation_prompt: bool = False
+    ) -> list[int]:
         if not self.has_chat_template:
             return self._tokenize(self.render(messages), special=True)
         ids = self.tokenizer.apply_chat_template(
@@ -50,13 +56,18 @@ class ChatTokenizer:
         return [int(i) for i in ids]
 
     def _tokenize(self, text: str, *, special: bool) -> list[int]:
-        return [int(i) for i in self.tokenizer(text, add_special_tokens=special)["input_ids"]]
+        return [
+            int(i)
+            for i in self.tokenizer(text, add_special_tokens=special)["input_ids"]
+        ]
 
     def encode(self, text: str) -> list[int]:
         """Plain text -> token ids, without special tokens."""
         return self._tokenize(text, special=False)
 
-    def turn_ids(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    def turn_ids(
+        self, messages: Sequence[dict], *, add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of ``messages`` as they continue an existing conversation.
 
         Rendered after a fixed system turn and stripped of it, so no default system prompt or
@@ -67,10 +78,14 @@ class ChatTokenizer:
             return self.encode(self.render(messages))
         anchor = [{"role": "system", "content": "."}]
         base = self.chat_ids(anchor)
-        full = self.chat_ids(anchor + list(messages), add_generation_prompt=add_generation_prompt)
+        full = self.chat_ids(
+            anchor + list(messages), add_generation_prompt=add_generation_prompt
+        )
         if full[: len(base)] != base:
-            raise ChatTemplateError("the chat template does not render turns incrementally")
-        return full[len(base):]
+            raise ChatTemplateError(
+                "the chat template does not render turns incrementally"
+            )
+        return full[len(base) :]
 
     def continuation_ids(self, continuation: Continuation) -> list[int]:
         """What follows a prefix: text -> plain tokens; chat messages -> their turn tokens with
@@ -80,9 +95,13 @@ class ChatTokenizer:
         items = list(continuation)
         if items and all(isinstance(m, dict) for m in items):
             return self.turn_ids(items, add_generation_prompt=True)
-        if items and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):
+        if items and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items
+        ):
             return [int(t) for t in items]
-        raise ValueError("the continuation must be text, a non-empty list of token ids, or chat messages")
+        raise ValueError(
+            "the continuation must be text, a non-empty list of token ids, or chat messages"
+        )
 
     def chat_content(self, messages: Sequence[dict]) -> tuple[list[int], torch.Tensor]:
         """Token ids of a conversation and a ``[T]`` bool mask of its message-content tokens.
@@ -92,16 +111,23 @@ class ChatTokenizer:
         """
         check_messages(messages)
         text = self.render(messages)
-        enc = self.tokenizer(text, add_special_tokens=not self.has_chat_template,
-                             return_offsets_mapping=True)
+        enc = self.tokenizer(
+            text,
+            add_special_tokens=not self.has_chat_template,
+            return_offsets_mapping=True,
+        )
         ids = [int(i) for i in enc["input_ids"]]
         if ids != self.chat_ids(messages):
-            raise ChatTemplateError("the tokenizer does not reproduce the chat template's tokens")
+            raise ChatTemplateError(
+                "the tokenizer does not reproduce the chat template's tokens"
+            )
         spans, cursor = [], 0
         for m in messages:
             start = text.find(m["content"], cursor)
             if start < 0:
-                raise ChatTemplateError("a message's content is not verbatim in the chat template")
+                raise ChatTemplateError(
+                    "a message's content is not verbatim in the chat template"
+                )
             spans.append((start, start + len(m["content"])))
             cursor = start + len(m["content"])
         mask = torch.zeros(len(ids), dtype=torch.bool, device="cpu")
@@ -113,7 +139,13 @@ class ChatTokenizer:
 def check_messages(messages: Sequence[dict]) -> None:
     """ValueError unless every message is a dict with a 'role' and a string 'content'."""
     if isinstance(messages, (str, bytes)) or not len(messages):
-        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        raise ValueError(
+            "messages must be a non-empty list of {'role', 'content'} dicts"
+        )
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("content"), str)
+            or "role" not in m
+        ):
             raise ValueError("each message needs a 'role' and a string 'content'")

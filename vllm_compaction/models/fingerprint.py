@@ -18,7 +18,12 @@ from vllm_compaction.cache.format import ModelFingerprint, json_digest
 __all__ = ["checkpoint_fingerprint"]
 
 # config keys that differ between tools reading the same checkpoint, not between models
-_VOLATILE_CONFIG_KEYS = ("transformers_version", "torch_dtype", "dtype", "_name_or_path")
+_VOLATILE_CONFIG_KEYS = (
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "_name_or_path",
+)
 _MANIFEST_NAME = "vllm_compaction_model.json"
 
 
@@ -44,11 +49,15 @@ def _weights_digest(folder: Path) -> str:
         stat = path.stat()
         entry = listed.get(path.name) or {}
         sha = entry.get("sha256") if entry.get("size") == stat.st_size else None
-        digest.update(f"{path.name}:{sha or _file_sha256(str(path), stat.st_size, stat.st_mtime_ns)};".encode())
+        digest.update(
+            f"{path.name}:{sha or _file_sha256(str(path), stat.st_size, stat.st_mtime_ns)};".encode()
+        )
     return digest.hexdigest()
 
 
-def checkpoint_fingerprint(folder: str | Path, *, dtype: str = "float32", name: str = "") -> ModelFingerprint:
+def checkpoint_fingerprint(
+    folder: str | Path, *, dtype: str = "float32", name: str = ""
+) -> ModelFingerprint:
     """The fingerprint of the HF checkpoint in ``folder`` (``config.json`` + weights)."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())

@@ -41,19 +41,30 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"unknown device {device!r}: use cpu, cuda, cuda:N or auto ({exc})") from None
+        raise ValueError(
+            f"unknown device {device!r}: use cpu, cuda, cuda:N or auto ({exc})"
+        ) from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} asked for, but no CUDA GPU is visible here")
+            raise ValueError(
+                f"device {device!r} asked for, but no CUDA GPU is visible here"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s) are visible")
+            raise ValueError(
+                f"device {device!r} asked for, but only {torch.cuda.device_count()} GPU(s) are visible"
+            )
     elif dev.type != "cpu":
-        raise ValueError(f"device {device!r} is not supported: use cpu, cuda, cuda:N or auto")
+        raise ValueError(
+            f"device {device!r} is not supported: use cpu, cuda, cuda:N or auto"
+        )
     return dev
 
 
-def load_adapter(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device | None = "cpu") -> ModelAdapter:
+def load_adapter(
+    name_or_path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device | None = "cpu",
+) -> ModelAdapter:
     """Load (and cache) the adapter of a known model name or a checkpoint folder on ``device``
     (``"auto"``: CUDA when available); every stage of a compaction with it runs there.
 
@@ -63,14 +74,18 @@ def load_adapter(name_or_path: str | Path, dtype: torch.dtype = torch.float32,
 
 
 @functools.lru_cache(maxsize=2)
-def _load_adapter(name_or_path: str | Path, dtype: torch.dtype, device: torch.device) -> ModelAdapter:
+def _load_adapter(
+    name_or_path: str | Path, dtype: torch.dtype, device: torch.device
+) -> ModelAdapter:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve(name_or_path)
     config = AutoConfig.from_pretrained(path)
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     cls = adapter_class(arch)
-    logger.info("loading %s (%s) from %s in %s on %s", name_or_path, arch, path, dtype, device)
+    logger.info(
+        "loading %s (%s) from %s in %s on %s", name_or_path, arch, path, dtype, device
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     name = str(name_or_path) if not Path(str(name_or_path)).exists() else path.name

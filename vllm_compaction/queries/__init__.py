@@ -30,8 +30,16 @@ __all__ = [
 ]
 
 QUERY_SOURCES: dict[str, type] = {
-    cls.name: cls for cls in (ContextPrefill, RepeatPrefill, QuotePrefill, SurpriseQuote, SelfStudy, MockQuestion,
-                          RandomVectors)
+    cls.name: cls
+    for cls in (
+        ContextPrefill,
+        RepeatPrefill,
+        QuotePrefill,
+        SurpriseQuote,
+        SelfStudy,
+        MockQuestion,
+        RandomVectors,
+    )
 }
 
 
@@ -44,8 +52,10 @@ def split_weight(part: str) -> tuple[str, int]:
     if not star:
         return name.strip(), 1
     if not weight.strip().isdigit() or not 1 <= int(weight) <= MAX_SOURCE_WEIGHT:
-        raise ValueError(f"a query source's weight is an integer from 1 to {MAX_SOURCE_WEIGHT} "
-                         f"after '*', got {part.strip()!r}")
+        raise ValueError(
+            f"a query source's weight is an integer from 1 to {MAX_SOURCE_WEIGHT} "
+            f"after '*', got {part.strip()!r}"
+        )
     return name.strip(), int(weight)
 
 
@@ -84,8 +94,10 @@ def split_source(part: str) -> tuple[str, int | str | None, int]:
     if per.strip() == AUTO_SPACING:
         return base.strip(), AUTO_SPACING, weight
     if not per.strip().isdigit() or int(per) < MIN_SPACING:
-        raise ValueError(f"a query source's spacing is a whole number of content tokens >= {MIN_SPACING} or "
-                         f"'auto' after '/', got {part.strip()!r}")
+        raise ValueError(
+            f"a query source's spacing is a whole number of content tokens >= {MIN_SPACING} or "
+            f"'auto' after '/', got {part.strip()!r}"
+        )
     return base.strip(), int(per), weight
 
 
@@ -97,7 +109,9 @@ def resolve_spacing(spec: str, ratio: float) -> str:
     for part in spec.split("+"):
         name, per, weight = split_source(part)
         if per == AUTO_SPACING:
-            part = f"{name}/{auto_spacing(ratio)}" + (f"*{weight}" if weight > 1 else "")
+            part = f"{name}/{auto_spacing(ratio)}" + (
+                f"*{weight}" if weight > 1 else ""
+            )
         resolved.append(part)
     return "+".join(resolved)
 
@@ -127,16 +141,38 @@ def parse_sources(spec: str) -> list[QuerySource]:
         raise ValueError("empty query source; choose from " + ", ".join(QUERY_SOURCES))
     unknown = [n for n, _, _ in parts if n not in QUERY_SOURCES]
     if unknown:
-        raise ValueError(f"unknown query source {unknown[0]!r}; choose from {', '.join(QUERY_SOURCES)}")
-    static = [n for n, _, w in parts if w > 1 and not getattr(QUERY_SOURCES[n], "runs_probes", True)]
+        raise ValueError(
+            f"unknown query source {unknown[0]!r}; choose from {', '.join(QUERY_SOURCES)}"
+        )
+    static = [
+        n
+        for n, _, w in parts
+        if w > 1 and not getattr(QUERY_SOURCES[n], "runs_probes", True)
+    ]
     if static:
-        raise ValueError(f"a weight (*k) applies to sources that run probes, not to {static[0]!r}")
-    unspaced = [n for n, per, _ in parts if per is not None and not hasattr(QUERY_SOURCES[n], "tokens_per_span")]
+        raise ValueError(
+            f"a weight (*k) applies to sources that run probes, not to {static[0]!r}"
+        )
+    unspaced = [
+        n
+        for n, per, _ in parts
+        if per is not None and not hasattr(QUERY_SOURCES[n], "tokens_per_span")
+    ]
     if unspaced:
-        raise ValueError(f"a spacing (/n) applies to sources that probe spans (surprise-quote), not to {unspaced[0]!r}")
+        raise ValueError(
+            f"a spacing (/n) applies to sources that probe spans (surprise-quote), not to {unspaced[0]!r}"
+        )
     if any(per == AUTO_SPACING for _, per, _ in parts):
         # compact() knows its ratio and resolves it; a prepared prefix is planned for one spacing
-        raise ValueError(f"'/{AUTO_SPACING}' takes the spacing from the compaction ratio: compact() resolves it, "
-                         f"elsewhere call resolve_spacing(spec, ratio) first; got {spec!r}")
-    sources = [QUERY_SOURCES[n]() if per is None else QUERY_SOURCES[n](tokens_per_span=per) for n, per, _ in parts]
-    return [source if w == 1 else Weighted(source, w) for source, (_, _, w) in zip(sources, parts)]
+        raise ValueError(
+            f"'/{AUTO_SPACING}' takes the spacing from the compaction ratio: compact() resolves it, "
+            f"elsewhere call resolve_spacing(spec, ratio) first; got {spec!r}"
+        )
+    sources = [
+        QUERY_SOURCES[n]() if per is None else QUERY_SOURCES[n](tokens_per_span=per)
+        for n, per, _ in parts
+    ]
+    return [
+        source if w == 1 else Weighted(source, w)
+        for source, (_, _, w) in zip(sources, parts)
+    ]

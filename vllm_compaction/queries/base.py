@@ -32,7 +32,7 @@ class PrefixSpec:
 
     token_ids: torch.Tensor
     compact_mask: torch.Tensor
-    kv: "PrefixKV"
+    kv: PrefixKV
 
     @property
     def length(self) -> int:
@@ -72,10 +72,11 @@ class QueryPlan:
         if self.weights is None:
             self.weights = [1] * len(self.continuations)
         if len(self.weights) != len(self.continuations) or any(
-                isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in self.weights):
+            isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in self.weights
+        ):
             raise ValueError("weights needs one integer >= 1 per continuation")
 
-    def merge(self, other: "QueryPlan") -> "QueryPlan":
+    def merge(self, other: QueryPlan) -> QueryPlan:
         return QueryPlan(
             continuations=self.continuations + other.continuations,
             record_from=self.record_from + other.record_from,
@@ -84,11 +85,13 @@ class QueryPlan:
             random_vectors=self.random_vectors + other.random_vectors,
         )
 
-    def weighted(self, weight: int) -> "QueryPlan":
+    def weighted(self, weight: int) -> QueryPlan:
         """This plan with every continuation's weight multiplied by ``weight``."""
         if self.prefix_queries or self.random_vectors:
-            raise ValueError("a weight applies to sources that run continuations, not to "
-                             "context-prefill or random-vectors")
+            raise ValueError(
+                "a weight applies to sources that run continuations, not to "
+                "context-prefill or random-vectors"
+            )
         return dataclasses.replace(self, weights=[w * weight for w in self.weights])
 
 
@@ -97,4 +100,4 @@ class QuerySource(Protocol):
 
     name: str
 
-    def plan(self, adapter: "ModelAdapter", prefix: PrefixSpec) -> QueryPlan: ...
+    def plan(self, adapter: ModelAdapter, prefix: PrefixSpec) -> QueryPlan: ...

@@ -9,7 +9,7 @@ rest of the pass runs on it: that is on-policy compaction without re-running the
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -28,13 +28,28 @@ OnLayer = Callable[[int, torch.Tensor], PrefixLayer | None]
 class QueryCollector:
     """Builds each layer's reference queries ``[H_kv, n, d]`` (float32) from a plan."""
 
-    def __init__(self, adapter, prefix: PrefixSpec, plan: QueryPlan, *, cap: int = DEFAULT_QUERY_CAP,
-                 seed: int = 0):
+    def __init__(
+        self,
+        adapter,
+        prefix: PrefixSpec,
+        plan: QueryPlan,
+        *,
+        cap: int = DEFAULT_QUERY_CAP,
+        seed: int = 0,
+    ):
         if cap <= 0:
             raise ValueError(f"the per-head query cap must be positive, got {cap}")
-        self.adapter, self.prefix, self.plan, self.cap, self.seed = adapter, prefix, plan, cap, seed
+        self.adapter, self.prefix, self.plan, self.cap, self.seed = (
+            adapter,
+            prefix,
+            plan,
+            cap,
+            seed,
+        )
         ids, positions, segments, token_weights = [], [], [], []
-        for seg, (cont, start, weight) in enumerate(zip(plan.continuations, plan.record_from, plan.weights)):
+        for seg, (cont, start, weight) in enumerate(
+            zip(plan.continuations, plan.record_from, plan.weights)
+        ):
             ids += cont
             positions += range(prefix.length, prefix.length + len(cont))
             segments += [seg] * len(cont)
@@ -46,7 +61,9 @@ class QueryCollector:
         # how many times each continuation token's queries count in the fits (0: not recorded);
         # a weight is carried to the fits (``weights``), not a second run: its queries would be
         # identical
-        self.token_weights = torch.tensor(token_weights, dtype=torch.long, device=device)
+        self.token_weights = torch.tensor(
+            token_weights, dtype=torch.long, device=device
+        )
         self.record = self.token_weights > 0
 
     @property
@@ -61,16 +78,26 @@ class QueryCollector:
 
     def _static(self, layer: int) -> list[torch.Tensor]:
         parts = []
-        prefix_q = self.prefix.kv.queries[layer] if self.prefix.kv.queries is not None else None
+        prefix_q = (
+            self.prefix.kv.queries[layer]
+            if self.prefix.kv.queries is not None
+            else None
+        )
         if self.plan.prefix_queries:
             parts.append(prefix_q.float())
         if self.plan.random_vectors:
             if prefix_q is None:
-                raise ValueError("random-vectors needs the prefix's queries to scale by their norm")
+                raise ValueError(
+                    "random-vectors needs the prefix's queries to scale by their norm"
+                )
             norm = prefix_q.float().norm(dim=-1).mean(dim=-1)  # [H]
-            gen = torch.Generator(device=self.device).manual_seed(self.seed * 1000 + layer)
+            gen = torch.Generator(device=self.device).manual_seed(
+                self.seed * 1000 + layer
+            )
             h, d = prefix_q.shape[0], prefix_q.shape[-1]
-            vec = torch.randn(h, self.plan.random_vectors, d, generator=gen, device=self.device)
+            vec = torch.randn(
+                h, self.plan.random_vectors, d, generator=gen, device=self.device
+            )
             parts.append(vec / vec.norm(dim=-1, keepdim=True) * norm[:, None, None])
         return parts
 
@@ -79,7 +106,11 @@ class QueryCollector:
         outer, token inner)."""
         h, gl, d = pooled.shape
         length = self.record.numel()
-        return pooled.reshape(h, gl // length, length, d)[:, :, self.record].reshape(h, -1, d).float()
+        return (
+            pooled.reshape(h, gl // length, length, d)[:, :, self.record]
+            .reshape(h, -1, d)
+            .float()
+        )
 
     def _capped(self, layer: int, rows: int) -> torch.Tensor | None:
         """Sorted indices of the ``cap`` rows a layer keeps out of ``rows`` (uniform, seeded by
@@ -87,10 +118,16 @@ class QueryCollector:
         if rows <= self.cap:
             return None
         gen = torch.Generator(device=self.device).manual_seed(self.seed * 1000 + layer)
-        return torch.randperm(rows, generator=gen, device=self.device)[: self.cap].sort().values
+        return (
+            torch.randperm(rows, generator=gen, device=self.device)[: self.cap]
+            .sort()
+            .values
+        )
 
     def combine(self, layer: int, pooled: torch.Tensor | None) -> torch.Tensor:
-        parts = self._static(layer) + ([self._recorded(pooled)] if pooled is not None else [])
+        parts = self._static(layer) + (
+            [self._recorded(pooled)] if pooled is not None else []
+        )
         if not parts:
             raise ValueError("the query plan produced no reference queries")
         queries = torch.cat(parts, dim=1)
@@ -107,24 +144,37 @@ class QueryCollector:
         if self.plan.prefix_queries:
             static += self.prefix.kv.queries[layer].shape[1]
         group = self.adapter.num_q_heads // self.adapter.num_kv_heads
-        recorded = self.token_weights[self.record].repeat(group)  # the rows' order in _recorded
-        rows = torch.cat([torch.ones(static, dtype=torch.long, device=self.device), recorded]).float()
+        recorded = self.token_weights[self.record].repeat(
+            group
+        )  # the rows' order in _recorded
+        rows = torch.cat(
+            [torch.ones(static, dtype=torch.long, device=self.device), recorded]
+        ).float()
         keep = self._capped(layer, rows.numel())
         return rows if keep is None else rows[keep]
 
-    def run(self, prefix: list[PrefixLayer | None], on_layer: OnLayer | None = None) -> list[torch.Tensor]:
+    def run(
+        self, prefix: list[PrefixLayer | None], on_layer: OnLayer | None = None
+    ) -> list[torch.Tensor]:
         """Each layer's reference queries; ``on_layer`` may swap in that layer's compacted prefix."""
         return self._run(prefix, on_layer, score_prefix=False)[0]
 
-    def run_scored(self, prefix: list[PrefixLayer | None]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    def run_scored(
+        self, prefix: list[PrefixLayer | None]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """``run`` plus, per layer, ``[H_kv, P]`` prefix-slot scores from the recorded
         continuation rows: each slot's largest weight in the softmax of the real pass, whose
         denominator includes the continuation's own tokens (``None`` without continuations or
         for layers without a prefix). The static queries (prefix, random vectors) are not in it."""
         return self._run(prefix, None, score_prefix=True)
 
-    def _run(self, prefix: list[PrefixLayer | None], on_layer: OnLayer | None, *,
-             score_prefix: bool) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    def _run(
+        self,
+        prefix: list[PrefixLayer | None],
+        on_layer: OnLayer | None,
+        *,
+        score_prefix: bool,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         layers = range(self.adapter.num_layers)
         out: dict[int, torch.Tensor] = {}
         if self.num_continuation_tokens == 0:
@@ -138,6 +188,12 @@ class QueryCollector:
             out[layer] = self.combine(layer, pooled)
             return on_layer(layer, out[layer]) if on_layer is not None else None
 
-        res = self.adapter.forward(self.ids, self.positions, prefix=prefix, segments=self.segments,
-                                   on_queries=on_queries, score_rows=self.record if score_prefix else None)
+        res = self.adapter.forward(
+            self.ids,
+            self.positions,
+            prefix=prefix,
+            segments=self.segments,
+            on_queries=on_queries,
+            score_rows=self.record if score_prefix else None,
+        )
         return [out[i] for i in layers], [res.run.prefix_scores.get(i) for i in layers]

@@ -13,7 +13,9 @@ __all__ = ["ContextPrefill"]
 @dataclass
 class ContextPrefill:
     name: str = "context-prefill"
-    runs_probes: ClassVar[bool] = False  # its queries need no run, so they take no weight
+    runs_probes: ClassVar[bool] = (
+        False  # its queries need no run, so they take no weight
+    )
 
     def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
         return QueryPlan(prefix_queries=True)

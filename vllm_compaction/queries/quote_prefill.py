@@ -29,14 +29,24 @@ __all__ = ["QuotePrefill", "QUOTE_INSTRUCTION", "quote_probe"]
 QUOTE_INSTRUCTION = 'Continue the text above from "{lead}"'
 
 
-def quote_probe(adapter, content: list[int], start: int, lead: int, window: int,
-                instruction: str = QUOTE_INSTRUCTION) -> list[int]:
+def quote_probe(
+    adapter,
+    content: list[int],
+    start: int,
+    lead: int,
+    window: int,
+    instruction: str = QUOTE_INSTRUCTION,
+) -> list[int]:
     """The user turn quoting ``content[start - lead:start]``, then ``content[start:start + window]``
     teacher-forced as the answer."""
     # one line: a newline inside the quote would read as the end of the instruction
-    quote = " ".join(adapter.tokenizer.decode(content[max(0, start - lead):start]).split())
-    turn = adapter.turn_ids([{"role": "user", "content": instruction.format(lead=quote)}])
-    return turn + content[start:start + window]
+    quote = " ".join(
+        adapter.tokenizer.decode(content[max(0, start - lead) : start]).split()
+    )
+    turn = adapter.turn_ids(
+        [{"role": "user", "content": instruction.format(lead=quote)}]
+    )
+    return turn + content[start : start + window]
 
 
 @dataclass
@@ -48,10 +58,23 @@ class QuotePrefill:
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.lead < 1:
-            raise ValueError(f"quote-prefill needs window >= 1 and lead >= 1, got {self.window} and {self.lead}")
+            raise ValueError(
+                f"quote-prefill needs window >= 1 and lead >= 1, got {self.window} and {self.lead}"
+            )
 
     def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
         content = prefix.content_ids
-        continuations = [quote_probe(adapter, content, start + self.lead, self.lead, self.window, self.instruction)
-                         for start in range(0, max(1, len(content) - self.lead), self.window)]
-        return QueryPlan(continuations=continuations, record_from=[0] * len(continuations))
+        continuations = [
+            quote_probe(
+                adapter,
+                content,
+                start + self.lead,
+                self.lead,
+                self.window,
+                self.instruction,
+            )
+            for start in range(0, max(1, len(content) - self.lead), self.window)
+        ]
+        return QueryPlan(
+            continuations=continuations, record_from=[0] * len(continuations)
+        )

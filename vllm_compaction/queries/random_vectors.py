@@ -13,7 +13,9 @@ __all__ = ["RandomVectors"]
 @dataclass
 class RandomVectors:
     name: str = "random-vectors"
-    runs_probes: ClassVar[bool] = False  # its queries need no run, so they take no weight
+    runs_probes: ClassVar[bool] = (
+        False  # its queries need no run, so they take no weight
+    )
     count: int = 4096
 
     def __post_init__(self) -> None:

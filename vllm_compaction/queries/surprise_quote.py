@@ -42,8 +42,8 @@ def surprising_spans(surprisal: torch.Tensor, span: int, count: int) -> list[int
     for start in torch.argsort(sums, descending=True, stable=True).tolist():
         if len(starts) >= count:
             break
-        if not taken[start:start + span].any():
-            taken[start:start + span] = True
+        if not taken[start : start + span].any():
+            taken[start : start + span] = True
             starts.append(start)
     return sorted(starts)
 
@@ -60,20 +60,38 @@ class SurpriseQuote:
     instruction: str = QUOTE_INSTRUCTION
 
     def __post_init__(self) -> None:
-        if min(self.span, self.window, self.lead, self.tokens_per_span) < 1 or self.margin < 0:
-            raise ValueError("surprise-quote needs span, window, lead, tokens_per_span >= 1 and margin >= 0")
+        if (
+            min(self.span, self.window, self.lead, self.tokens_per_span) < 1
+            or self.margin < 0
+        ):
+            raise ValueError(
+                "surprise-quote needs span, window, lead, tokens_per_span >= 1 and margin >= 0"
+            )
         if self.spans is not None and self.spans < 1:
             raise ValueError(f"surprise-quote needs spans >= 1, got {self.spans}")
 
     def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
         content = prefix.content_ids
-        hidden = prefix.kv.last_hidden if prefix.kv is not None else None  # the prefill's, when kept
+        hidden = (
+            prefix.kv.last_hidden if prefix.kv is not None else None
+        )  # the prefill's, when kept
         # span picking is host bookkeeping, as the prefix's mask
-        surprisal = adapter.token_surprisal(prefix.token_ids, hidden=hidden).cpu()[prefix.compact_mask]
+        surprisal = adapter.token_surprisal(prefix.token_ids, hidden=hidden).cpu()[
+            prefix.compact_mask
+        ]
         count = self.spans or max(1, round(len(content) / self.tokens_per_span))
         continuations = [
             # at least one token of lead to quote, even for a span at the very start
-            quote_probe(adapter, content, max(start - self.margin, 1), self.lead, self.window, self.instruction)
+            quote_probe(
+                adapter,
+                content,
+                max(start - self.margin, 1),
+                self.lead,
+                self.window,
+                self.instruction,
+            )
             for start in surprising_spans(surprisal, self.span, count)
         ]
-        return QueryPlan(continuations=continuations, record_from=[0] * len(continuations))
+        return QueryPlan(
+            continuations=continuations, record_from=[0] * len(continuations)
+        )

@@ -19,7 +19,6 @@ from vllm_compaction.models.chat import Continuation
 __all__ = ["ReferenceDecoder", "Generation", "prefix_layers", "Continuation"]
 
 
-
 @dataclass
 class Generation:
     token_ids: list[int]
@@ -46,24 +45,43 @@ class ReferenceDecoder:
         """Chat messages -> their turn tokens with the generation prompt; text -> plain tokens."""
         return self.adapter.continuation_ids(continuation)
 
-    def _prefix(self, source: CompactedCache | PrefixKV) -> tuple[list[PrefixLayer], int]:
+    def _prefix(
+        self, source: CompactedCache | PrefixKV
+    ) -> tuple[list[PrefixLayer], int]:
         if isinstance(source, PrefixKV):
             return source.exact_prefix(), source.length
         source.model.check_compatible(self.adapter.fingerprint())
         return prefix_layers(source), source.logical_length
 
-    def logits(self, source: CompactedCache | PrefixKV, continuation: Continuation) -> torch.Tensor:
+    def logits(
+        self, source: CompactedCache | PrefixKV, continuation: Continuation
+    ) -> torch.Tensor:
         """``[L, vocab]`` float32 logits at every continuation position."""
         ids = self.continuation_ids(continuation)
         prefix, length = self._prefix(source)
         positions = torch.arange(length, length + len(ids))
-        return self.adapter.forward(ids, positions, prefix=prefix, logits_to_keep=len(ids)).logits
+        return self.adapter.forward(
+            ids, positions, prefix=prefix, logits_to_keep=len(ids)
+        ).logits
 
-    def generate(self, source: CompactedCache | PrefixKV, continuation: Continuation, *,
-                 max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0) -> Generation:
+    def generate(
+        self,
+        source: CompactedCache | PrefixKV,
+        continuation: Continuation,
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        seed: int = 0,
+    ) -> Generation:
         ids = self.continuation_ids(continuation)
         prefix, length = self._prefix(source)
-        new, first = self.adapter.generate(prefix, length, ids, max_new_tokens=max_new_tokens,
-                                           temperature=temperature, seed=seed)
+        new, first = self.adapter.generate(
+            prefix,
+            length,
+            ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+        )
         text = self.adapter.tokenizer.decode(new, skip_special_tokens=True)
         return Generation(token_ids=new, text=text, first_logits=first)

@@ -21,12 +21,27 @@ from starlette.concurrency import run_in_threadpool
 
 from vllm_compaction.service.jobs import JobError
 from vllm_compaction.service.protocol import (
-    ClaimRequest, CompactionDeleted, CompactionList, CompactRequest, Compaction, FailReport,
-    Heartbeat, HeartbeatReply, WorkerInfo, WorkerJob,
+    ClaimRequest,
+    Compaction,
+    CompactionDeleted,
+    CompactionList,
+    CompactRequest,
+    FailReport,
+    Heartbeat,
+    HeartbeatReply,
+    WorkerInfo,
+    WorkerJob,
 )
 from vllm_compaction.service.service import CompactionService
 
-__all__ = ["router", "owner_of", "error_response", "RequestGuard", "RESERVED_SALT", "WORKER_PREFIX"]
+__all__ = [
+    "router",
+    "owner_of",
+    "error_response",
+    "RequestGuard",
+    "RESERVED_SALT",
+    "WORKER_PREFIX",
+]
 
 WORKER_PREFIX = "/compaction/worker/v1"
 MAX_UPLOAD_BYTES = 16 << 30
@@ -39,18 +54,41 @@ router = APIRouter()
 
 
 #: The error type of each status, as the ``openai`` client names its exceptions.
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-               404: "NotFoundError", 409: "ConflictError", 410: "GoneError", 413: "RequestTooLargeError",
-               422: "UnprocessableEntityError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    409: "ConflictError",
+    410: "GoneError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    503: "ServiceUnavailableError",
+}
 
 
-def error_response(status: int, message: str, *, param: str | None = None,
-                   retry_after: float | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    retry_after: float | None = None,
+) -> JSONResponse:
     """An OpenAI-style error body, typed by its status; a 429 says when to retry (Retry-After)."""
-    kind = ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
-    headers = {"Retry-After": str(int(retry_after))} if retry_after is not None else None
-    return JSONResponse(status_code=status, headers=headers,
-                        content={"error": {"message": message, "type": kind, "param": param, "code": status}})
+    kind = ERROR_TYPES.get(
+        status, "InternalServerError" if status >= 500 else "BadRequestError"
+    )
+    headers = (
+        {"Retry-After": str(int(retry_after))} if retry_after is not None else None
+    )
+    return JSONResponse(
+        status_code=status,
+        headers=headers,
+        content={
+            "error": {"message": message, "type": kind, "param": param, "code": status}
+        },
+    )
 
 
 def _bearer(request: Request) -> str:
@@ -82,14 +120,24 @@ class RequestGuard:
     handed on unchanged.
     """
 
-    def __init__(self, app, max_compact_body_bytes: int = MAX_COMPACT_BODY_BYTES) -> None:
+    def __init__(
+        self, app, max_compact_body_bytes: int = MAX_COMPACT_BODY_BYTES
+    ) -> None:
         self.app, self.max_compact_body_bytes = app, max_compact_body_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         headers = dict(scope.get("headers") or ()) if scope["type"] == "http" else {}
-        if scope["type"] != "http" or scope["method"] != "POST" or b"json" not in headers.get(b"content-type", b""):
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or b"json" not in headers.get(b"content-type", b"")
+        ):
             return await self.app(scope, receive, send)
-        limit = self.max_compact_body_bytes if scope["path"].rstrip("/") == "/v1/compact" else None
+        limit = (
+            self.max_compact_body_bytes
+            if scope["path"].rstrip("/") == "/v1/compact"
+            else None
+        )
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -99,7 +147,9 @@ class RequestGuard:
             size += len(chunks[-1])
             more = message.get("more_body", False)
             if limit is not None and size > limit:
-                response = error_response(413, f"the request body exceeds {limit} bytes")
+                response = error_response(
+                    413, f"the request body exceeds {limit} bytes"
+                )
                 return await response(scope, receive, send)
         body = b"".join(chunks)
         if b"cache_salt" in body and (refusal := _reserved_salt(body)) is not None:
@@ -123,8 +173,11 @@ def _reserved_salt(body: bytes) -> JSONResponse | None:
         return None  # the route answers the malformed JSON itself
     salt = payload.get("cache_salt") if isinstance(payload, dict) else None
     if isinstance(salt, str) and salt.startswith(RESERVED_SALT):
-        return error_response(400, f"cache_salt values starting with {RESERVED_SALT!r} are reserved",
-                              param="cache_salt")
+        return error_response(
+            400,
+            f"cache_salt values starting with {RESERVED_SALT!r} are reserved",
+            param="cache_salt",
+        )
     return None
 
 
@@ -143,7 +196,9 @@ def _guard(func):
         try:
             return await func(*args, **kwargs)
         except JobError as exc:
-            return error_response(exc.status, str(exc), param=exc.param, retry_after=exc.retry_after)
+            return error_response(
+                exc.status, str(exc), param=exc.param, retry_after=exc.retry_after
+            )
         except ValueError as exc:
             return error_response(400, str(exc))
 
@@ -151,36 +206,61 @@ def _guard(func):
 
 
 # ---------------------------------------------------------------------- clients
-@router.post("/v1/compact", status_code=202, response_model=Compaction,
-             summary="Queue the compaction of a conversation, prompt or known conversation_id")
+@router.post(
+    "/v1/compact",
+    status_code=202,
+    response_model=Compaction,
+    summary="Queue the compaction of a conversation, prompt or known conversation_id",
+)
 @_guard
 async def create_compaction(body: CompactRequest, request: Request):
     service = service_of(request)
-    record = await run_in_threadpool(service.submit, body, owner_of(request),
-                                     request.headers.get("idempotency-key"))
-    return JSONResponse(status_code=202, content=record.public().model_dump(mode="json"))
+    record = await run_in_threadpool(
+        service.submit, body, owner_of(request), request.headers.get("idempotency-key")
+    )
+    return JSONResponse(
+        status_code=202, content=record.public().model_dump(mode="json")
+    )
 
 
-@router.get("/v1/compact", response_model=CompactionList,
-            summary="This API key's compactions, oldest first, a page at a time (after, limit)")
+@router.get(
+    "/v1/compact",
+    response_model=CompactionList,
+    summary="This API key's compactions, oldest first, a page at a time (after, limit)",
+)
 @_guard
-async def list_compactions(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)):
-    records, more = service_of(request).list(owner_of(request), after=after, limit=limit)
-    return CompactionList(data=[r.public() for r in records], has_more=more,
-                          first_id=records[0].id if records else None, last_id=records[-1].id if records else None)
+async def list_compactions(
+    request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)
+):
+    records, more = service_of(request).list(
+        owner_of(request), after=after, limit=limit
+    )
+    return CompactionList(
+        data=[r.public() for r in records],
+        has_more=more,
+        first_id=records[0].id if records else None,
+        last_id=records[-1].id if records else None,
+    )
 
 
-@router.get("/v1/compact/{compaction_id}", response_model=Compaction, summary="One compaction")
+@router.get(
+    "/v1/compact/{compaction_id}", response_model=Compaction, summary="One compaction"
+)
 @_guard
 async def get_compaction(compaction_id: str, request: Request):
     return service_of(request).get(compaction_id, owner_of(request)).public()
 
 
-@router.delete("/v1/compact/{compaction_id}", response_model=CompactionDeleted,
-               summary="Cancel a queued or running compaction, or delete a finished one and its cache")
+@router.delete(
+    "/v1/compact/{compaction_id}",
+    response_model=CompactionDeleted,
+    summary="Cancel a queued or running compaction, or delete a finished one and its cache",
+)
 @_guard
 async def delete_compaction(compaction_id: str, request: Request):
-    record, deleted = service_of(request).cancel_or_delete(compaction_id, owner_of(request))
+    record, deleted = service_of(request).cancel_or_delete(
+        compaction_id, owner_of(request)
+    )
     return CompactionDeleted(id=record.id, deleted=deleted, status=record.status)
 
 
@@ -197,7 +277,9 @@ def _claimed(service: CompactionService, compaction_id: str, request: Request) -
 
 def worker_service(request: Request) -> CompactionService:
     service = service_of(request)
-    if not secrets.compare_digest(_bearer(request).encode(), service.worker_token.encode()):
+    if not secrets.compare_digest(
+        _bearer(request).encode(), service.worker_token.encode()
+    ):
         raise HTTPException(401, "a compaction worker must present the worker token")
     return service
 
@@ -207,8 +289,12 @@ async def worker_info(service: CompactionService = Depends(worker_service)):
     return service.worker_info()
 
 
-@router.post(f"{WORKER_PREFIX}/claim", response_model=WorkerJob | None, include_in_schema=False)
-async def worker_claim(body: ClaimRequest, service: CompactionService = Depends(worker_service)):
+@router.post(
+    f"{WORKER_PREFIX}/claim", response_model=WorkerJob | None, include_in_schema=False
+)
+async def worker_claim(
+    body: ClaimRequest, service: CompactionService = Depends(worker_service)
+):
     deadline = time.monotonic() + body.wait_s
     record = service.book.claim(body.worker_id)
     while record is None and time.monotonic() < deadline:
@@ -217,22 +303,41 @@ async def worker_claim(body: ClaimRequest, service: CompactionService = Depends(
     return Response(status_code=204) if record is None else record.worker_job()
 
 
-@router.post(f"{WORKER_PREFIX}/jobs/{{compaction_id}}/heartbeat", response_model=HeartbeatReply,
-             include_in_schema=False)
-async def worker_heartbeat(compaction_id: str, body: Heartbeat, request: Request,
-                           service: CompactionService = Depends(worker_service)):
-    keep = _claimed(service, compaction_id, request) and service.book.heartbeat(compaction_id, body.worker_id,
-                                                                                body.progress, body.stage)
+@router.post(
+    f"{WORKER_PREFIX}/jobs/{{compaction_id}}/heartbeat",
+    response_model=HeartbeatReply,
+    include_in_schema=False,
+)
+async def worker_heartbeat(
+    compaction_id: str,
+    body: Heartbeat,
+    request: Request,
+    service: CompactionService = Depends(worker_service),
+):
+    keep = _claimed(service, compaction_id, request) and service.book.heartbeat(
+        compaction_id, body.worker_id, body.progress, body.stage
+    )
     return HeartbeatReply(action="continue" if keep else "cancel")
 
 
-@router.put(f"{WORKER_PREFIX}/jobs/{{compaction_id}}/result", response_model=Compaction, include_in_schema=False)
+@router.put(
+    f"{WORKER_PREFIX}/jobs/{{compaction_id}}/result",
+    response_model=Compaction,
+    include_in_schema=False,
+)
 @_guard
-async def worker_result(compaction_id: str, request: Request,
-                        service: CompactionService = Depends(worker_service)):
+async def worker_result(
+    compaction_id: str,
+    request: Request,
+    service: CompactionService = Depends(worker_service),
+):
     worker_id = request.headers.get("x-worker-id", "")
     if not _claimed(service, compaction_id, request):
-        raise JobError(403, f"this worker holds no claim on compaction {compaction_id!r}", param="X-Job-Token")
+        raise JobError(
+            403,
+            f"this worker holds no claim on compaction {compaction_id!r}",
+            param="X-Job-Token",
+        )
     upload = Path(service.store.root) / f".upload-{secrets.token_hex(8)}.tmp"
     size = 0
     try:
@@ -245,15 +350,25 @@ async def worker_result(compaction_id: str, request: Request,
     except BaseException:
         upload.unlink(missing_ok=True)
         raise
-    record = await run_in_threadpool(service.accept_result, compaction_id, worker_id, upload)
+    record = await run_in_threadpool(
+        service.accept_result, compaction_id, worker_id, upload
+    )
     return record.public()
 
 
 @router.post(f"{WORKER_PREFIX}/jobs/{{compaction_id}}/fail", include_in_schema=False)
-async def worker_fail(compaction_id: str, body: FailReport, request: Request,
-                      service: CompactionService = Depends(worker_service)):
+async def worker_fail(
+    compaction_id: str,
+    body: FailReport,
+    request: Request,
+    service: CompactionService = Depends(worker_service),
+):
     if not _claimed(service, compaction_id, request):
-        return error_response(403, f"this worker holds no claim on compaction {compaction_id!r}", param="X-Job-Token")
+        return error_response(
+            403,
+            f"this worker holds no claim on compaction {compaction_id!r}",
+            param="X-Job-Token",
+        )
     if body.retryable:
         service.book.retry_or_fail(compaction_id, body.worker_id, body.error)
     else:

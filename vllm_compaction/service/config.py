@@ -17,34 +17,74 @@ ENV_PREFIX = "VLLM_COMPACTION_"
 
 # field -> (flag, help); each flag sets VLLM_COMPACTION_<FIELD>
 FLAGS: dict[str, tuple[str, str]] = {
-    "store": ("--compaction-store", "directory of compacted caches and jobs (shared with workers)"),
-    "store_max_bytes": ("--compaction-store-max-bytes", "evict least recently used caches when everything under the "
-                        "store exceeds this size (default: its size at start-up plus half the free disk, at most 64 GiB)"),
-    "local_workers": ("--compaction-workers", "compaction worker processes the server starts (0: only remote)"),
-    "worker_token": ("--compaction-worker-token", "secret remote workers present (default: random, "
-                     "written to <store>/worker-token)"),
-    "worker_lease_s": ("--compaction-worker-lease-s", "a running job fails when its worker is silent this long"),
-    "job_timeout_s": ("--compaction-job-timeout-s", "a compaction still running after this long fails (its "
-                      "worker stops the computation)"),
-    "max_attempts": ("--compaction-max-attempts", "runs of a job whose worker died before it fails"),
-    "max_queued_jobs": ("--compaction-max-queued", "compactions queued at once; more are answered 429 with Retry-After"),
-    "max_queued_per_key": ("--compaction-max-queued-per-key",
-                           "compactions one API key may have queued; more are answered 429 with Retry-After"),
-    "device": ("--compaction-device", "where local workers run compactions: cpu (default: the GPU's memory stays "
-               "vLLM's), cuda, cuda:N or auto (leave room with --gpu-memory-utilization)"),
-    "auto_compact_threshold_tokens": ("--auto-compact-threshold-tokens",
-                                      "compact a conversation once its prompt exceeds this many tokens"),
+    "store": (
+        "--compaction-store",
+        "directory of compacted caches and jobs (shared with workers)",
+    ),
+    "store_max_bytes": (
+        "--compaction-store-max-bytes",
+        "evict least recently used caches when everything under the "
+        "store exceeds this size (default: its size at start-up plus half the free disk, at most 64 GiB)",
+    ),
+    "local_workers": (
+        "--compaction-workers",
+        "compaction worker processes the server starts (0: only remote)",
+    ),
+    "worker_token": (
+        "--compaction-worker-token",
+        "secret remote workers present (default: random, "
+        "written to <store>/worker-token)",
+    ),
+    "worker_lease_s": (
+        "--compaction-worker-lease-s",
+        "a running job fails when its worker is silent this long",
+    ),
+    "job_timeout_s": (
+        "--compaction-job-timeout-s",
+        "a compaction still running after this long fails (its "
+        "worker stops the computation)",
+    ),
+    "max_attempts": (
+        "--compaction-max-attempts",
+        "runs of a job whose worker died before it fails",
+    ),
+    "max_queued_jobs": (
+        "--compaction-max-queued",
+        "compactions queued at once; more are answered 429 with Retry-After",
+    ),
+    "max_queued_per_key": (
+        "--compaction-max-queued-per-key",
+        "compactions one API key may have queued; more are answered 429 with Retry-After",
+    ),
+    "device": (
+        "--compaction-device",
+        "where local workers run compactions: cpu (default: the GPU's memory stays "
+        "vLLM's), cuda, cuda:N or auto (leave room with --gpu-memory-utilization)",
+    ),
+    "auto_compact_threshold_tokens": (
+        "--auto-compact-threshold-tokens",
+        "compact a conversation once its prompt exceeds this many tokens",
+    ),
     "auto_compact_ratio": ("--auto-compact-ratio", "ratio of automatic compactions"),
-    "auto_compact_target_tokens": ("--auto-compact-target-tokens",
-                                   "content slots per head that automatic compactions keep, instead of a "
-                                   "ratio: compact to fit (a conversation no longer than this is left alone)"),
-    "auto_compact_keep_last_tokens": ("--auto-compact-keep-last-tokens",
-                                      "content tokens at the end that automatic compactions keep exact"),
+    "auto_compact_target_tokens": (
+        "--auto-compact-target-tokens",
+        "content slots per head that automatic compactions keep, instead of a "
+        "ratio: compact to fit (a conversation no longer than this is left alone)",
+    ),
+    "auto_compact_keep_last_tokens": (
+        "--auto-compact-keep-last-tokens",
+        "content tokens at the end that automatic compactions keep exact",
+    ),
     "auto_compact_method": ("--auto-compact-method", "method of automatic compactions"),
-    "auto_compact_queries": ("--auto-compact-queries", "query source of automatic compactions"),
-    "auto_compact_min_layer_share": ("--auto-compact-min-layer-share",
-                                     "share of an equal split every layer keeps first in automatic "
-                                     "compactions (global-budget methods; 0.3 measured best for needles)"),
+    "auto_compact_queries": (
+        "--auto-compact-queries",
+        "query source of automatic compactions",
+    ),
+    "auto_compact_min_layer_share": (
+        "--auto-compact-min-layer-share",
+        "share of an equal split every layer keeps first in automatic "
+        "compactions (global-budget methods; 0.3 measured best for needles)",
+    ),
 }
 
 
@@ -75,17 +115,25 @@ class ServiceConfig(BaseModel):
     def _device_exists(cls, device: str) -> str:
         from vllm_compaction.models.loader import resolve_device
 
-        return str(resolve_device(device))  # ValueError with a sentence for a device not here
+        return str(
+            resolve_device(device)
+        )  # ValueError with a sentence for a device not here
 
     @field_validator("auto_compact_min_layer_share")
     @classmethod
-    def _layer_share_needs_global_budgets(cls, share: float | None, info: ValidationInfo) -> float | None:
-        if "auto_compact_method" in info.data:  # else the method itself failed, and says so
+    def _layer_share_needs_global_budgets(
+        cls, share: float | None, info: ValidationInfo
+    ) -> float | None:
+        if (
+            "auto_compact_method" in info.data
+        ):  # else the method itself failed, and says so
             check_layer_share(info.data["auto_compact_method"], share)
         return share
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **defaults: Any) -> "ServiceConfig":
+    def from_env(
+        cls, environ: dict[str, str] | None = None, **defaults: Any
+    ) -> ServiceConfig:
         """Settings from ``VLLM_COMPACTION_<FIELD>`` variables over ``defaults``.
 
         ValueError with one sentence naming the variable for a value that does not parse.
@@ -101,5 +149,7 @@ class ServiceConfig(BaseModel):
         except ValidationError as exc:
             first = exc.errors()[0]
             field = str(first["loc"][0]) if first.get("loc") else "?"
-            raise ValueError(f"{ENV_PREFIX}{field.upper()} (or {FLAGS.get(field, ('--?',))[0]}): "
-                             f"{first['msg']}") from None
+            raise ValueError(
+                f"{ENV_PREFIX}{field.upper()} (or {FLAGS.get(field, ('--?',))[0]}): "
+                f"{first['msg']}"
+            ) from None

@@ -18,8 +18,10 @@ class Conversation(BaseModel):
     owner: str
     conversation_id: str
     messages: list[dict[str, str]] = Field(default_factory=list)
-    compaction_id: str | None = None  # the newest succeeded compaction of this conversation
-    compaction_messages: int = 0      # how many leading messages it covers
+    compaction_id: str | None = (
+        None  # the newest succeeded compaction of this conversation
+    )
+    compaction_messages: int = 0  # how many leading messages it covers
 
 
 class ConversationBook:
@@ -38,8 +40,13 @@ class ConversationBook:
                 if not path.is_file():
                     return None
                 try:
-                    self._cache[key] = Conversation.model_validate_json(path.read_text())
-                except (OSError, ValueError) as exc:  # unreadable: quarantined, and the conversation starts over
+                    self._cache[key] = Conversation.model_validate_json(
+                        path.read_text()
+                    )
+                except (
+                    OSError,
+                    ValueError,
+                ) as exc:  # unreadable: quarantined, and the conversation starts over
                     quarantine(path, self.quarantine_root, str(exc)[:200])
                     return None
             return self._cache[key]
@@ -54,10 +61,18 @@ class ConversationBook:
 
     def save(self, conversation: Conversation) -> None:
         with self._lock:
-            write_atomically(self._path(conversation.owner, conversation.conversation_id),
-                             conversation.model_dump_json())
+            write_atomically(
+                self._path(conversation.owner, conversation.conversation_id),
+                conversation.model_dump_json(),
+            )
 
-    def adopt(self, owner: str, conversation_id: str, compaction_id: str, messages_covered: int) -> str | None:
+    def adopt(
+        self,
+        owner: str,
+        conversation_id: str,
+        compaction_id: str,
+        messages_covered: int,
+    ) -> str | None:
         """Make a finished compaction the conversation's prefix if it covers at least as much;
         the compaction it replaces, if any."""
         with self._lock:

@@ -49,7 +49,9 @@ def quarantine(path: Path, quarantine_root: Path, reason: str) -> Path:
     quarantine_root.mkdir(parents=True, exist_ok=True)
     target = quarantine_root / path.name
     os.replace(path, target)
-    logger.warning("quarantined unreadable record %s (%s); moved to %s", path.name, reason, target)
+    logger.warning(
+        "quarantined unreadable record %s (%s); moved to %s", path.name, reason, target
+    )
     return target
 
 
@@ -68,11 +70,16 @@ class StoreLock:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "another process"
+            holder = (
+                os.pread(self._fd, 32, 0).decode(errors="replace").strip()
+                or "another process"
+            )
             os.close(self._fd)
-            raise ValueError(f"the compaction store {root} is in use by another server (pid {holder}); give "
-                             f"each server its own --compaction-store (and run vLLM with --api-server-count 1, "
-                             f"since the job book lives in one process)") from None
+            raise ValueError(
+                f"the compaction store {root} is in use by another server (pid {holder}); give "
+                f"each server its own --compaction-store (and run vLLM with --api-server-count 1, "
+                f"since the job book lives in one process)"
+            ) from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, str(os.getpid()).encode(), 0)
 

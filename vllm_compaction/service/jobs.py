@@ -23,8 +23,9 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import Field
 
@@ -40,8 +41,14 @@ class JobError(Exception):
     """A request about a job that cannot be honoured; ``status`` is the HTTP status to answer,
     ``param`` the request field at fault (if one is), ``retry_after`` seconds for a 429."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.param, self.retry_after = status, param, retry_after
 
@@ -58,27 +65,45 @@ class JobRecord(Compaction):
     submitted_at: float = Field(default_factory=time.time)
     messages: list[dict[str, str]] = Field(default_factory=list)
     lease_expires: float | None = None
-    digest: str | None = None  # tensors sha256 of the stored cache (names the prefix for vLLM)
-    idempotency_key: str | None = None  # the client's, with the digest of the body it came with
+    digest: str | None = (
+        None  # tensors sha256 of the stored cache (names the prefix for vLLM)
+    )
+    idempotency_key: str | None = (
+        None  # the client's, with the digest of the body it came with
+    )
     request_digest: str | None = None
     acked: bool = False  # the claiming worker has heartbeated since the claim
-    claim_token: str | None = None  # the claiming worker's secret for this job (never shown to clients)
+    claim_token: str | None = (
+        None  # the claiming worker's secret for this job (never shown to clients)
+    )
     auto: bool = False  # queued by the server's auto-compaction, not by a client
     not_before: float | None = None  # a retried job waits for its backoff
 
     def public(self) -> Compaction:
         """What a client sees: no worker identity (the hosts and processes behind the server)."""
-        return Compaction.model_validate(self.model_dump(include=set(Compaction.model_fields) - {"worker_id"}))
+        return Compaction.model_validate(
+            self.model_dump(include=set(Compaction.model_fields) - {"worker_id"})
+        )
 
     def worker_job(self) -> WorkerJob:
-        return WorkerJob(id=self.id, messages=self.messages, ratio=self.ratio_requested,
-                         target_tokens=self.target_tokens, method=self.method, queries=self.queries,
-                         keep_last_tokens=self.keep_last_tokens, max_head_ratio=self.max_head_ratio or 1.0,
-                         min_layer_share=self.min_layer_share or 0.0, token=self.claim_token or "")
+        return WorkerJob(
+            id=self.id,
+            messages=self.messages,
+            ratio=self.ratio_requested,
+            target_tokens=self.target_tokens,
+            method=self.method,
+            queries=self.queries,
+            keep_last_tokens=self.keep_last_tokens,
+            max_head_ratio=self.max_head_ratio or 1.0,
+            min_layer_share=self.min_layer_share or 0.0,
+            token=self.claim_token or "",
+        )
 
     def token_matches(self, token: str) -> bool:
         """Whether ``token`` is this running job's claim secret (constant time)."""
-        return bool(self.claim_token) and secrets.compare_digest(token.encode(), self.claim_token.encode())
+        return bool(self.claim_token) and secrets.compare_digest(
+            token.encode(), self.claim_token.encode()
+        )
 
 
 class JobBook:
@@ -89,15 +114,28 @@ class JobBook:
     supervisor calls it on its clock.
     """
 
-    def __init__(self, root: str | Path, *, lease_s: float = 15.0,
-                 on_change: Callable[[JobRecord], None] | None = None, max_queued: int | None = None,
-                 max_queued_per_owner: int | None = None, quarantine_root: Path | None = None,
-                 deadline_s: float | None = None, max_attempts: int = 1, retry_backoff_s: float = 5.0,
-                 ack_s: float | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        lease_s: float = 15.0,
+        on_change: Callable[[JobRecord], None] | None = None,
+        max_queued: int | None = None,
+        max_queued_per_owner: int | None = None,
+        quarantine_root: Path | None = None,
+        deadline_s: float | None = None,
+        max_attempts: int = 1,
+        retry_backoff_s: float = 5.0,
+        ack_s: float | None = None,
+    ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.lease_s = lease_s
-        self.deadline_s, self.max_attempts, self.retry_backoff_s = deadline_s, max_attempts, retry_backoff_s
+        self.deadline_s, self.max_attempts, self.retry_backoff_s = (
+            deadline_s,
+            max_attempts,
+            retry_backoff_s,
+        )
         self.ack_s = ack_s if ack_s is not None else lease_s
         self.max_queued, self.max_queued_per_owner = max_queued, max_queued_per_owner
         self.quarantine_root = quarantine_root or self.root / "quarantine"
@@ -105,7 +143,9 @@ class JobBook:
         self._on_change = on_change
         self._lock = threading.RLock()
         self._jobs: dict[str, JobRecord] = {}
-        self._served: dict[str, float] = {}  # owner -> when a worker last took one of its jobs
+        self._served: dict[
+            str, float
+        ] = {}  # owner -> when a worker last took one of its jobs
         self._load()
 
     # ------------------------------------------------------------------ client side
@@ -115,12 +155,22 @@ class JobBook:
         limit: 429 with a retry hint, and nothing queued."""
         with self._lock:
             if record.idempotency_key is not None:
-                earlier = next((r for r in self._jobs.values() if r.owner == record.owner
-                                and r.idempotency_key == record.idempotency_key), None)
+                earlier = next(
+                    (
+                        r
+                        for r in self._jobs.values()
+                        if r.owner == record.owner
+                        and r.idempotency_key == record.idempotency_key
+                    ),
+                    None,
+                )
                 if earlier is not None:
                     if earlier.request_digest != record.request_digest:
-                        raise JobError(409, "this Idempotency-Key was used for another request body",
-                                       param="Idempotency-Key")
+                        raise JobError(
+                            409,
+                            "this Idempotency-Key was used for another request body",
+                            param="Idempotency-Key",
+                        )
                     return earlier
             self._check_room(record.owner)
             self._save(record)  # a failed save (full disk) leaves nothing half-made
@@ -132,16 +182,27 @@ class JobBook:
         queued = [r for r in self._jobs.values() if r.status == JobStatus.queued]
         mine = sum(r.owner == owner for r in queued)
         if self.max_queued_per_owner is not None and mine >= self.max_queued_per_owner:
-            raise JobError(429, f"this API key has {mine} compactions queued, the most one key may have; "
-                                f"retry when some have run", retry_after=self._retry_hint(mine))
+            raise JobError(
+                429,
+                f"this API key has {mine} compactions queued, the most one key may have; "
+                f"retry when some have run",
+                retry_after=self._retry_hint(mine),
+            )
         if self.max_queued is not None and len(queued) >= self.max_queued:
-            raise JobError(429, f"{len(queued)} compactions are queued, the most this server takes; retry later",
-                           retry_after=self._retry_hint(len(queued)))
+            raise JobError(
+                429,
+                f"{len(queued)} compactions are queued, the most this server takes; retry later",
+                retry_after=self._retry_hint(len(queued)),
+            )
 
     def _retry_hint(self, ahead: int) -> float:
         """Seconds until a place is likely free: the mean run time of recent jobs per job ahead
         of one in the queue, at least 1 s (10 s per job before any has finished)."""
-        runs = [r.timings.get("run_s") for r in self._jobs.values() if r.timings.get("run_s")]
+        runs = [
+            r.timings.get("run_s")
+            for r in self._jobs.values()
+            if r.timings.get("run_s")
+        ]
         mean = sum(runs[-20:]) / len(runs[-20:]) if runs else 10.0
         return max(1.0, round(mean))
 
@@ -156,11 +217,14 @@ class JobBook:
     def list(self, owner: str | None = None) -> list[JobRecord]:
         """``owner``'s jobs (everyone's for ``None``), oldest first."""
         with self._lock:
-            return sorted((r for r in self._jobs.values() if owner is None or r.owner == owner),
-                          key=lambda r: (r.submitted_at, r.id))
+            return sorted(
+                (r for r in self._jobs.values() if owner is None or r.owner == owner),
+                key=lambda r: (r.submitted_at, r.id),
+            )
 
-    def page(self, owner: str, *, after: str | None = None, limit: int | None = None
-             ) -> tuple[list[JobRecord], bool]:
+    def page(
+        self, owner: str, *, after: str | None = None, limit: int | None = None
+    ) -> tuple[list[JobRecord], bool]:
         """``owner``'s jobs from the one after ``after`` on, at most ``limit``, and whether more
         follow. An ``after`` that is not one of the owner's jobs is a 404."""
         records = self.list(owner)
@@ -168,7 +232,7 @@ class JobBook:
             ids = [r.id for r in records]
             if after not in ids:
                 raise JobError(404, f"No compaction with id {after!r}.", param="after")
-            records = records[ids.index(after) + 1:]
+            records = records[ids.index(after) + 1 :]
         if limit is None:
             return records, False
         return records[:limit], len(records) > limit
@@ -180,11 +244,16 @@ class JobBook:
                 out[r.status] += 1
             return out
 
-    def active_for_conversation(self, conversation_id: str, owner: str) -> JobRecord | None:
+    def active_for_conversation(
+        self, conversation_id: str, owner: str
+    ) -> JobRecord | None:
         with self._lock:
             for r in self._jobs.values():
-                if (r.conversation_id == conversation_id and r.owner == owner
-                        and r.status in (JobStatus.queued, JobStatus.running)):
+                if (
+                    r.conversation_id == conversation_id
+                    and r.owner == owner
+                    and r.status in (JobStatus.queued, JobStatus.running)
+                ):
                     return r
         return None
 
@@ -193,7 +262,9 @@ class JobBook:
         with self._lock:
             record = self.get(job_id, owner)
             if record.status.finished:
-                raise JobError(409, f"Compaction {job_id!r} already {record.status.value}.")
+                raise JobError(
+                    409, f"Compaction {job_id!r} already {record.status.value}."
+                )
             self._finish(record, JobStatus.cancelled, error="cancelled by the client")
         self._changed(record)
         return record
@@ -203,7 +274,10 @@ class JobBook:
         with self._lock:
             record = self.get(job_id, owner)
             if not record.status.finished:
-                raise JobError(409, f"Compaction {job_id!r} is {record.status.value}; cancel it first.")
+                raise JobError(
+                    409,
+                    f"Compaction {job_id!r} is {record.status.value}; cancel it first.",
+                )
             del self._jobs[job_id]
             (self.root / f"{job_id}.json").unlink(missing_ok=True)
         return record
@@ -215,19 +289,37 @@ class JobBook:
         another key's single one)."""
         with self._lock:
             now = time.time()
-            queued = [r for r in self._jobs.values()
-                      if r.status == JobStatus.queued and (r.not_before or 0.0) <= now]
+            queued = [
+                r
+                for r in self._jobs.values()
+                if r.status == JobStatus.queued and (r.not_before or 0.0) <= now
+            ]
             if not queued:
                 return None
             running: dict[str, int] = {}
             for r in self._jobs.values():
                 if r.status == JobStatus.running:
                     running[r.owner] = running.get(r.owner, 0) + 1
-            record = min(queued, key=lambda r: (running.get(r.owner, 0), self._served.get(r.owner, 0.0),
-                                                r.submitted_at, r.id))
+            record = min(
+                queued,
+                key=lambda r: (
+                    running.get(r.owner, 0),
+                    self._served.get(r.owner, 0.0),
+                    r.submitted_at,
+                    r.id,
+                ),
+            )
             self._served[record.owner] = now
-            record.status, record.worker_id, record.started_at = JobStatus.running, worker_id, now
-            record.lease_expires, record.acked, record.not_before = now + self.ack_s, False, None
+            record.status, record.worker_id, record.started_at = (
+                JobStatus.running,
+                worker_id,
+                now,
+            )
+            record.lease_expires, record.acked, record.not_before = (
+                now + self.ack_s,
+                False,
+                None,
+            )
             record.claim_token = secrets.token_urlsafe(24)
             record.attempts += 1
             record.progress, record.stage = 0.0, "starting"
@@ -236,7 +328,9 @@ class JobBook:
         self._changed(record)
         return record
 
-    def heartbeat(self, job_id: str, worker_id: str, progress: float, stage: str | None) -> bool:
+    def heartbeat(
+        self, job_id: str, worker_id: str, progress: float, stage: str | None
+    ) -> bool:
         """Renew the lease; False if the worker must stop (cancelled, failed or not its job)."""
         with self._lock:
             record = self._owned(job_id, worker_id)
@@ -251,17 +345,29 @@ class JobBook:
 
     def running_for(self, worker_id: str) -> JobRecord | None:
         with self._lock:
-            return next((r for r in self._jobs.values()
-                         if r.status == JobStatus.running and r.worker_id == worker_id), None)
+            return next(
+                (
+                    r
+                    for r in self._jobs.values()
+                    if r.status == JobStatus.running and r.worker_id == worker_id
+                ),
+                None,
+            )
 
     def succeed(self, job_id: str, worker_id: str, result: dict[str, Any]) -> JobRecord:
         with self._lock:
             record = self._owned(job_id, worker_id)
             if record is None:
-                raise JobError(409, f"Compaction {job_id!r} is not running on worker {worker_id!r}.")
+                raise JobError(
+                    409,
+                    f"Compaction {job_id!r} is not running on worker {worker_id!r}.",
+                )
             for key, value in result.items():
                 setattr(record, key, value)
-            record.progress, record.error = 1.0, None  # a retried job's earlier death is history now
+            record.progress, record.error = (
+                1.0,
+                None,
+            )  # a retried job's earlier death is history now
             self._finish(record, JobStatus.succeeded)
         self._changed(record)
         return record
@@ -283,7 +389,9 @@ class JobBook:
         if record is not None:
             self.retry_or_fail(record.id, worker_id, error)
 
-    def retry_or_fail(self, job_id: str, worker_id: str | None, error: str) -> JobRecord | None:
+    def retry_or_fail(
+        self, job_id: str, worker_id: str | None, error: str
+    ) -> JobRecord | None:
         """The worker of a running job died: queue it again after ``retry_backoff_s * 2^(n-1)``
         while it has run fewer than ``max_attempts`` times, else fail it saying how often it ran.
         A claim no worker acknowledged goes back to the queue at once, as if never made."""
@@ -296,13 +404,26 @@ class JobBook:
             elif record.attempts >= self.max_attempts:
                 record = None
             if record is not None:
-                delay = self.retry_backoff_s * 2 ** max(0, record.attempts - 1) if record.acked else 0.0
-                record.status, record.worker_id, record.lease_expires = JobStatus.queued, None, None
+                delay = (
+                    self.retry_backoff_s * 2 ** max(0, record.attempts - 1)
+                    if record.acked
+                    else 0.0
+                )
+                record.status, record.worker_id, record.lease_expires = (
+                    JobStatus.queued,
+                    None,
+                    None,
+                )
                 record.progress, record.stage, record.started_at = 0.0, None, None
-                record.not_before, record.error = time.time() + delay, error if record.acked else record.error
+                record.not_before, record.error = (
+                    time.time() + delay,
+                    error if record.acked else record.error,
+                )
                 self._save(record)
         if record is None:  # out of attempts
-            return self.fail(job_id, worker_id, f"{error} (after {self.max_attempts} attempts)")
+            return self.fail(
+                job_id, worker_id, f"{error} (after {self.max_attempts} attempts)"
+            )
         logger.warning("compaction %s: %s; queued again", job_id, error)
         self._changed(record)
         return record
@@ -311,16 +432,33 @@ class JobBook:
         """Leases that lapsed (the worker died or hangs) and jobs past their deadline."""
         now = time.time()
         with self._lock:
-            lapsed = [r for r in self._jobs.values()
-                      if r.status == JobStatus.running and (r.lease_expires or 0) < now]
-            late = [r for r in self._jobs.values() if r.status == JobStatus.running and self.deadline_s
-                    and r.started_at is not None and now - r.started_at > self.deadline_s and r not in lapsed]
+            lapsed = [
+                r
+                for r in self._jobs.values()
+                if r.status == JobStatus.running and (r.lease_expires or 0) < now
+            ]
+            late = [
+                r
+                for r in self._jobs.values()
+                if r.status == JobStatus.running
+                and self.deadline_s
+                and r.started_at is not None
+                and now - r.started_at > self.deadline_s
+                and r not in lapsed
+            ]
         for record in lapsed:
             silence = self.lease_s if record.acked else self.ack_s
-            self.retry_or_fail(record.id, record.worker_id,
-                               f"worker {record.worker_id} stopped answering (no heartbeat for {silence:.0f} s)")
+            self.retry_or_fail(
+                record.id,
+                record.worker_id,
+                f"worker {record.worker_id} stopped answering (no heartbeat for {silence:.0f} s)",
+            )
         for record in late:
-            self.fail(record.id, record.worker_id, f"the compaction ran past its deadline of {self.deadline_s:.0f} s")
+            self.fail(
+                record.id,
+                record.worker_id,
+                f"the compaction ran past its deadline of {self.deadline_s:.0f} s",
+            )
 
     # ------------------------------------------------------------------ internals
     def _owned(self, job_id: str, worker_id: str | None) -> JobRecord | None:
@@ -332,8 +470,14 @@ class JobBook:
             return None
         return record
 
-    def _finish(self, record: JobRecord, status: JobStatus, error: str | None = None) -> None:
-        record.status, record.finished_at, record.lease_expires = status, time.time(), None
+    def _finish(
+        self, record: JobRecord, status: JobStatus, error: str | None = None
+    ) -> None:
+        record.status, record.finished_at, record.lease_expires = (
+            status,
+            time.time(),
+            None,
+        )
         if error is not None:
             record.error = error
         if record.started_at is not None:
@@ -358,9 +502,17 @@ class JobBook:
                 quarantine(path, self.quarantine_root, str(exc)[:200])
                 self.quarantined.append(path.stem)
                 continue
-            if record.status == JobStatus.running:  # the server stopped under it: run it again
-                record.attempts = max(0, record.attempts - 1)  # the stop was the server's, not the job's
-                record.status, record.worker_id, record.lease_expires = JobStatus.queued, None, None
+            if (
+                record.status == JobStatus.running
+            ):  # the server stopped under it: run it again
+                record.attempts = max(
+                    0, record.attempts - 1
+                )  # the stop was the server's, not the job's
+                record.status, record.worker_id, record.lease_expires = (
+                    JobStatus.queued,
+                    None,
+                    None,
+                )
                 record.progress, record.stage, record.started_at = 0.0, None, None
                 self._save(record)
             self._jobs[record.id] = record

@@ -25,19 +25,43 @@ def _collectors():
     from prometheus_client import Counter, Gauge, Histogram
 
     return {
-        "jobs": Gauge("vllm_compaction_jobs", "Compaction jobs known to the server, by status", ["status"]),
-        "finished": Counter("vllm_compaction_jobs_finished", "Compaction jobs that ended, by status",
-                            ["status"]),
-        "queue": Gauge("vllm_compaction_queue_length", "Compaction jobs waiting for a worker"),
-        "stage": Histogram("vllm_compaction_stage_seconds", "Duration of each compaction stage",
-                           ["stage"], buckets=_STAGE_BUCKETS),
-        "ratio": Histogram("vllm_compaction_ratio", "Physical / logical prefix tokens of finished "
-                           "compactions", buckets=_RATIO_BUCKETS),
-        "bytes_saved": Counter("vllm_compaction_bytes_saved", "KV-cache bytes per request saved by "
-                               "compacted prefixes, summed over finished compactions"),
-        "requests": Counter("vllm_compaction_requests", "Completion requests by how their prefix was "
-                            "served", ["prefix"]),
-        "workers": Gauge("vllm_compaction_local_workers", "Local compaction worker processes alive"),
+        "jobs": Gauge(
+            "vllm_compaction_jobs",
+            "Compaction jobs known to the server, by status",
+            ["status"],
+        ),
+        "finished": Counter(
+            "vllm_compaction_jobs_finished",
+            "Compaction jobs that ended, by status",
+            ["status"],
+        ),
+        "queue": Gauge(
+            "vllm_compaction_queue_length", "Compaction jobs waiting for a worker"
+        ),
+        "stage": Histogram(
+            "vllm_compaction_stage_seconds",
+            "Duration of each compaction stage",
+            ["stage"],
+            buckets=_STAGE_BUCKETS,
+        ),
+        "ratio": Histogram(
+            "vllm_compaction_ratio",
+            "Physical / logical prefix tokens of finished compactions",
+            buckets=_RATIO_BUCKETS,
+        ),
+        "bytes_saved": Counter(
+            "vllm_compaction_bytes_saved",
+            "KV-cache bytes per request saved by "
+            "compacted prefixes, summed over finished compactions",
+        ),
+        "requests": Counter(
+            "vllm_compaction_requests",
+            "Completion requests by how their prefix was served",
+            ["prefix"],
+        ),
+        "workers": Gauge(
+            "vllm_compaction_local_workers", "Local compaction worker processes alive"
+        ),
     }
 
 
@@ -47,19 +71,21 @@ class ServiceMetrics:
     def __init__(self) -> None:
         self.collectors = _collectors()
 
-    def job_counts(self, book: "JobBook") -> None:
+    def job_counts(self, book: JobBook) -> None:
         counts = book.counts()
         for status, n in counts.items():
             self.collectors["jobs"].labels(status=status.value).set(n)
         self.collectors["queue"].set(counts[JobStatus.queued])
 
-    def job_changed(self, book: "JobBook", record: "JobRecord") -> None:
+    def job_changed(self, book: JobBook, record: JobRecord) -> None:
         self.job_counts(book)
         if not record.status.finished:
             return
         self.collectors["finished"].labels(status=record.status.value).inc()
         for stage, seconds in record.timings.items():
-            self.collectors["stage"].labels(stage=stage.removesuffix("_s")).observe(seconds)
+            self.collectors["stage"].labels(stage=stage.removesuffix("_s")).observe(
+                seconds
+            )
         if record.status == JobStatus.succeeded:
             if record.ratio is not None:
                 self.collectors["ratio"].observe(record.ratio)

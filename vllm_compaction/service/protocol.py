@@ -12,12 +12,33 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
-    "ChatMessage", "CompactRequest", "Compaction", "CompactionList", "CompactionDeleted",
-    "JobStatus", "MethodName", "QUERY_SOURCES", "QuerySources", "expand_queries", "WorkerInfo", "WorkerJob",
-    "ClaimRequest", "Heartbeat", "HeartbeatReply", "FailReport", "normalize_messages",
+    "ChatMessage",
+    "CompactRequest",
+    "Compaction",
+    "CompactionList",
+    "CompactionDeleted",
+    "JobStatus",
+    "MethodName",
+    "QUERY_SOURCES",
+    "QuerySources",
+    "expand_queries",
+    "WorkerInfo",
+    "WorkerJob",
+    "ClaimRequest",
+    "Heartbeat",
+    "HeartbeatReply",
+    "FailReport",
+    "normalize_messages",
 ]
 
-QUERY_SOURCES = ("repeat-prefill", "surprise-quote", "quote-prefill", "context-prefill", "self-study", "mix")
+QUERY_SOURCES = (
+    "repeat-prefill",
+    "surprise-quote",
+    "quote-prefill",
+    "context-prefill",
+    "self-study",
+    "mix",
+)
 """The query sources the API accepts, alone or joined by ``+`` (``repeat-prefill+surprise-quote``),
 each optionally weighted (``surprise-quote*4``) and, for surprise-quote, spaced (``surprise-quote/80``:
 one probe per 80 content tokens; ``surprise-quote/auto``: by the ratio); ``mix`` is self-study plus
@@ -27,7 +48,9 @@ _QUERY_ALIASES = {"mix": "self-study+repeat-prefill"}
 
 def check_method(method: str) -> str:
     """``method`` unchanged if it is a method spec ``compact()`` takes (``vllm_compaction.recipes``)."""
-    from vllm_compaction.recipes import check_method as check  # torch only once a method is checked
+    from vllm_compaction.recipes import (
+        check_method as check,
+    )  # torch only once a method is checked
 
     return check(method)
 
@@ -37,15 +60,23 @@ def check_queries(queries: str) -> str:
     each optionally weighted as ``name*k`` (its queries count k times in the fits)."""
     from vllm_compaction.queries import parse_sources, resolve_spacing, split_source
 
-    parts = [split_source(p) for p in queries.split("+")]  # ValueError for a bad weight or spacing
+    parts = [
+        split_source(p) for p in queries.split("+")
+    ]  # ValueError for a bad weight or spacing
     names = [name for name, _, _ in parts]
     if any(n not in QUERY_SOURCES for n in names) or len(set(names)) != len(names):
-        raise ValueError(f"queries must be one of {', '.join(QUERY_SOURCES)} or several joined by '+' "
-                         f"(each once, optionally weighted as name*k), got {queries!r}")
-    aliases = [n for n, per, w in parts if (w > 1 or per is not None) and n in _QUERY_ALIASES]
+        raise ValueError(
+            f"queries must be one of {', '.join(QUERY_SOURCES)} or several joined by '+' "
+            f"(each once, optionally weighted as name*k), got {queries!r}"
+        )
+    aliases = [
+        n for n, per, w in parts if (w > 1 or per is not None) and n in _QUERY_ALIASES
+    ]
     if aliases:
-        raise ValueError(f"a weight (*k) or spacing (/n) applies to sources that run probes, not to the alias "
-                         f"{aliases[0]!r}; weight or space its parts ({_QUERY_ALIASES[aliases[0]]})")
+        raise ValueError(
+            f"a weight (*k) or spacing (/n) applies to sources that run probes, not to the alias "
+            f"{aliases[0]!r}; weight or space its parts ({_QUERY_ALIASES[aliases[0]]})"
+        )
     # the library's own refusals (a weight on context-prefill); any ratio checks an '/auto'
     parse_sources(resolve_spacing(expand_queries(queries), 0.1))
     return queries
@@ -59,9 +90,15 @@ def check_layer_share(method: str, min_layer_share: float | None) -> None:
         return
     try:
         resolve(method, options={"min_layer_share": min_layer_share})
-    except ValueError as error:  # name the methods: API users choose a method, not a budget mode
-        global_methods = ", ".join(m for m, r in RECIPES.items() if r.budgets == "global")
-        raise ValueError(f"{error} (method {method!r}; methods with global budgets: {global_methods})") from None
+    except (
+        ValueError
+    ) as error:  # name the methods: API users choose a method, not a budget mode
+        global_methods = ", ".join(
+            m for m, r in RECIPES.items() if r.budgets == "global"
+        )
+        raise ValueError(
+            f"{error} (method {method!r}; methods with global budgets: {global_methods})"
+        ) from None
 
 
 #: A compaction method spec (``vllm_compaction.recipes``), checked (requests and server flags).
@@ -75,7 +112,9 @@ def expand_queries(queries: str | None) -> str | None:
     if not queries:
         return None
     expanded = "+".join(_QUERY_ALIASES.get(p, p) for p in queries.split("+")).split("+")
-    return "+".join(dict.fromkeys(expanded))  # "mix+repeat-prefill" names repeat-prefill once
+    return "+".join(
+        dict.fromkeys(expanded)
+    )  # "mix+repeat-prefill" names repeat-prefill once
 
 
 class JobStatus(str, Enum):
@@ -123,7 +162,9 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, str]]:
             message = ChatMessage.model_validate(raw)
             out.append({"role": message.role, "content": message.text()})
         except ValueError as exc:
-            raise ValueError(f"messages[{i}] is not a text chat message: {_first_error(exc)}") from None
+            raise ValueError(
+                f"messages[{i}] is not a text chat message: {_first_error(exc)}"
+            ) from None
     return out
 
 
@@ -145,11 +186,17 @@ MAX_TEXT_CHARS = 8_000_000
 
 def _check_size(messages: list[dict[str, Any]] | None, prompt: str | None) -> None:
     if messages is not None and len(messages) > MAX_MESSAGES:
-        raise ValueError(f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}")
-    chars = len(prompt or "") + sum(len(str(m.get("content", ""))) for m in messages or () if isinstance(m, dict))
+        raise ValueError(
+            f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}"
+        )
+    chars = len(prompt or "") + sum(
+        len(str(m.get("content", ""))) for m in messages or () if isinstance(m, dict)
+    )
     if chars > MAX_TEXT_CHARS:
-        raise ValueError(f"{'messages' if messages is not None else 'prompt'}: at most {MAX_TEXT_CHARS} characters "
-                         f"of text, got {chars}")
+        raise ValueError(
+            f"{'messages' if messages is not None else 'prompt'}: at most {MAX_TEXT_CHARS} characters "
+            f"of text, got {chars}"
+        )
 
 
 class CompactRequest(BaseModel):
@@ -159,33 +206,60 @@ class CompactRequest(BaseModel):
     model: str
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
-    conversation_id: str | None = Field(None, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
-    ratio: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False,
-                                description="slots kept per head / content tokens")
-    target_tokens: int | None = Field(None, gt=0, le=MAX_TOKENS, description="slots kept per head, absolute")
-    method: MethodName = Field("am", max_length=300, description="a method, optionally with ':key=value,...' "
-                               "overrides; am (default) is the recommended configuration")
-    queries: QuerySources | None = Field(None, max_length=200, description="query source, or several joined by '+'")
-    keep_last_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="the last content tokens stay exact")
+    conversation_id: str | None = Field(
+        None, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$"
+    )
+    ratio: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="slots kept per head / content tokens",
+    )
+    target_tokens: int | None = Field(
+        None, gt=0, le=MAX_TOKENS, description="slots kept per head, absolute"
+    )
+    method: MethodName = Field(
+        "am",
+        max_length=300,
+        description="a method, optionally with ':key=value,...' "
+        "overrides; am (default) is the recommended configuration",
+    )
+    queries: QuerySources | None = Field(
+        None, max_length=200, description="query source, or several joined by '+'"
+    )
+    keep_last_tokens: int = Field(
+        0, ge=0, le=MAX_TOKENS, description="the last content tokens stay exact"
+    )
     max_head_ratio: float | None = Field(
-        None, gt=0.0, le=1.0,
+        None,
+        gt=0.0,
+        le=1.0,
         description="cap on any one head's slots / content tokens (default: none where the engine holds "
-                    "prefixes varlen; 3 x ratio where it pads every head to the longest)")
+        "prefixes varlen; 3 x ratio where it pads every head to the longest)",
+    )
     min_layer_share: float | None = Field(
-        None, ge=0.0, le=1.0,
+        None,
+        ge=0.0,
+        le=1.0,
         description="global-budget methods: every layer first keeps this share of an equal split of "
-                    "the slots, the rest is ranked across layers (default 0; 0.3 measured best for needles)")
+        "the slots, the rest is ranked across layers (default 0; 0.3 measured best for needles)",
+    )
 
     @model_validator(mode="after")
-    def _one_source_one_size(self) -> "CompactRequest":
+    def _one_source_one_size(self) -> CompactRequest:
         _check_size(self.messages, self.prompt)
-        sources = [x is not None for x in (self.messages, self.prompt, self.conversation_id)]
+        sources = [
+            x is not None for x in (self.messages, self.prompt, self.conversation_id)
+        ]
         if sum(sources) == 0:
             raise ValueError("give one of messages, prompt or conversation_id")
         if self.messages is not None and self.prompt is not None:
             raise ValueError("give messages or prompt, not both")
         if (self.ratio is None) == (self.target_tokens is None):
-            raise ValueError("give exactly one of ratio (0 < ratio <= 1) or target_tokens")
+            raise ValueError(
+                "give exactly one of ratio (0 < ratio <= 1) or target_tokens"
+            )
         check_layer_share(self.method, self.min_layer_share)
         return self
 
@@ -210,17 +284,30 @@ class Compaction(BaseModel):
     min_layer_share: float | None = None
     conversation_id: str | None = None
     original_tokens: int = Field(description="logical length T of the compacted prefix")
-    messages_covered: int = Field(description="how many leading messages the prefix stands in for")
+    messages_covered: int = Field(
+        description="how many leading messages the prefix stands in for"
+    )
     progress: float = 0.0
     stage: str | None = None
     worker_id: str | None = None
-    attempts: int = Field(0, description="times a worker started the job (a job whose worker died runs again, "
-                                         "a bounded number of times)")
-    compacted_tokens: int | None = Field(None, description="physical prompt tokens P the prefix takes in the "
-                                                           "engine (its layout: packed heads, or the longest head)")
-    layout: str | None = Field(None, description="how the prefix sits in the engine's KV blocks: varlen "
-                                                 "(each head only its own slots) or padded")
-    compacted_slots: int | None = Field(None, description="KV slots kept, summed over layers and heads")
+    attempts: int = Field(
+        0,
+        description="times a worker started the job (a job whose worker died runs again, "
+        "a bounded number of times)",
+    )
+    compacted_tokens: int | None = Field(
+        None,
+        description="physical prompt tokens P the prefix takes in the "
+        "engine (its layout: packed heads, or the longest head)",
+    )
+    layout: str | None = Field(
+        None,
+        description="how the prefix sits in the engine's KV blocks: varlen "
+        "(each head only its own slots) or padded",
+    )
+    compacted_slots: int | None = Field(
+        None, description="KV slots kept, summed over layers and heads"
+    )
     ratio: float | None = Field(None, description="compacted_tokens / original_tokens")
     bytes_original: int | None = None
     bytes_compacted: int | None = None
@@ -250,7 +337,9 @@ class CompactionDeleted(BaseModel):
 class WorkerInfo(BaseModel):
     """``GET /compaction/worker/v1/info``: what a worker needs to compute compatible caches."""
 
-    model: str = Field(description="checkpoint folder the engine serves (on the server's host)")
+    model: str = Field(
+        description="checkpoint folder the engine serves (on the server's host)"
+    )
     served_model_name: str
     fingerprint: dict[str, Any]
     lease_s: float
@@ -259,7 +348,9 @@ class WorkerInfo(BaseModel):
 
 class ClaimRequest(BaseModel):
     worker_id: str = Field(min_length=1, max_length=200)
-    wait_s: float = Field(0.0, ge=0.0, le=30.0, description="long poll: wait this long for a job")
+    wait_s: float = Field(
+        0.0, ge=0.0, le=30.0, description="long poll: wait this long for a job"
+    )
 
 
 class WorkerJob(BaseModel):
@@ -274,8 +365,11 @@ class WorkerJob(BaseModel):
     keep_last_tokens: int
     max_head_ratio: float = 1.0
     min_layer_share: float = 0.0
-    token: str = Field("", description="the claim's secret: heartbeats, the result and a failure report of "
-                                       "this job must carry it (X-Job-Token)")
+    token: str = Field(
+        "",
+        description="the claim's secret: heartbeats, the result and a failure report of "
+        "this job must carry it (X-Job-Token)",
+    )
 
 
 class Heartbeat(BaseModel):

@@ -12,19 +12,32 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from vllm_compaction.cache import CacheError, CompactedCache, LocalDiskStore, ModelFingerprint, json_digest, read_metadata
+from vllm_compaction.cache import (
+    CacheError,
+    CompactedCache,
+    LocalDiskStore,
+    ModelFingerprint,
+    json_digest,
+    read_metadata,
+)
 from vllm_compaction.models.chat import ChatTokenizer
 from vllm_compaction.service.config import ServiceConfig
 from vllm_compaction.service.conversations import ConversationBook
 from vllm_compaction.service.files import StoreLock, write_atomically
 from vllm_compaction.service.jobs import JobBook, JobError, JobRecord, new_compaction_id
 from vllm_compaction.service.metrics import ServiceMetrics
-from vllm_compaction.service.protocol import (CompactRequest, JobStatus, WorkerInfo, expand_queries,
-                                              normalize_messages)
+from vllm_compaction.service.protocol import (
+    CompactRequest,
+    JobStatus,
+    WorkerInfo,
+    expand_queries,
+    normalize_messages,
+)
 
 __all__ = ["CompactionService", "PrefixPlan"]
 
@@ -78,9 +91,19 @@ class PrefixPlan:
 
 
 class CompactionService:
-    def __init__(self, config: ServiceConfig, *, model_path: str | Path, served_model_names: Sequence[str],
-                 fingerprint: ModelFingerprint, tokenizer: Any, kv_bytes_per_token: int,
-                 max_model_len: int, layout: str = "padded", block_size: int | None = None) -> None:
+    def __init__(
+        self,
+        config: ServiceConfig,
+        *,
+        model_path: str | Path,
+        served_model_names: Sequence[str],
+        fingerprint: ModelFingerprint,
+        tokenizer: Any,
+        kv_bytes_per_token: int,
+        max_model_len: int,
+        layout: str = "padded",
+        block_size: int | None = None,
+    ) -> None:
         if config.store is None:
             raise ValueError("the compaction service needs a store directory")
         self.config = config
@@ -90,19 +113,35 @@ class CompactionService:
         self.chat = ChatTokenizer(tokenizer)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
-        self.layout, self.block_size = layout, block_size  # how the engine holds prefixes
+        self.layout, self.block_size = (
+            layout,
+            block_size,
+        )  # how the engine holds prefixes
         self.store = LocalDiskStore(config.store, max_bytes=config.store_max_bytes)
-        if self.store.max_bytes is None:  # unbounded by default would fill the disk in the end
+        if (
+            self.store.max_bytes is None
+        ):  # unbounded by default would fill the disk in the end
             self.store.max_bytes = default_store_limit(self.store.root)
         self.metrics = ServiceMetrics()
-        self.conversations = ConversationBook(self.store.root / "conversations",
-                                              quarantine_root=self.store.root / "quarantine" / "conversations")
-        self.lock = StoreLock(self.store.root)  # a second server on this store refuses to start
+        self.conversations = ConversationBook(
+            self.store.root / "conversations",
+            quarantine_root=self.store.root / "quarantine" / "conversations",
+        )
+        self.lock = StoreLock(
+            self.store.root
+        )  # a second server on this store refuses to start
         self._remove_leftovers()
-        self.book = JobBook(self.store.root / "jobs", lease_s=config.worker_lease_s, on_change=self._job_changed,
-                            max_queued=config.max_queued_jobs, max_queued_per_owner=config.max_queued_per_key,
-                            quarantine_root=self.store.root / "quarantine" / "jobs", deadline_s=config.job_timeout_s,
-                            max_attempts=config.max_attempts, retry_backoff_s=config.retry_backoff_s)
+        self.book = JobBook(
+            self.store.root / "jobs",
+            lease_s=config.worker_lease_s,
+            on_change=self._job_changed,
+            max_queued=config.max_queued_jobs,
+            max_queued_per_owner=config.max_queued_per_key,
+            quarantine_root=self.store.root / "quarantine" / "jobs",
+            deadline_s=config.job_timeout_s,
+            max_attempts=config.max_attempts,
+            retry_backoff_s=config.retry_backoff_s,
+        )
         self._results = threading.Lock()  # guards _result_locks
         self._result_locks: dict[str, threading.Lock] = {}
         # automatic compactions that failed, per (owner, conversation): (count, when); each failure
@@ -116,11 +155,17 @@ class CompactionService:
         self.metrics.job_counts(self.book)  # jobs found in the store after a restart
 
     # ------------------------------------------------------------------ compactions
-    def submit(self, request: CompactRequest, owner: str, idempotency_key: str | None = None) -> JobRecord:
+    def submit(
+        self, request: CompactRequest, owner: str, idempotency_key: str | None = None
+    ) -> JobRecord:
         """Queue a compaction; ``idempotency_key`` makes a retried request return the same job."""
         self.check_model(request.model)
         if idempotency_key is not None and not 0 < len(idempotency_key) <= 256:
-            raise JobError(400, "Idempotency-Key must be 1 to 256 characters", param="Idempotency-Key")
+            raise JobError(
+                400,
+                "Idempotency-Key must be 1 to 256 characters",
+                param="Idempotency-Key",
+            )
         if request.messages is not None:
             messages = self._messages(request.messages)
         elif request.prompt is not None:
@@ -128,55 +173,110 @@ class CompactionService:
         else:
             conversation = self.conversations.get(owner, request.conversation_id)
             if conversation is None or not conversation.messages:
-                raise JobError(404, f"No conversation with id {request.conversation_id!r}: send a chat "
-                                    f"completion with this conversation_id first, or give messages.")
+                raise JobError(
+                    404,
+                    f"No conversation with id {request.conversation_id!r}: send a chat "
+                    f"completion with this conversation_id first, or give messages.",
+                )
             messages = conversation.messages
-        record = self._record(messages, owner, model=request.model, method=request.method,
-                              queries=request.query_source(), ratio=request.ratio,
-                              target_tokens=request.target_tokens, keep_last_tokens=request.keep_last_tokens,
-                              max_head_ratio=request.max_head_ratio, min_layer_share=request.min_layer_share,
-                              conversation_id=request.conversation_id)
+        record = self._record(
+            messages,
+            owner,
+            model=request.model,
+            method=request.method,
+            queries=request.query_source(),
+            ratio=request.ratio,
+            target_tokens=request.target_tokens,
+            keep_last_tokens=request.keep_last_tokens,
+            max_head_ratio=request.max_head_ratio,
+            min_layer_share=request.min_layer_share,
+            conversation_id=request.conversation_id,
+        )
         if idempotency_key is not None:
             record.idempotency_key = idempotency_key
             record.request_digest = json_digest(request.model_dump(mode="json"))
         return self.book.submit(record)
 
-    def _record(self, messages: list[dict[str, str]], owner: str, *, model: str, method: str,
-                queries: str | None, ratio: float | None, target_tokens: int | None,
-                keep_last_tokens: int, conversation_id: str | None,
-                max_head_ratio: float | None = None, min_layer_share: float | None = None,
-                least_content: int = 0) -> JobRecord:
+    def _record(
+        self,
+        messages: list[dict[str, str]],
+        owner: str,
+        *,
+        model: str,
+        method: str,
+        queries: str | None,
+        ratio: float | None,
+        target_tokens: int | None,
+        keep_last_tokens: int,
+        conversation_id: str | None,
+        max_head_ratio: float | None = None,
+        min_layer_share: float | None = None,
+        least_content: int = 0,
+    ) -> JobRecord:
         try:
             ids, mask = self.chat.chat_content(messages)
         except ValueError as exc:  # ChatTemplateError included
-            raise JobError(400, f"cannot render the messages with the model's chat template: {exc}") from None
+            raise JobError(
+                400, f"cannot render the messages with the model's chat template: {exc}"
+            ) from None
         if len(ids) > self.max_model_len:
-            raise JobError(400, f"the conversation has {len(ids)} tokens, more than the model's "
-                                f"window of {self.max_model_len}")
+            raise JobError(
+                400,
+                f"the conversation has {len(ids)} tokens, more than the model's "
+                f"window of {self.max_model_len}",
+            )
         content = int(mask.sum()) - keep_last_tokens
         if content <= least_content:
-            raise JobError(400, f"nothing to compact: {int(mask.sum())} content tokens and "
-                                f"keep_last_tokens={keep_last_tokens}"
-                                + (f" leave no more than the {least_content} to keep" if least_content else ""))
+            raise JobError(
+                400,
+                f"nothing to compact: {int(mask.sum())} content tokens and "
+                f"keep_last_tokens={keep_last_tokens}"
+                + (
+                    f" leave no more than the {least_content} to keep"
+                    if least_content
+                    else ""
+                ),
+            )
         average = ratio if ratio is not None else min(1.0, target_tokens / content)
         if max_head_ratio is None:
-            max_head_ratio = 1.0 if self.layout == "varlen" else min(1.0, HEAD_CAP_FACTOR * average)
+            max_head_ratio = (
+                1.0 if self.layout == "varlen" else min(1.0, HEAD_CAP_FACTOR * average)
+            )
         elif max_head_ratio < average:
-            raise JobError(400, f"max_head_ratio={max_head_ratio} is below the average ratio {average:.4g}")
-        return JobRecord(id=new_compaction_id(), status=JobStatus.queued, created=int(time.time()),
-                         model=model, method=method, queries=queries, ratio_requested=ratio,
-                         target_tokens=target_tokens, keep_last_tokens=keep_last_tokens,
-                         max_head_ratio=max_head_ratio, min_layer_share=min_layer_share,
-                         conversation_id=conversation_id, original_tokens=len(ids),
-                         messages_covered=len(messages), owner=owner, messages=messages)
+            raise JobError(
+                400,
+                f"max_head_ratio={max_head_ratio} is below the average ratio {average:.4g}",
+            )
+        return JobRecord(
+            id=new_compaction_id(),
+            status=JobStatus.queued,
+            created=int(time.time()),
+            model=model,
+            method=method,
+            queries=queries,
+            ratio_requested=ratio,
+            target_tokens=target_tokens,
+            keep_last_tokens=keep_last_tokens,
+            max_head_ratio=max_head_ratio,
+            min_layer_share=min_layer_share,
+            conversation_id=conversation_id,
+            original_tokens=len(ids),
+            messages_covered=len(messages),
+            owner=owner,
+            messages=messages,
+        )
 
     def get(self, compaction_id: str, owner: str) -> JobRecord:
         return self.book.get(compaction_id, owner)
 
-    def list(self, owner: str, *, after: str | None = None, limit: int | None = None) -> tuple[list[JobRecord], bool]:
+    def list(
+        self, owner: str, *, after: str | None = None, limit: int | None = None
+    ) -> tuple[list[JobRecord], bool]:
         return self.book.page(owner, after=after, limit=limit)
 
-    def cancel_or_delete(self, compaction_id: str, owner: str) -> tuple[JobRecord, bool]:
+    def cancel_or_delete(
+        self, compaction_id: str, owner: str
+    ) -> tuple[JobRecord, bool]:
         """Cancel a queued/running job; delete a finished one (and its cache). -> (job, deleted)."""
         record = self.book.get(compaction_id, owner)
         if not record.status.finished:
@@ -187,12 +287,21 @@ class CompactionService:
 
     def check_model(self, model: str) -> None:
         if model not in self.served_model_names:
-            raise JobError(404, f"The model `{model}` does not exist; this server serves "
-                                f"{', '.join(self.served_model_names)}.")
+            raise JobError(
+                404,
+                f"The model `{model}` does not exist; this server serves "
+                f"{', '.join(self.served_model_names)}.",
+            )
 
     # ------------------------------------------------------------------ serving plans
-    def plan_chat(self, owner: str, raw_messages: list[Any], *, compaction_id: str | None = None,
-                  conversation_id: str | None = None) -> PrefixPlan | None:
+    def plan_chat(
+        self,
+        owner: str,
+        raw_messages: list[Any],
+        *,
+        compaction_id: str | None = None,
+        conversation_id: str | None = None,
+    ) -> PrefixPlan | None:
         """How to serve a chat request: from a compacted prefix (a plan) or as sent (None).
 
         ``compaction_id``: the request's messages continue that compaction; if they start with
@@ -228,7 +337,9 @@ class CompactionService:
         self.metrics.request("compacted" if plan else "original")
         return plan
 
-    def plan_text(self, owner: str, compaction_id: str, continuation: str | list[int]) -> PrefixPlan:
+    def plan_text(
+        self, owner: str, compaction_id: str, continuation: str | list[int]
+    ) -> PrefixPlan:
         """A completions request whose prompt (text or token ids) continues a compaction."""
         _check_id(compaction_id, "compaction_id")
         record = self.book.get(compaction_id, owner)
@@ -239,51 +350,89 @@ class CompactionService:
         except ValueError as exc:
             raise JobError(400, str(exc)) from None
         if not ids:
-            raise JobError(400, "the prompt is empty: at least one token must follow the compacted prefix")
+            raise JobError(
+                400,
+                "the prompt is empty: at least one token must follow the compacted prefix",
+            )
         self.metrics.request("compacted")
         return self._plan(record, ids)
 
-    def _plan_from(self, record: JobRecord, messages: list[dict[str, str]], *, explicit: bool) -> PrefixPlan | None:
+    def _plan_from(
+        self, record: JobRecord, messages: list[dict[str, str]], *, explicit: bool
+    ) -> PrefixPlan | None:
         covered = record.messages
         has_history = messages[: len(covered)] == covered
         if (unusable := self._unusable(record)) is not None:
             if has_history or not explicit:
                 return None  # served from the messages as sent until the compaction is ready
             raise unusable
-        rest = messages[len(covered):] if has_history else (messages if explicit else None)
+        rest = (
+            messages[len(covered) :]
+            if has_history
+            else (messages if explicit else None)
+        )
         if rest is None:
             return None  # the conversation diverged from what was compacted
         if not rest:
-            raise JobError(400, f"no message follows the {len(covered)} messages that compaction "
-                                f"{record.id} covers")
+            raise JobError(
+                400,
+                f"no message follows the {len(covered)} messages that compaction "
+                f"{record.id} covers",
+            )
         try:
             ids = self.chat.turn_ids(rest, add_generation_prompt=True)
         except ValueError as exc:  # ChatTemplateError included
-            raise JobError(400, f"cannot render the messages with the model's chat template: {exc}") from None
+            raise JobError(
+                400, f"cannot render the messages with the model's chat template: {exc}"
+            ) from None
         return self._plan(record, ids)
 
     def _unusable(self, record: JobRecord) -> JobError | None:
         """Why ``record`` cannot serve a request now (409 not ready or failed, 410 evicted), or None."""
         if record.status == JobStatus.succeeded:
             if not self.store.contains_id(record.id):
-                return JobError(410, f"The compacted cache of {record.id} is no longer in the store "
-                                     f"(evicted or deleted); send the full conversation instead.")
+                return JobError(
+                    410,
+                    f"The compacted cache of {record.id} is no longer in the store "
+                    f"(evicted or deleted); send the full conversation instead.",
+                )
             return None
         if record.status.finished:
-            return JobError(409, f"Compaction {record.id} {record.status.value}"
-                                 f"{': ' + record.error if record.error else ''}; send the full "
-                                 f"conversation to be served without it.")
-        return JobError(409, f"Compaction {record.id} is {record.status.value} ({record.progress:.0%}); "
-                             f"until it succeeds, send the full conversation to be served without it.")
+            return JobError(
+                409,
+                f"Compaction {record.id} {record.status.value}"
+                f"{': ' + record.error if record.error else ''}; send the full "
+                f"conversation to be served without it.",
+            )
+        return JobError(
+            409,
+            f"Compaction {record.id} is {record.status.value} ({record.progress:.0%}); "
+            f"until it succeeds, send the full conversation to be served without it.",
+        )
 
     def _plan(self, record: JobRecord, continuation_ids: list[int]) -> PrefixPlan:
-        self.store.touch_id(record.id)  # the engine reads the file itself: keep LRU order by use
-        self.store.hold(record.id, SERVING_HOLD_S)  # not evicted while the engine loads it
-        return PrefixPlan(record.id, int(record.compacted_tokens or 0), (record.digest or "")[:32],
-                          continuation_ids, record.original_tokens, record.layout or "padded")
+        self.store.touch_id(
+            record.id
+        )  # the engine reads the file itself: keep LRU order by use
+        self.store.hold(
+            record.id, SERVING_HOLD_S
+        )  # not evicted while the engine loads it
+        return PrefixPlan(
+            record.id,
+            int(record.compacted_tokens or 0),
+            (record.digest or "")[:32],
+            continuation_ids,
+            record.original_tokens,
+            record.layout or "padded",
+        )
 
-    def _maybe_auto_compact(self, owner: str, conversation_id: str, messages: list[dict[str, str]],
-                            plan: PrefixPlan | None) -> None:
+    def _maybe_auto_compact(
+        self,
+        owner: str,
+        conversation_id: str,
+        messages: list[dict[str, str]],
+        plan: PrefixPlan | None,
+    ) -> None:
         threshold = self.config.auto_compact_threshold_tokens
         if threshold is None:
             return
@@ -291,7 +440,9 @@ class CompactionService:
             physical = plan.physical_prompt_tokens
         else:
             physical = len(self.chat.chat_ids(messages, add_generation_prompt=True))
-        if physical <= threshold or self.book.active_for_conversation(conversation_id, owner):
+        if physical <= threshold or self.book.active_for_conversation(
+            conversation_id, owner
+        ):
             return
         failures, when = self._auto_failures.get((owner, conversation_id), (0, 0.0))
         if failures and time.time() < when + AUTO_RETRY_BACKOFF_S * 2 ** (failures - 1):
@@ -299,19 +450,36 @@ class CompactionService:
         cfg = self.config
         target = cfg.auto_compact_target_tokens
         try:
-            record = self._record(messages, owner, model=self.served_model_names[0], method=cfg.auto_compact_method,
-                                  queries=expand_queries(cfg.auto_compact_queries),
-                                  ratio=None if target else cfg.auto_compact_ratio,
-                                  target_tokens=target, keep_last_tokens=cfg.auto_compact_keep_last_tokens,
-                                  min_layer_share=cfg.auto_compact_min_layer_share,
-                                  conversation_id=conversation_id, least_content=target or 0)
+            record = self._record(
+                messages,
+                owner,
+                model=self.served_model_names[0],
+                method=cfg.auto_compact_method,
+                queries=expand_queries(cfg.auto_compact_queries),
+                ratio=None if target else cfg.auto_compact_ratio,
+                target_tokens=target,
+                keep_last_tokens=cfg.auto_compact_keep_last_tokens,
+                min_layer_share=cfg.auto_compact_min_layer_share,
+                conversation_id=conversation_id,
+                least_content=target or 0,
+            )
             record.auto = True
             self.book.submit(record)
-        except (JobError, OSError) as exc:  # a full queue or disk: the request is served all the same
-            logger.warning("no automatic compaction of conversation %s: %s", conversation_id, exc)
+        except (
+            JobError,
+            OSError,
+        ) as exc:  # a full queue or disk: the request is served all the same
+            logger.warning(
+                "no automatic compaction of conversation %s: %s", conversation_id, exc
+            )
             return
-        logger.info("conversation %s has %d physical prompt tokens (> %d): queued compaction %s",
-                    conversation_id, physical, threshold, record.id)
+        logger.info(
+            "conversation %s has %d physical prompt tokens (> %d): queued compaction %s",
+            conversation_id,
+            physical,
+            threshold,
+            record.id,
+        )
 
     def diagnose(self, compaction_id: str) -> str | None:
         """After the engine failed a request on this compaction: the reason, if its cache is bad.
@@ -321,17 +489,27 @@ class CompactionService:
         """
         problem = self.store.verify_id(compaction_id, expect_model=self.fingerprint)
         if problem is not None:
-            logger.error("compacted cache of %s is unusable: %s", compaction_id, problem)
-            problem = problem.replace(str(self.store.root), "the store")  # clients see no server paths
+            logger.error(
+                "compacted cache of %s is unusable: %s", compaction_id, problem
+            )
+            problem = problem.replace(
+                str(self.store.root), "the store"
+            )  # clients see no server paths
         return problem
 
     # ------------------------------------------------------------------ worker protocol
     def worker_info(self) -> WorkerInfo:
-        return WorkerInfo(model=self.model_path, served_model_name=self.served_model_names[0],
-                          fingerprint=self.fingerprint.to_dict(), lease_s=self.config.worker_lease_s,
-                          heartbeat_s=self.config.heartbeat_s)
+        return WorkerInfo(
+            model=self.model_path,
+            served_model_name=self.served_model_names[0],
+            fingerprint=self.fingerprint.to_dict(),
+            lease_s=self.config.worker_lease_s,
+            heartbeat_s=self.config.heartbeat_s,
+        )
 
-    def accept_result(self, compaction_id: str, worker_id: str, upload: Path) -> JobRecord:
+    def accept_result(
+        self, compaction_id: str, worker_id: str, upload: Path
+    ) -> JobRecord:
         """Verify a worker's cache file, move it into the store and finish the job. Uploads for
         one job are taken one at a time: a second (a retry) finds the job finished and gets a 409,
         and nothing of the first is touched."""
@@ -345,72 +523,109 @@ class CompactionService:
                 if not lock.locked():
                     self._result_locks.pop(compaction_id, None)
 
-    def _accept_result(self, compaction_id: str, worker_id: str, upload: Path) -> JobRecord:
+    def _accept_result(
+        self, compaction_id: str, worker_id: str, upload: Path
+    ) -> JobRecord:
         try:
             record = self.book.get(compaction_id)
             if record.status != JobStatus.running or record.worker_id != worker_id:
-                raise JobError(409, f"Compaction {compaction_id!r} is not running on worker {worker_id!r} "
-                                    f"(it is {record.status.value}).")
+                raise JobError(
+                    409,
+                    f"Compaction {compaction_id!r} is not running on worker {worker_id!r} "
+                    f"(it is {record.status.value}).",
+                )
 
             def check(cache: CompactedCache) -> None:
                 if cache.logical_length != record.original_tokens:
-                    raise CacheError(f"the cache covers {cache.logical_length} tokens, the job "
-                                     f"{record.original_tokens}")
+                    raise CacheError(
+                        f"the cache covers {cache.logical_length} tokens, the job "
+                        f"{record.original_tokens}"
+                    )
 
             try:
-                cache = self.store.put_file(compaction_id, upload, expect_model=self.fingerprint, check=check)
+                cache = self.store.put_file(
+                    compaction_id, upload, expect_model=self.fingerprint, check=check
+                )
             except CacheError as exc:
-                self.book.fail(compaction_id, worker_id, f"the worker's cache was rejected: {exc}")
+                self.book.fail(
+                    compaction_id, worker_id, f"the worker's cache was rejected: {exc}"
+                )
                 raise JobError(422, f"the uploaded cache was rejected: {exc}") from None
         finally:
             upload.unlink(missing_ok=True)
         digest = read_metadata(self.store.path_for(compaction_id))["tensors_sha256"]
-        physical, logical = cache.physical_tokens(self.layout, self.block_size), cache.logical_length
+        physical, logical = (
+            cache.physical_tokens(self.layout, self.block_size),
+            cache.logical_length,
+        )
         result = {
-            "compacted_tokens": physical, "layout": self.layout, "compacted_slots": cache.physical_slots,
+            "compacted_tokens": physical,
+            "layout": self.layout,
+            "compacted_slots": cache.physical_slots,
             "ratio": physical / logical,
             "bytes_original": logical * self.kv_bytes_per_token,
             "bytes_compacted": physical * self.kv_bytes_per_token,
             "bytes_saved": (logical - physical) * self.kv_bytes_per_token,
-            "timings": {**record.timings, **{k: float(v) for k, v in cache.timings.items()}},
-            "digest": digest, "stage": "done",
+            "timings": {
+                **record.timings,
+                **{k: float(v) for k, v in cache.timings.items()},
+            },
+            "digest": digest,
+            "stage": "done",
         }
         try:
             return self.book.succeed(compaction_id, worker_id, result)
         except JobError:
-            self.store.delete_id(compaction_id)  # cancelled while uploading: keep nothing
+            self.store.delete_id(
+                compaction_id
+            )  # cancelled while uploading: keep nothing
             raise
 
     # ------------------------------------------------------------------ internals
     def _messages(self, raw: list[Any]) -> list[dict[str, str]]:
         try:
-            return normalize_messages(list(raw) if isinstance(raw, (list, tuple)) else raw)
+            return normalize_messages(
+                list(raw) if isinstance(raw, (list, tuple)) else raw
+            )
         except ValueError as exc:
             raise JobError(400, str(exc)) from None
 
     def _job_changed(self, record: JobRecord) -> None:
         self.metrics.job_changed(self.book, record)
         if record.status == JobStatus.succeeded:
-            self.store.hold(record.id, FRESH_HOLD_S)  # made for a client who has not read it yet
+            self.store.hold(
+                record.id, FRESH_HOLD_S
+            )  # made for a client who has not read it yet
         if record.auto and record.conversation_id and record.status.finished:
             key = (record.owner, record.conversation_id)
             if record.status == JobStatus.failed:
-                self._auto_failures[key] = (self._auto_failures.get(key, (0, 0.0))[0] + 1, time.time())
+                self._auto_failures[key] = (
+                    self._auto_failures.get(key, (0, 0.0))[0] + 1,
+                    time.time(),
+                )
             else:
                 self._auto_failures.pop(key, None)
         if record.status == JobStatus.succeeded and record.conversation_id:
-            replaced = self.conversations.adopt(record.owner, record.conversation_id, record.id,
-                                                record.messages_covered)
+            replaced = self.conversations.adopt(
+                record.owner, record.conversation_id, record.id, record.messages_covered
+            )
             self._collect(replaced)
 
     def _remove_leftovers(self) -> None:
         """Temporary files of a server that died here (uploads, half-written records): with the
         store's lock held nobody else writes them, so they can never complete."""
         root = self.store.root
-        for pattern in (".upload-*.tmp", "jobs/.*.tmp", "conversations/.*.tmp", ".worker-token.*.tmp"):
+        for pattern in (
+            ".upload-*.tmp",
+            "jobs/.*.tmp",
+            "conversations/.*.tmp",
+            ".worker-token.*.tmp",
+        ):
             for leftover in root.glob(pattern):
                 leftover.unlink(missing_ok=True)
-                logger.info("removed %s, left by a server that stopped mid-write", leftover.name)
+                logger.info(
+                    "removed %s, left by a server that stopped mid-write", leftover.name
+                )
 
     def _collect(self, compaction_id: str | None) -> None:
         """Delete a conversation's previous automatic compaction (its cache and record) once a
@@ -424,8 +639,11 @@ class CompactionService:
         if record.auto and record.status.finished:
             self.book.delete(compaction_id)
             self.store.delete_id(compaction_id)
-            logger.info("collected compaction %s, superseded in conversation %s", compaction_id,
-                        record.conversation_id)
+            logger.info(
+                "collected compaction %s, superseded in conversation %s",
+                compaction_id,
+                record.conversation_id,
+            )
 
     def _store_token(self) -> str:
         """The worker token shared through the store directory (mode 0600), made on first use."""
@@ -437,4 +655,6 @@ class CompactionService:
 
 def _check_id(value: Any, what: str) -> None:
     if not isinstance(value, str) or not value or len(value) > 128:
-        raise JobError(400, f"{what} must be a non-empty string of at most 128 characters")
+        raise JobError(
+            400, f"{what} must be a non-empty string of at most 128 characters"
+        )

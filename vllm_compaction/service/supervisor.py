@@ -43,12 +43,24 @@ class Supervisor:
 
     def _spawn(self) -> tuple[subprocess.Popen, float]:
         env = {**os.environ, TOKEN_ENV: self.service.worker_token}
-        cmd = [sys.executable, "-m", "vllm_compaction.service.worker", "--server", self.server_url,
-               "--device", self.service.config.device, "--die-with-parent"]
-        if self.server_url.startswith("https://127.0.0.1"):  # its own server, on loopback: no certificate names it
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm_compaction.service.worker",
+            "--server",
+            self.server_url,
+            "--device",
+            self.service.config.device,
+            "--die-with-parent",
+        ]
+        if self.server_url.startswith(
+            "https://127.0.0.1"
+        ):  # its own server, on loopback: no certificate names it
             cmd.append("--no-verify-tls")
         process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-        logger.info("started compaction worker pid %d for %s", process.pid, self.server_url)
+        logger.info(
+            "started compaction worker pid %d for %s", process.pid, self.server_url
+        )
         return process, time.monotonic()
 
     async def _watch(self) -> None:
@@ -56,8 +68,12 @@ class Supervisor:
             await asyncio.sleep(0.5)
             try:
                 self._check()
-            except Exception:  # a full disk, say: log it and keep watching, never end the task
-                logger.exception("compaction supervisor: checking leases and workers failed")
+            except (
+                Exception
+            ):  # a full disk, say: log it and keep watching, never end the task
+                logger.exception(
+                    "compaction supervisor: checking leases and workers failed"
+                )
 
     def _check(self) -> None:
         """Lapsed leases and deadlines, then the local workers: a dead one has its job retried or
@@ -70,19 +86,27 @@ class Supervisor:
                 alive.append((process, started))
                 continue
             how = describe_exit(code)
-            self.service.book.fail_worker(worker_id_for(process.pid),
-                                          f"the compaction worker (pid {process.pid}) {how}")
+            self.service.book.fail_worker(
+                worker_id_for(process.pid),
+                f"the compaction worker (pid {process.pid}) {how}",
+            )
             quick = time.monotonic() - started < _CRASH_WINDOW_S
             self._quick_crashes = self._quick_crashes + 1 if quick else 0
             if self._quick_crashes > _MAX_QUICK_CRASHES:
-                logger.error("compaction worker pid %d %s; %d quick crashes in a row, not restarting "
-                             "it (see its log above)", process.pid, how, self._quick_crashes)
+                logger.error(
+                    "compaction worker pid %d %s; %d quick crashes in a row, not restarting "
+                    "it (see its log above)",
+                    process.pid,
+                    how,
+                    self._quick_crashes,
+                )
                 continue
-            logger.warning("compaction worker pid %d %s; restarting it", process.pid, how)
+            logger.warning(
+                "compaction worker pid %d %s; restarting it", process.pid, how
+            )
             alive.append(self._spawn())
         self.processes = alive
         self.service.metrics.workers_alive(len(alive))
-
 
     def stop(self) -> None:
         if self._task is not None:

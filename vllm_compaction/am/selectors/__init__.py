@@ -12,7 +12,13 @@ from vllm_compaction.am.selectors.truncate import TruncateSelector
 SELECTORS = MappingProxyType(
     {
         cls.name: cls
-        for cls in (HighestAttentionSelector, OMPSelector, RandomSelector, TruncateSelector, KVMergerSelector)
+        for cls in (
+            HighestAttentionSelector,
+            OMPSelector,
+            RandomSelector,
+            TruncateSelector,
+            KVMergerSelector,
+        )
     }
 )
 

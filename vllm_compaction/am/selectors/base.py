@@ -16,7 +16,15 @@ import torch
 
 from vllm_compaction.am.attention import AGGREGATIONS, ReferenceAttention
 
-__all__ = ["ScoredSelector", "Selection", "SelectionProblem", "Selector", "SelectorBase", "top_by_score", "slot_mask"]
+__all__ = [
+    "ScoredSelector",
+    "Selection",
+    "SelectionProblem",
+    "Selector",
+    "SelectorBase",
+    "top_by_score",
+    "slot_mask",
+]
 
 
 @dataclass
@@ -115,7 +123,9 @@ class ScoredSelector(SelectorBase):
 
     def _check_aggregation(self) -> None:
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}")
+            raise ValueError(
+                f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {self.aggregation!r}"
+            )
 
 
 def slot_mask(lengths: torch.Tensor, t_max: int) -> torch.Tensor:
@@ -123,7 +133,9 @@ def slot_mask(lengths: torch.Tensor, t_max: int) -> torch.Tensor:
     return torch.arange(t_max, device=lengths.device)[None, :] < lengths[:, None]
 
 
-def top_by_score(scores: torch.Tensor, budgets: torch.Tensor, tiebreak: torch.Tensor | None = None) -> Selection:
+def top_by_score(
+    scores: torch.Tensor, budgets: torch.Tensor, tiebreak: torch.Tensor | None = None
+) -> Selection:
     """Keep the ``budgets[h]`` highest-scoring keys of each head (``scores [H, T]``).
 
     Ties (e.g. the plateaus of max-pooled scores) go to the higher ``tiebreak [H, T]`` score,
@@ -133,5 +145,9 @@ def top_by_score(scores: torch.Tensor, budgets: torch.Tensor, tiebreak: torch.Te
     order = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
     if tiebreak is not None:
         order = torch.sort(tiebreak, dim=-1, descending=True, stable=True).indices
-    ranked = torch.sort(scores.gather(-1, order), dim=-1, descending=True, stable=True).indices
-    return Selection(indices=order.gather(-1, ranked[:, :t_max]), lengths=budgets.clone())
+    ranked = torch.sort(
+        scores.gather(-1, order), dim=-1, descending=True, stable=True
+    ).indices
+    return Selection(
+        indices=order.gather(-1, ranked[:, :t_max]), lengths=budgets.clone()
+    )

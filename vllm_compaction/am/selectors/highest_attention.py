@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from vllm_compaction.am.attention import max_pool_scores
-from vllm_compaction.am.selectors.base import ScoredSelector, Selection, SelectionProblem, top_by_score
+from vllm_compaction.am.selectors.base import (
+    ScoredSelector,
+    Selection,
+    SelectionProblem,
+    top_by_score,
+)
 
 __all__ = ["HighestAttentionSelector"]
 
@@ -34,9 +39,14 @@ class HighestAttentionSelector(ScoredSelector):
         self._check_aggregation()
         kernel = self.pool_kernel
         if kernel is not None and (
-            not isinstance(kernel, int) or isinstance(kernel, bool) or kernel < 1 or kernel % 2 == 0
+            not isinstance(kernel, int)
+            or isinstance(kernel, bool)
+            or kernel < 1
+            or kernel % 2 == 0
         ):
-            raise ValueError(f"pool_kernel must be a positive odd integer or None, got {kernel!r}")
+            raise ValueError(
+                f"pool_kernel must be a positive odd integer or None, got {kernel!r}"
+            )
 
     def select(self, problem: SelectionProblem) -> Selection:
         """Keep the ``budgets[h]`` best-scored keys of each head."""
@@ -45,4 +55,6 @@ class HighestAttentionSelector(ScoredSelector):
         raw = problem.reference.scores  # [H, T]
         if self.pool_kernel is None or self.pool_kernel == 1:
             return top_by_score(raw, problem.budgets)
-        return top_by_score(max_pool_scores(raw, self.pool_kernel), problem.budgets, tiebreak=raw)
+        return top_by_score(
+            max_pool_scores(raw, self.pool_kernel), problem.budgets, tiebreak=raw
+        )

@@ -17,7 +17,11 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from vllm_compaction.am.selectors.base import ScoredSelector, Selection, SelectionProblem
+from vllm_compaction.am.selectors.base import (
+    ScoredSelector,
+    Selection,
+    SelectionProblem,
+)
 
 __all__ = ["KVMergerSelector"]
 
@@ -38,8 +42,14 @@ class KVMergerSelector(ScoredSelector):
     aggregation: str = "mean"
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.sigma, (int, float)) and math.isfinite(self.sigma) and self.sigma > 0):
-            raise ValueError(f"sigma must be a finite positive number, got {self.sigma!r}")
+        if not (
+            isinstance(self.sigma, (int, float))
+            and math.isfinite(self.sigma)
+            and self.sigma > 0
+        ):
+            raise ValueError(
+                f"sigma must be a finite positive number, got {self.sigma!r}"
+            )
         self._check_aggregation()
 
     def select(self, problem: SelectionProblem) -> Selection:
@@ -52,11 +62,19 @@ class KVMergerSelector(ScoredSelector):
         unit = F.normalize(keys, dim=-1)
         sims = (unit[:, 1:] * unit[:, :-1]).sum(-1)  # [H, T-1] cosine of neighbours
         rank = sims.argsort(dim=-1, stable=True).argsort(dim=-1)
-        cuts = rank < (budgets - 1)[:, None]  # the t_h - 1 least similar neighbour pairs
+        cuts = (
+            rank < (budgets - 1)[:, None]
+        )  # the t_h - 1 least similar neighbour pairs
         cluster = F.pad(cuts.long().cumsum(-1), (1, 0))  # [H, T] cluster id in [0, t_h)
-        anchors = _cluster_argmax(problem.reference.scores, cluster, t_max)  # [H, t_max]
-        anchor_of = unit.gather(1, anchors.gather(1, cluster)[..., None].expand(h, total, d))
-        weight = torch.exp(-(unit - anchor_of).square().sum(-1) / (2 * self.sigma**2))  # [H, T]
+        anchors = _cluster_argmax(
+            problem.reference.scores, cluster, t_max
+        )  # [H, t_max]
+        anchor_of = unit.gather(
+            1, anchors.gather(1, cluster)[..., None].expand(h, total, d)
+        )
+        weight = torch.exp(
+            -(unit - anchor_of).square().sum(-1) / (2 * self.sigma**2)
+        )  # [H, T]
         num = values.new_zeros(h, t_max, d).scatter_add_(
             1, cluster[..., None].expand(h, total, d), weight[..., None] * values
         )
@@ -65,10 +83,14 @@ class KVMergerSelector(ScoredSelector):
         return Selection(indices=anchors, lengths=budgets.clone(), values=merged)
 
 
-def _cluster_argmax(scores: torch.Tensor, cluster: torch.Tensor, t_max: int) -> torch.Tensor:
+def _cluster_argmax(
+    scores: torch.Tensor, cluster: torch.Tensor, t_max: int
+) -> torch.Tensor:
     """``[H, t_max]`` position of the highest score in each cluster (first one on ties)."""
     h, total = scores.shape
-    best = scores.new_full((h, t_max), float("-inf")).scatter_reduce(1, cluster, scores, "amax")
+    best = scores.new_full((h, t_max), float("-inf")).scatter_reduce(
+        1, cluster, scores, "amax"
+    )
     pos = torch.arange(total, device=scores.device).expand(h, total)
     candidate = torch.where(scores == best.gather(1, cluster), pos, total)
     first = torch.full((h, t_max), total, dtype=torch.long, device=scores.device)

@@ -33,7 +33,12 @@ from typing import ClassVar
 import torch
 
 from vllm_compaction.am.fit import solve_normal_equations
-from vllm_compaction.am.selectors.base import Selection, SelectionProblem, SelectorBase, slot_mask
+from vllm_compaction.am.selectors.base import (
+    Selection,
+    SelectionProblem,
+    SelectorBase,
+    slot_mask,
+)
 
 __all__ = ["OMPSelector"]
 
@@ -81,34 +86,62 @@ class OMPSelector(SelectorBase):
         return "max" if self.seed_share > 0 else None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.seed_share, (int, float)) and 0.0 <= self.seed_share <= 1.0):
+        if not (
+            isinstance(self.seed_share, (int, float)) and 0.0 <= self.seed_share <= 1.0
+        ):
             raise ValueError(f"seed_share must be in [0, 1], got {self.seed_share!r}")
-        if self.max_rounds is not None and (not isinstance(self.max_rounds, int) or self.max_rounds < 1):
-            raise ValueError(f"max_rounds must be a positive integer or None, got {self.max_rounds!r}")
+        if self.max_rounds is not None and (
+            not isinstance(self.max_rounds, int) or self.max_rounds < 1
+        ):
+            raise ValueError(
+                f"max_rounds must be a positive integer or None, got {self.max_rounds!r}"
+            )
         for field in ("keys_per_step", "refit_interval"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}")
-        if not (math.isfinite(self.min_beta) and math.isfinite(self.max_beta) and self.min_beta < self.max_beta):
-            raise ValueError(f"need finite min_beta < max_beta, got {self.min_beta}, {self.max_beta}")
+        if not (
+            math.isfinite(self.min_beta)
+            and math.isfinite(self.max_beta)
+            and self.min_beta < self.max_beta
+        ):
+            raise ValueError(
+                f"need finite min_beta < max_beta, got {self.min_beta}, {self.max_beta}"
+            )
 
     def select(self, problem: SelectionProblem) -> Selection:
         """Greedy selection of ``budgets[h]`` keys and their mass weights."""
         ref = problem.reference
         if ref is None or ref.features is None:
-            raise ValueError("OMP needs the shifted feature matrix of the reference pass")
-        per_round = torch.full_like(problem.budgets, self.keys_per_step * self.refit_interval)
+            raise ValueError(
+                "OMP needs the shifted feature matrix of the reference pass"
+            )
+        per_round = torch.full_like(
+            problem.budgets, self.keys_per_step * self.refit_interval
+        )
         if self.max_rounds is not None:
             per_round = torch.maximum(per_round, -(-problem.budgets // self.max_rounds))
         state = _GreedyMassFit(problem, per_round)
         lower, upper = math.exp(self.min_beta), math.exp(self.max_beta)
-        if self.seed_share > 0:  # one first round on the max-attention scores of the reference pass
-            seeds = torch.ceil(problem.budgets.double() * self.seed_share).long().clamp(0, None)
+        if (
+            self.seed_share > 0
+        ):  # one first round on the max-attention scores of the reference pass
+            seeds = (
+                torch.ceil(problem.budgets.double() * self.seed_share)
+                .long()
+                .clamp(0, None)
+            )
             state.add_keys(ref.scores, torch.minimum(seeds, problem.budgets))
-            state.update_residual(torch.where(state.valid, state.refit(lower).clamp(lower, upper), 0.0))
+            state.update_residual(
+                torch.where(state.valid, state.refit(lower).clamp(lower, upper), 0.0)
+            )
         # Without drops every head is done after ceil(t_h / per_round) rounds: run those without
         # asking the device, then check once per round (a drop bans a key, so this ends).
-        sure = int((-(-(problem.budgets - state.count) // state.per_round)).max()) if problem.budgets.numel() else 0
+        sure = (
+            int((-(-(problem.budgets - state.count) // state.per_round)).max())
+            if problem.budgets.numel()
+            else 0
+        )
         for round_ in range(sure + 2 * ref.features.shape[1] + 2):
             if round_ >= sure and bool(state.done.all()):
                 break
@@ -116,7 +149,9 @@ class OMPSelector(SelectorBase):
             w = state.refit(lower)
             state.update_residual(torch.where(state.valid, w.clamp(lower, upper), 0.0))
         indices, weights, lengths = state.packed()
-        beta = torch.where(slot_mask(lengths, state.t_max), weights.clamp(lower, upper).log(), 0.0).float()
+        beta = torch.where(
+            slot_mask(lengths, state.t_max), weights.clamp(lower, upper).log(), 0.0
+        ).float()
         return Selection(indices=indices, lengths=lengths, beta=beta)
 
 
@@ -130,17 +165,26 @@ class _GreedyMassFit:
         assert ref is not None and ref.features is not None
         phi_t, budgets = ref.features, problem.budgets
         h, total, n = phi_t.shape
-        self.phi_t, self.mass, self.shift, self.budgets = phi_t, ref.mass, ref.shift, budgets  # [H, T, n], [H, n] x2
+        self.phi_t, self.mass, self.shift, self.budgets = (
+            phi_t,
+            ref.mass,
+            ref.shift,
+            budgets,
+        )  # [H, T, n], [H, n] x2
         self.keys, self.queries_scaled = problem.keys, problem.queries * problem.scale
         self.t_max = int(budgets.max())
         per_round = torch.as_tensor(per_round, device=budgets.device).expand(h)
-        self.per_round = per_round.clamp(1, max(1, min(total, self.t_max)))  # [H] keys per round
+        self.per_round = per_round.clamp(
+            1, max(1, min(total, self.t_max))
+        )  # [H] keys per round
         self.max_per_round = int(self.per_round.max())  # host copy: no sync per round
         dev, slots = phi_t.device, self.t_max + 1
         self.idx = torch.zeros(h, slots, dtype=torch.long, device=dev)
         self.occupied = torch.zeros(h, slots, dtype=torch.bool, device=dev)
         self.excluded = torch.zeros(h, total, dtype=torch.bool, device=dev)
-        self.phi_s = torch.zeros(h, slots, n, dtype=torch.float32, device=dev)  # kept columns, as rows
+        self.phi_s = torch.zeros(
+            h, slots, n, dtype=torch.float32, device=dev
+        )  # kept columns, as rows
         self.gram = torch.zeros(h, slots, slots, dtype=torch.float64, device=dev)
         self.rhs = torch.zeros(h, slots, dtype=torch.float64, device=dev)
         self.final_w = torch.zeros(h, self.t_max, dtype=torch.float64, device=dev)
@@ -152,7 +196,9 @@ class _GreedyMassFit:
         """``[H, T]`` fp32 ``Phi^T r`` for ``resid [H, n]``, from the half-precision features.
         ``r`` is scaled so that ``sum |r| = CORRELATION_RANGE``: since ``0 <= Phi <= 1`` every
         product then fits the half range, and most entries stay normal numbers."""
-        norm = resid.abs().sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)  # [H, 1]
+        norm = (
+            resid.abs().sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        )  # [H, 1]
         scaled = (resid * (CORRELATION_RANGE / norm)).to(self.phi_t.dtype)
         # r^T Phi as a row vector times Phi^T: CPU torch runs this layout as a half-precision GEMV
         # (fp32 accumulation); Phi^T @ r[..., None] takes a generic GEMM path 5x slower
@@ -169,7 +215,9 @@ class _GreedyMassFit:
         """``[H, t_max]`` occupied slots."""
         return self.occupied[:, : self.t_max]
 
-    def add_keys(self, scores: torch.Tensor | None = None, counts: torch.Tensor | None = None) -> None:
+    def add_keys(
+        self, scores: torch.Tensor | None = None, counts: torch.Tensor | None = None
+    ) -> None:
         """Put the best candidates (up to ``per_round``) in free slots of every unfinished head
         and extend the Gram matrix by their columns. Best means the highest correlation with the
         residual, or the highest ``scores [H, T]`` with ``counts [H]`` keys (a seed round)."""
@@ -180,32 +228,56 @@ class _GreedyMassFit:
             r = int(counts.max())
         if r == 0:
             return
-        take = torch.where(self.done, 0, torch.minimum(self.budgets - self.count, counts).clamp_min(0))
+        take = torch.where(
+            self.done, 0, torch.minimum(self.budgets - self.count, counts).clamp_min(0)
+        )
         top = torch.topk(scores.masked_fill(self.excluded, float("-inf")), r, dim=-1)
-        ok = (torch.arange(r, device=take.device) < take[:, None]) & (top.values > float("-inf"))
-        free = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)[:, :r]  # first free slots
-        slots = torch.where(ok, free, self.t_max)  # discarded picks go to the scratch slot
+        ok = (torch.arange(r, device=take.device) < take[:, None]) & (
+            top.values > float("-inf")
+        )
+        free = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)[
+            :, :r
+        ]  # first free slots
+        slots = torch.where(
+            ok, free, self.t_max
+        )  # discarded picks go to the scratch slot
         heads = torch.arange(h, device=slots.device)[:, None]
         self.idx[heads, slots] = top.indices
         self.occupied[heads, slots] = ok
         self.occupied[:, self.t_max] = False
         self.excluded[heads, top.indices] |= ok
-        picked = self.keys.gather(1, top.indices[..., None].expand(h, r, self.keys.shape[-1]))  # [H, r, d]
-        new = torch.bmm(picked, self.queries_scaled.transpose(1, 2)).sub_(self.shift[:, None, :]).exp_()
-        new.mul_(ok[..., None])  # [H, r, n] exact fp32 columns of the kept keys, as rows
+        picked = self.keys.gather(
+            1, top.indices[..., None].expand(h, r, self.keys.shape[-1])
+        )  # [H, r, d]
+        new = (
+            torch.bmm(picked, self.queries_scaled.transpose(1, 2))
+            .sub_(self.shift[:, None, :])
+            .exp_()
+        )
+        new.mul_(
+            ok[..., None]
+        )  # [H, r, n] exact fp32 columns of the kept keys, as rows
         self.phi_s[heads, slots] = new
         # the first r free slots lie below high + r (every slot from high on is free): a bound
         # kept on the host instead of reading the largest slot back; rows past the real ones are 0
         self.high = min(self.t_max + 1, self.high + r)
         used = self.high
-        cols = torch.bmm(self.phi_s[:, :used], new.transpose(1, 2)).to(torch.float64)  # [H, used, r]
+        cols = torch.bmm(self.phi_s[:, :used], new.transpose(1, 2)).to(
+            torch.float64
+        )  # [H, used, r]
         self.gram[:, :used].scatter_(2, slots[:, None, :].expand(h, used, r), cols)
-        self.gram[:, :, :used].scatter_(1, slots[:, :, None].expand(h, r, used), cols.transpose(1, 2))
-        self.rhs[heads, slots] = torch.bmm(new, self.mass[..., None])[..., 0].to(torch.float64)
+        self.gram[:, :, :used].scatter_(
+            1, slots[:, :, None].expand(h, r, used), cols.transpose(1, 2)
+        )
+        self.rhs[heads, slots] = torch.bmm(new, self.mass[..., None])[..., 0].to(
+            torch.float64
+        )
 
     def _solve(self) -> torch.Tensor:
         t = self.t_max
-        return solve_normal_equations(self.gram[:, :t, :t], self.rhs[:, :t, None], self.valid)[..., 0]
+        return solve_normal_equations(
+            self.gram[:, :t, :t], self.rhs[:, :t, None], self.valid
+        )[..., 0]
 
     def refit(self, lower: float) -> torch.Tensor:
         """Unconstrained least-squares weights ``[H, t_max]`` (0 on free slots); frees the
@@ -214,7 +286,9 @@ class _GreedyMassFit:
         for _ in range(4):
             drop = self.valid & (w < lower) & ~self.done[:, None]
             remaining = (~self.excluded).sum(1)
-            drop &= (drop.sum(1) <= remaining)[:, None]  # only if enough keys can replace them
+            drop &= (drop.sum(1) <= remaining)[
+                :, None
+            ]  # only if enough keys can replace them
             if not drop.any():
                 break
             logger.debug("OMP drops %d keys with beta below the floor", int(drop.sum()))
@@ -227,10 +301,16 @@ class _GreedyMassFit:
         self.final_w = torch.where(self.done[:, None], self.final_w, w)
         self.done = self.done | (self.count >= self.budgets)
         t = self.t_max
-        resid = self.mass - torch.bmm(w.float()[:, None, :], self.phi_s[:, :t])[:, 0]  # [H, n]
+        resid = (
+            self.mass - torch.bmm(w.float()[:, None, :], self.phi_s[:, :t])[:, 0]
+        )  # [H, n]
         self.corr = self._correlation(resid)
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(indices [H, t_max], weights [H, t_max], lengths [H])`` with kept slots first."""
         order = torch.argsort((~self.valid).to(torch.int8), dim=1, stable=True)
-        return self.idx[:, : self.t_max].gather(1, order), self.final_w.gather(1, order), self.count
+        return (
+            self.idx[:, : self.t_max].gather(1, order),
+            self.final_w.gather(1, order),
+            self.count,
+        )

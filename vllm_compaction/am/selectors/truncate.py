@@ -32,6 +32,10 @@ class TruncateSelector(SelectorBase):
         budgets = problem.budgets
         t_max, total = int(budgets.max()), problem.keys.shape[1]
         slot = torch.arange(t_max, device=budgets.device)[None, :]  # [1, t_max]
-        offset = (total - budgets)[:, None] if self.keep == "last" else torch.zeros_like(budgets)[:, None]
+        offset = (
+            (total - budgets)[:, None]
+            if self.keep == "last"
+            else torch.zeros_like(budgets)[:, None]
+        )
         indices = (offset + slot).clamp_max(total - 1)  # padding slots clamped in range
         return Selection(indices=indices, lengths=budgets.clone())
