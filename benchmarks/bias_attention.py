@@ -50,9 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
+    from vllm_compaction.vllm import compat
     from vllm_compaction.vllm.bias import augment_kv, augment_query
 
     torch.manual_seed(0)
@@ -71,21 +69,21 @@ def main() -> None:
     slots = torch.cat([block_table[r, positions // bs].long() * bs + positions % bs for r in range(args.batch)])
 
     def paged(width: int, with_bias: bool):
-        isa = _get_attn_isa(dtype, bs, width)
+        isa = compat.cpu_attn_isa(dtype, bs, width)
         cache = torch.zeros(num_blocks, hkv, bs, 2 * width, dtype=dtype)
         key_cache, value_cache = cache.view(num_blocks, hkv, 2 * bs, width).chunk(2, dim=2)
         k, v = keys.reshape(-1, hkv, d), values.reshape(-1, hkv, d)
         if width != d:
             k, v = augment_kv(k, v, width, beta.reshape(-1, hkv) if with_bias else None)
-        ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, slots, isa)
-        meta = ops.cpu_attn_get_scheduler_metadata(
+        compat.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, slots, isa)
+        meta = compat.cpu_attn_get_scheduler_metadata(
             num_reqs=args.batch, num_heads=hq, num_kv_heads=hkv, head_dim=width, seq_lens=seq_lens,
             dtype=dtype, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
 
         def step() -> torch.Tensor:
             q = augment_query(query, width, scale) if width != d else query
             out = torch.empty(args.batch, hq, width, dtype=dtype)
-            ops.cpu_attention_with_kv_cache(
+            compat.cpu_attention_with_kv_cache(
                 query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl,
                 seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
                 block_table=block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)

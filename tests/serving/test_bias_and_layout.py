@@ -53,8 +53,8 @@ def _reference(q, k, v, beta, scale):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_cpu_kernel_adds_beta_and_masks_padding(dtype, tol):
     """Widened q/k/v through vLLM's own CPU ops give biased attention; masked slots weigh 0."""
-    ops = pytest.importorskip("vllm._custom_ops")
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    pytest.importorskip("vllm")
+    from vllm_compaction.vllm import compat
 
     torch.manual_seed(0)
     t, n, hq, hkv, d, bs = 150, 5, 9, 3, 64, 128
@@ -66,18 +66,18 @@ def test_cpu_kernel_adds_beta_and_masks_padding(dtype, tol):
     beta[: t - n] = torch.randn(t - n, hkv) * 2
     beta[10:30, 1] = MASKED_BETA
     v[10:30, 1] = 1e4  # would dominate the output if a masked slot leaked
-    isa = _get_attn_isa(dtype, bs, aug)
+    isa = compat.cpu_attn_isa(dtype, bs, aug)
     cache = torch.zeros(3, hkv, bs, 2 * aug, dtype=dtype)
     key_cache, value_cache = cache.view(3, hkv, 2 * bs, aug).chunk(2, dim=2)
     key_aug, value_aug = augment_kv(k.to(dtype), v.to(dtype), aug, beta)
     slots = torch.cat([torch.arange(128) + 2 * bs, torch.arange(t - 128)])  # blocks 2 then 0
-    ops.cpu_attn_reshape_and_cache(key_aug, value_aug, key_cache, value_cache, slots, isa)
+    compat.cpu_attn_reshape_and_cache(key_aug, value_aug, key_cache, value_cache, slots, isa)
     qsl, seq = torch.tensor([0, n], dtype=torch.int32), torch.tensor([t], dtype=torch.int32)
-    meta = ops.cpu_attn_get_scheduler_metadata(
+    meta = compat.cpu_attn_get_scheduler_metadata(
         num_reqs=1, num_heads=hq, num_kv_heads=hkv, head_dim=aug, seq_lens=seq, dtype=dtype,
         query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
     out = torch.empty(n, hq, aug, dtype=dtype)
-    ops.cpu_attention_with_kv_cache(
+    compat.cpu_attention_with_kv_cache(
         query=augment_query(q.to(dtype), aug, scale), key_cache=key_cache, value_cache=value_cache,
         output=out, query_start_loc=qsl, seq_lens=seq, scale=scale, causal=True, alibi_slopes=None,
         sliding_window=-1, block_table=torch.tensor([[2, 0]], dtype=torch.int32), softcap=0.0,

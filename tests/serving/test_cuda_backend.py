@@ -33,22 +33,24 @@ from vllm.v1.attention.backends.triton_attn import (  # noqa: E402
     TritonAttentionMetadata,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm_compaction_kernels.compacted_attention import compacted_attention_reference  # noqa: E402
 
+from serving.reference_ops import reshape_and_cache_reference  # noqa: E402
 from vllm_compaction.cache import CacheError  # noqa: E402
-from vllm_compaction.vllm import cuda_backend  # noqa: E402
+from vllm_compaction.vllm import backend_common, cuda_backend  # noqa: E402
+from vllm_compaction.vllm.backend_api import CompactionAttentionImpl, compaction_impl  # noqa: E402
+from vllm_compaction.vllm.backend_common import AugmentedHeadSizes  # noqa: E402
 from vllm_compaction.vllm.bias import MASKED_BETA, decode_beta, encode_beta  # noqa: E402
-from vllm_compaction.vllm.cpu_backend import CompactionCPUAttentionBackend  # noqa: E402
+from vllm_compaction.vllm.cpu_backend import CompactionCPUAttentionBackend, CompactionCPUAttentionImpl  # noqa: E402
 from vllm_compaction.vllm.cuda_backend import (  # noqa: E402
     CompactionTritonBackend,
     CompactionTritonImpl,
     compacted_forward,
-    reshape_and_cache_reference,
     split_kv_cache,
     triton_augmented_head_size,
     write_augmented_kv,
 )
 from vllm_compaction.vllm.engine import kv_transfer_config  # noqa: E402
-from vllm_compaction_kernels.compacted_attention import compacted_attention_reference  # noqa: E402
 
 HQ, HKV, D, BLOCK = 6, 2, 64, 16  # GQA group of 3 (not a power of two)
 AUG = 80
@@ -99,11 +101,11 @@ def compaction_config(tmp_path_factory) -> VllmConfig:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_registry():
-    """The head-size registry is process-global; each test starts and ends with it empty."""
-    cuda_backend._AUGMENTED.clear()
-    yield
-    cuda_backend._AUGMENTED.clear()
+def _fresh_registry(monkeypatch):
+    """The head-size records are process-wide; each test gets empty ones, and the process's own
+    come back after it."""
+    monkeypatch.setattr(CompactionTritonImpl, "head_sizes", AugmentedHeadSizes("test Triton"))
+    monkeypatch.setattr(CompactionCPUAttentionImpl, "head_sizes", AugmentedHeadSizes("test CPU"))
 
 
 def _impl(config: VllmConfig, **kwargs) -> CompactionTritonImpl:
@@ -318,9 +320,6 @@ def test_without_the_connector_the_backend_is_stock():
 def test_an_engine_built_after_a_widened_one_gets_stock_pages(compaction_config, tmp_path):
     """The head-size record is process-wide: engines built one after another in one process
     (benchmarks, tests) each get the pages their own layers use, not the previous engine's."""
-    from vllm_compaction.vllm import cpu_backend
-    from vllm_compaction.vllm.cpu_backend import CompactionCPUAttentionImpl
-
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HKV, head_size=D, dtype=torch.float32)
     _impl(compaction_config)
     assert CompactionTritonBackend.customize_spec(spec).head_size == AUG
@@ -335,14 +334,35 @@ def test_an_engine_built_after_a_widened_one_gets_stock_pages(compaction_config,
         with set_current_vllm_config(config):
             return CompactionCPUAttentionImpl(HQ, D, SCALE, HKV, None, None, "auto")
 
-    try:
-        for first, then in (("widened", "stock"), ("widened", None)):
-            assert cpu_impl(first).augmented is not None
-            assert CompactionCPUAttentionBackend.customize_spec(spec).head_size > D
-            assert cpu_impl(then).augmented is None
-            assert CompactionCPUAttentionBackend.customize_spec(spec) == CPUAttentionBackend.customize_spec(spec)
-    finally:
-        cpu_backend._AUGMENTED.clear()
+    for first, then in (("widened", "stock"), ("widened", None)):
+        assert cpu_impl(first).augmented is not None
+        assert CompactionCPUAttentionBackend.customize_spec(spec).head_size > D
+        assert cpu_impl(then).augmented is None
+        assert CompactionCPUAttentionBackend.customize_spec(spec) == CPUAttentionBackend.customize_spec(spec)
+
+
+def test_the_connector_reaches_both_impls_through_the_protocol(compaction_config):
+    """Both compaction impls implement ``CompactionAttentionImpl``; a stock impl is refused with a
+    sentence that names its backend."""
+    assert isinstance(_impl(compaction_config), CompactionAttentionImpl)
+    config = VllmConfig()
+    object.__setattr__(config, "model_config", SimpleNamespace(dtype=torch.float32))
+    with set_current_vllm_config(config):
+        assert isinstance(CompactionCPUAttentionImpl(HQ, D, SCALE, HKV, None, None, "auto"), CompactionAttentionImpl)
+    stock = TritonAttentionImpl(HQ, D, SCALE, HKV, None, None, "auto")
+    assert not isinstance(stock, CompactionAttentionImpl)
+    with pytest.raises(CacheError, match=r"attention backend \(TritonAttentionImpl\) cannot read packed"):
+        compaction_impl(stock, "cannot read packed (varlen) prefixes")
+
+
+def test_a_step_state_is_worked_out_once_per_metadata_object(monkeypatch):
+    """The layers of a step share one StepState, the only thing set on vLLM's metadata."""
+    found = []
+    monkeypatch.setattr(backend_common, "_find_packed", lambda metadata: found.append(metadata))
+    metadata = SimpleNamespace()
+    assert backend_common.packed_batch(metadata) is None and backend_common.packed_batch(metadata) is None
+    assert found == [metadata] and list(vars(metadata)) == [backend_common.STEP_STATE_ATTR]
+    assert backend_common.packed_batch(SimpleNamespace()) is None and len(found) == 2
 
 
 def test_attention_stays_out_of_full_cuda_graphs_only_with_compaction(compaction_config):
@@ -370,7 +390,7 @@ def test_encoder_only_layers_keep_the_stock_path(compaction_config):
 def test_unsupported_layers_are_refused(compaction_config, kwargs, what):
     with pytest.raises(NotImplementedError, match=what):
         _impl(compaction_config, **kwargs)
-    assert cuda_backend._AUGMENTED.get(D) is None  # a refused layer widens nothing
+    assert CompactionTritonImpl.head_sizes.get(D) is None  # a refused layer widens nothing
 
 
 def test_stock_width_pages_keep_the_model_head_size(tmp_path, monkeypatch):
@@ -404,16 +424,24 @@ def test_plugin_registers_the_backend_as_custom_on_cuda(monkeypatch):
 
     from vllm_compaction.vllm import plugin
 
+    backends = list(registry.AttentionBackendEnum)
+    before = {backend: backend.get_path() for backend in backends if backend.is_overridden()}
     monkeypatch.setattr(plugin, "_registered", False)
-    monkeypatch.setattr(registry, "_ATTN_OVERRIDES", {})  # restored after the test
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda *_: False)
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda *_: True)
-    plugin.register()
+    for backend in before:
+        backend.clear_override()
     custom = registry.AttentionBackendEnum.CUSTOM
-    assert custom.get_class() is CompactionTritonBackend
-    # vLLM maps a layer's backend name back through the enum; it must land on the same class
-    assert registry.AttentionBackendEnum[CompactionTritonBackend.get_name()] is custom
-    assert list(registry._ATTN_OVERRIDES) == [custom]  # the CPU override is CPU-only
+    try:
+        plugin.register()
+        assert custom.get_class() is CompactionTritonBackend
+        # vLLM maps a layer's backend name back through the enum; it must land on the same class
+        assert registry.AttentionBackendEnum[CompactionTritonBackend.get_name()] is custom
+        assert [b for b in backends if b.is_overridden()] == [custom]  # the CPU override is CPU-only
+    finally:
+        custom.clear_override()
+        for backend, path in before.items():
+            registry.register_backend(backend, path)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
@@ -422,8 +450,8 @@ def test_packed_prefixes_match_dense_attention(dtype, layout):
     """Varlen packed prefixes on the CUDA page layout: the batch as the kernel takes it (block
     tables and lengths after the prefix, the prefix rows) equals dense attention; a plain request
     in the same batch is unaffected."""
-    from serving.test_varlen_math import full_reference, packed_from_heads
-
+    from serving.reference_ops import full_reference
+    from serving.test_varlen_math import packed_from_heads
     from vllm_compaction.am.heads import CompactedHeads
     from vllm_compaction.vllm.paged_prefix import PagedPrefixPages, split_batch
 

@@ -6,8 +6,14 @@ import logging
 
 import pytest
 
-from vllm_compaction.vllm import CompactedRef, UnsupportedVLLMError, check_vllm_version, compacted_prompt
-from vllm_compaction.vllm import plugin
+from vllm_compaction.vllm import (
+    CompactedRef,
+    UnsupportedVLLMError,
+    check_vllm_version,
+    compacted_prompt,
+    compat,
+    plugin,
+)
 
 
 def test_entry_point_is_installed():
@@ -18,18 +24,17 @@ def test_entry_point_is_installed():
 
 
 def test_register_is_idempotent_and_wires_connector_and_backend(monkeypatch):
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     monkeypatch.setattr(plugin, "_registered", False)
     plugin.register()
     plugin.register()
-    assert plugin.CONNECTOR_NAME in KVConnectorFactory._registry
+    assert compat.connector_registered(plugin.CONNECTOR_NAME)
     assert AttentionBackendEnum.CPU_ATTN.get_path().endswith("CompactionCPUAttentionBackend")
 
 
 def test_untested_vllm_version_is_refused_with_a_sentence(monkeypatch, caplog):
-    monkeypatch.setattr(plugin, "_installed_vllm_version", lambda: "0.99.1")
+    monkeypatch.setattr(compat, "_installed_vllm_version", lambda: "0.99.1")
     with pytest.raises(UnsupportedVLLMError, match="supports vLLM 0.32.0 but found 0.99.1"):
         check_vllm_version()
     # the general plugin itself never raises: it logs and stays disabled

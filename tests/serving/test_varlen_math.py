@@ -1,25 +1,32 @@
 """Varlen-packed prefixes without an engine: the block geometry, writing and reading pages, the
 per-head prefix attention and its exact merge with the tokens after the prefix, either from the
 stock CPU kernel run with a sink (widened pages) or read back from stock-width pages and attended
-in torch."""
+in torch. Every attention is checked against the project's float reference
+(:func:`vllm_compaction.am.attention.attention_output_and_mass`, through :mod:`serving.reference_ops`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from serving.reference_ops import full_reference, masked_reference, prefix_reference
 from vllm_compaction.am.heads import CompactedHeads
 from vllm_compaction.cache import CacheError, PagedPacking
+from vllm_compaction.vllm import compat
 from vllm_compaction.vllm.bias import augment_kv, augment_query
 from vllm_compaction.vllm.layout import PackedPrefix, pack_layers
-from vllm_compaction.vllm.paged_prefix import (BATCHED_PREFIX_QUERY_ROWS, BatchSplit, PackedRequest,
-                                                PagedPrefixPages, attend_prefixes)
+from vllm_compaction.vllm.paged_prefix import (
+    BATCHED_PREFIX_QUERY_ROWS,
+    BatchSplit,
+    PackedRequest,
+    PagedPrefixPages,
+    attend_prefixes,
+)
 from vllm_compaction.vllm.varlen_attention import (
     masked_attention,
     merge_by_lse,
     merge_two_calls,
     merge_with_prefix,
-    prefix_attention,
     prefixes_attention,
     sink_for,
 )
@@ -121,26 +128,16 @@ def test_pages_refuse_another_geometry():
         view.packing_at(0)
 
 
-def prefix_reference(query, keys, beta, values, cu_seqlens, scale):
-    """Attention of ``query [n, Hq, d]`` over one varlen prefix, one head at a time in float64:
-    ``out [n, Hq, d]`` (0 for an empty head) and ``lse [n, Hq]`` (``-inf`` there)."""
-    n, num_q, d = query.shape
-    group = num_q // (cu_seqlens.numel() - 1)
-    out = torch.zeros(n, num_q, d, dtype=torch.float64)
-    lse = torch.full((n, num_q), float("-inf"), dtype=torch.float64)
-    for j in range(num_q):
-        rows = slice(int(cu_seqlens[j // group]), int(cu_seqlens[j // group + 1]))
-        if rows.stop > rows.start:
-            scores = query[:, j].double() @ keys[rows].double().T * scale + beta[rows].double()
-            out[:, j] = torch.softmax(scores, -1) @ values[rows].double()
-            lse[:, j] = torch.logsumexp(scores, -1)
-    return out, lse
+def prefix_attention(query, keys, beta, values, cu_seqlens, scale):
+    """:func:`prefixes_attention` for one request (a batch of one), as the production path calls it."""
+    out, lse = prefixes_attention(query[None], keys[None], beta[None], values[None], cu_seqlens[None], scale)
+    return out[0], lse[0]
 
 
 def assert_close_to_reference(out, lse, want_out, want_lse):
-    assert torch.allclose(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(out, want_out, atol=1e-5, rtol=1e-5)
     assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))  # -inf exactly where a head is empty
-    assert torch.allclose(lse.double()[torch.isfinite(lse)], want_lse[torch.isfinite(want_lse)], atol=1e-5)
+    assert torch.allclose(lse[torch.isfinite(lse)], want_lse[torch.isfinite(want_lse)], atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -225,23 +222,6 @@ def packed_from_heads(heads: CompactedHeads, block_size: int) -> PackedPrefix:
                        logical_length=1000)
 
 
-def full_reference(query, heads: CompactedHeads, suffix_k, suffix_v, scale):
-    """Attention of one query row per token over (padded prefix heads + causal suffix), float64."""
-    keys, beta, values, _ = heads.padded()  # [H, t, d]
-    n, num_q, d = query.shape
-    group = num_q // heads.num_heads
-    out = torch.empty(n, num_q, d, dtype=torch.float64)
-    for j in range(num_q):
-        h = j // group
-        for i in range(n):
-            k = torch.cat([keys[h].double(), suffix_k[: suffix_k.shape[0] - n + i + 1, h].double()])
-            v = torch.cat([values[h].double(), suffix_v[: suffix_v.shape[0] - n + i + 1, h].double()])
-            b = torch.cat([beta[h].double(), torch.zeros(suffix_k.shape[0] - n + i + 1, dtype=torch.float64)])
-            p = torch.softmax(query[i, j].double() @ k.T * scale + b, dim=0)
-            out[i, j] = p @ v
-    return out
-
-
 def uneven_heads(d: int) -> CompactedHeads:
     """Three random compacted heads of lengths 0, 37 and 300 (an empty head and a long one)."""
     return CompactedHeads.from_padded(torch.randn(3, 300, d) * 2, torch.rand(3, 300) * 6 - 3, torch.randn(3, 300, d),
@@ -250,14 +230,12 @@ def uneven_heads(d: int) -> CompactedHeads:
 
 def stock_kernel(query, key_cache, value_cache, block_table, seq_lens, query_start, scale, isa, num_kv, sink):
     """vLLM's CPU paged attention (causal) over ``block_table``, with an optional sink."""
-    from vllm import _custom_ops as ops
-
-    schedule = ops.cpu_attn_get_scheduler_metadata(
+    schedule = compat.cpu_attn_get_scheduler_metadata(
         num_reqs=seq_lens.numel(), num_heads=query.shape[1], num_kv_heads=num_kv, head_dim=query.shape[2],
         seq_lens=seq_lens, dtype=query.dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1,
         isa=isa, enable_kv_split=False, dynamic_causal=None, kv_cache_dtype="auto")
     out = torch.empty_like(query)
-    ops.cpu_attention_with_kv_cache(
+    compat.cpu_attention_with_kv_cache(
         query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=query_start,
         seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=block_table,
         softcap=0.0, scheduler_metadata=schedule, s_aux=sink, dynamic_causal=None, k_scale=1.0, v_scale=1.0,
@@ -268,9 +246,6 @@ def stock_kernel(query, key_cache, value_cache, block_table, seq_lens, query_sta
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefix_plus_sink_kernel_equals_full_attention(dtype):
     """The exact merge of :mod:`varlen_attention` with vLLM's own CPU kernel (sink + ones coordinate)."""
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
     torch.manual_seed(1)
     num_kv, group, d, width, block_size = 3, 3, 64, 80, 32
     heads = uneven_heads(d)
@@ -280,14 +255,14 @@ def test_prefix_plus_sink_kernel_equals_full_attention(dtype):
     query = torch.randn(n, num_kv * group, d) * 2
     scale = d ** -0.5
 
-    isa = _get_attn_isa(dtype, block_size, width)
+    isa = compat.cpu_attn_isa(dtype, block_size, width)
     cache = torch.zeros(4, num_kv, block_size, 2 * width, dtype=dtype)
     key_cache, value_cache = cache.view(4, num_kv, 2 * block_size, width).chunk(2, dim=2)
     block_table = torch.tensor([[3, 1, 0, 2]], dtype=torch.int32)
     positions = torch.arange(suffix_len)
     slots = block_table[0, positions // block_size].long() * block_size + positions % block_size
     k_aug, v_aug = augment_kv(suffix_k.to(dtype), suffix_v.to(dtype), width)
-    ops.cpu_attn_reshape_and_cache(k_aug, v_aug, key_cache, value_cache, slots, isa,
+    compat.cpu_attn_reshape_and_cache(k_aug, v_aug, key_cache, value_cache, slots, isa,
                                    k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
 
     prefix_out, prefix_lse = prefix_attention(query.to(dtype), heads.keys, heads.beta, heads.values,
@@ -310,36 +285,28 @@ def test_prefix_plus_sink_kernel_equals_full_attention(dtype):
 @pytest.mark.parametrize("block_size,head_size", [(128, 64), (32, 80)])
 def test_page_order_reads_back_what_the_write_op_stored(dtype, block_size, head_size):
     """The probed element order turns the ISA-packed pages back into the rows that were written."""
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
     from vllm_compaction.vllm.cpu_pages import probe_page_order
 
     torch.manual_seed(2)
-    isa = _get_attn_isa(dtype, block_size, head_size)
+    isa = compat.cpu_attn_isa(dtype, block_size, head_size)
     order = probe_page_order(dtype, block_size, head_size, isa)
     heads, blocks = 3, 5
     cache = torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
     key_cache, value_cache = cache.view(blocks, heads, 2 * block_size, head_size).chunk(2, dim=2)
     slots = torch.randperm(blocks * block_size)[:100]
     keys, values = torch.randn(100, heads, head_size).to(dtype), torch.randn(100, heads, head_size).to(dtype)
-    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa,
+    compat.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa,
                                    k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     read_keys, read_values = order.read(cache, slots // block_size, slots % block_size)
     assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
 
 
-def test_causal_attention_matches_a_dense_softmax():
+def test_causal_attention_matches_the_reference():
     torch.manual_seed(4)
     query, keys, values = torch.randn(5, 6, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16)
     last_key = torch.tensor([4, 5, 6, 7, 8])
     out, lse = masked_attention(query[None], keys[None], values[None], last_key[None], 0.25)
-    out, lse = out[0], lse[0]
-    for i in range(5):
-        for j in range(6):
-            scores = keys[: last_key[i] + 1, j // 3] @ query[i, j] * 0.25
-            assert torch.allclose(out[i, j], torch.softmax(scores, 0) @ values[: last_key[i] + 1, j // 3], atol=1e-5)
-            assert torch.allclose(lse[i, j], torch.logsumexp(scores, 0), atol=1e-5)
+    assert_close_to_reference(out[0], lse[0], *masked_reference(query, keys, values, last_key, 0.25))
 
 
 def test_batched_decode_attention_equals_one_call_per_request():
@@ -350,19 +317,14 @@ def test_batched_decode_attention_equals_one_call_per_request():
     keys, values = torch.randn(3, 12, 2, 16), torch.randn(3, 12, 2, 16)
     out, lse = masked_attention(query[:, None], keys, values, torch.tensor(lengths)[:, None] - 1, 0.25)
     for r, length in enumerate(lengths):
-        scores = torch.einsum("hgd,shd->hgs", query[r].view(2, 3, 16), keys[r, :length]) * 0.25
-        want = torch.einsum("hgs,shd->hgd", torch.softmax(scores, -1), values[r, :length]).reshape(6, 16)
-        assert torch.allclose(out[r, 0], want, atol=1e-5)
-        assert torch.allclose(lse[r, 0], torch.logsumexp(scores, -1).reshape(6), atol=1e-5)
+        want_out, want_lse = masked_reference(query[r, None], keys[r], values[r], torch.tensor([length - 1]), 0.25)
+        assert_close_to_reference(out[r], lse[r], want_out, want_lse)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefix_plus_suffix_read_from_stock_pages_equals_full_attention(dtype):
     """Stock-width pages: the tokens after the prefix are read back through the probed order and
     attended in torch, then merged with the prefix by log-sum-exp."""
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
     from vllm_compaction.vllm.cpu_pages import probe_page_order
 
     torch.manual_seed(3)
@@ -372,13 +334,13 @@ def test_prefix_plus_suffix_read_from_stock_pages_equals_full_attention(dtype):
     suffix_k, suffix_v = torch.randn(suffix_len, num_kv, d).to(dtype), torch.randn(suffix_len, num_kv, d).to(dtype)
     query = (torch.randn(n, num_kv * group, d) * 2).to(dtype)
     scale = d ** -0.5
-    isa = _get_attn_isa(dtype, block_size, d)
+    isa = compat.cpu_attn_isa(dtype, block_size, d)
     cache = torch.zeros(4, num_kv, block_size, 2 * d, dtype=dtype)
     key_cache, value_cache = cache.view(4, num_kv, 2 * block_size, d).chunk(2, dim=2)
     table = torch.tensor([3, 1, 0, 2])
     positions = torch.arange(suffix_len)
     slots = table[positions // block_size] * block_size + positions % block_size
-    ops.cpu_attn_reshape_and_cache(suffix_k, suffix_v, key_cache, value_cache, slots, isa,
+    compat.cpu_attn_reshape_and_cache(suffix_k, suffix_v, key_cache, value_cache, slots, isa,
                                    k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
 
     keys, values = probe_page_order(dtype, block_size, d, isa).read(cache, table[positions // block_size],
@@ -396,14 +358,11 @@ def test_prefix_plus_suffix_read_from_stock_pages_equals_full_attention(dtype):
 def test_prefix_plus_two_stock_width_kernel_calls_equal_full_attention(dtype):
     """Stock-width pages: the kernel without and with a sink over two requests' suffixes (a
     prefill chunk and a decode step) gives the share of the suffix, hence the exact merge."""
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
     torch.manual_seed(6)
     num_kv, group, d, block_size = 3, 3, 64, 32
     heads = uneven_heads(d)
     scale = d ** -0.5
-    isa = _get_attn_isa(dtype, block_size, d)
+    isa = compat.cpu_attn_isa(dtype, block_size, d)
     cache = torch.zeros(6, num_kv, block_size, 2 * d, dtype=dtype)
     key_cache, value_cache = cache.view(6, num_kv, 2 * block_size, d).chunk(2, dim=2)
     tables = torch.tensor([[3, 1, 0], [5, 4, 2]], dtype=torch.int32)
@@ -413,7 +372,7 @@ def test_prefix_plus_two_stock_width_kernel_calls_equal_full_attention(dtype):
         k, v = torch.randn(suffix_len, num_kv, d).to(dtype), torch.randn(suffix_len, num_kv, d).to(dtype)
         positions = torch.arange(suffix_len)
         slots = tables[row, positions // block_size].long() * block_size + positions % block_size
-        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa,
+        compat.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa,
                                        k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
         suffixes.append((k, v))
         queries.append((torch.randn(n, num_kv * group, d) * 2).to(dtype))

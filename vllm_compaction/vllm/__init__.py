@@ -1,4 +1,4 @@
-"""Serving compacted prefixes from a stock vLLM engine (all vLLM-version-specific code lives here).
+"""Serving compacted prefixes from a stock vLLM engine (its private vLLM surface: :mod:`.compat`).
 
 * :func:`engine_kwargs` / :func:`kv_transfer_config`: turn compaction on in ``vllm.LLM`` or
   ``vllm serve --kv-transfer-config``;
@@ -9,8 +9,8 @@
 Importing this package does not import vLLM; the submodules that need it do.
 """
 
+from vllm_compaction.vllm.compat import TESTED_VLLM_VERSIONS, UnsupportedVLLMError, check_vllm_version
 from vllm_compaction.vllm.engine import engine_fingerprint, engine_kwargs, kv_transfer_config
-from vllm_compaction.vllm.plugin import TESTED_VLLM_VERSIONS, UnsupportedVLLMError, check_vllm_version
 from vllm_compaction.vllm.prompt import CompactedRef, compacted_prompt, default_store_dir
 
 __all__ = [

@@ -39,10 +39,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_compaction.cache import CacheError, CompactedCache, read_metadata
+from vllm_compaction.vllm.backend_api import compaction_impl
 from vllm_compaction.vllm.backend_common import page_width
+from vllm_compaction.vllm.compat import check_vllm_version
 from vllm_compaction.vllm.layout import PackedPrefix, PhysicalPrefix, packed_prefix, physical_prefix
 from vllm_compaction.vllm.paged_prefix import PagedPrefixPages
-from vllm_compaction.vllm.plugin import check_vllm_version
 from vllm_compaction.vllm.prompt import PLACEHOLDER_TOKEN_ID, CompactedRef, open_store
 from vllm_compaction.vllm.snapshot import SnapshotPlan, SnapshotRecorder, snapshot_dir, snapshot_name
 
@@ -90,6 +91,7 @@ class CompactionConnector(KVConnectorBase_V1):
         self._scheduler = (_SchedulerSide(block_size, snapshots, page_width(vllm_config))
                            if role == KVConnectorRole.SCHEDULER else None)
         self._worker = _WorkerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
+        self._step: CompactionMetadata | None = None  # this step's metadata (worker side), once bound
 
     # ---------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
@@ -115,11 +117,10 @@ class CompactionConnector(KVConnectorBase_V1):
         A request whose load failed in this step is left out: its blocks hold no prefix, vLLM
         fails it after the step, and until then it attends like a plain request.
         """
-        metadata = getattr(self, "_connector_metadata", None)
-        if not isinstance(metadata, CompactionMetadata):
+        if self._step is None:
             return {}
         failed = self._worker.failed_blocks if self._worker is not None else set()
-        return {first: count for first, count in metadata.packed.items() if first not in failed}
+        return {first: count for first, count in self._step.packed.items() if first not in failed}
 
     def prefix_pages(self) -> PagedPrefixPages:
         """The engine's pages as packed-prefix rows (worker side)."""
@@ -127,9 +128,14 @@ class CompactionConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        self._step = connector_metadata if isinstance(connector_metadata, CompactionMetadata) else None
         # before the forward pass (loads may start after it, when no request waits on one)
-        if self._worker is not None and isinstance(connector_metadata, CompactionMetadata):
-            self._worker.begin_step(connector_metadata.snapshots, connector_metadata.abandoned_snapshots)
+        if self._worker is not None and self._step is not None:
+            self._worker.begin_step(self._step.snapshots, self._step.abandoned_snapshots)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._step = None
 
     def record_kv(self, layer_name: str, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Called by the compaction backends with every K/V write: feeds this step's snapshots."""
@@ -139,9 +145,9 @@ class CompactionConnector(KVConnectorBase_V1):
             self._worker.recorder.record(extract_layer_index(layer_name), key, value, slot_mapping)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        metadata = self._get_connector_metadata()
-        assert isinstance(metadata, CompactionMetadata)
-        for load in metadata.loads:
+        if self._step is None:
+            raise RuntimeError("start_load_kv before the step's connector metadata was bound")
+        for load in self._step.loads:
             self._worker.load(load, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -333,11 +339,9 @@ class _WorkerSide:
             layers = self.vllm_config.compilation_config.static_forward_context
             keys, values = [], []
             for name, kv_cache in self._by_layer:
-                views = getattr(layers[name].impl, "prefix_page_views", None)
-                if views is None:
-                    raise CacheError("the engine's attention backend cannot read packed (varlen) prefixes; "
-                                     "build the prompt with layout='padded'")
-                key_view, value_view = views(kv_cache)
+                impl = compaction_impl(layers[name].impl, "cannot read packed (varlen) prefixes; build the "
+                                                          "prompt with layout='padded'")
+                key_view, value_view = impl.prefix_page_views(kv_cache)
                 keys.append(key_view)
                 values.append(value_view)
             self._pages = PagedPrefixPages(keys, values, self.model_config.get_head_size())
@@ -398,10 +402,8 @@ class _WorkerSide:
             self.pages().write(prefix, load.block_ids, first_block=load.start // self.block_size)
             return
 
-        impls = [forward_context.no_compile_layers[name].impl for name in self.kv_caches]
-        if not all(hasattr(impl, "write_slots") for impl in impls):
-            raise CacheError("the engine's attention backend cannot hold per-slot bias; on CUDA "
-                             "start it with --attention-backend CUSTOM")
+        impls = [compaction_impl(forward_context.no_compile_layers[name].impl, "cannot hold per-slot bias; on "
+                                 "CUDA start the engine with --attention-backend CUSTOM") for name in self.kv_caches]
         # checked before any page is written: a refused request leaves no half-written prefix
         if not prefix.bias_free and not all(impl.holds_bias for impl in impls):
             raise CacheError("this padded prefix has per-slot biases or masked padding, which need the bias "
@@ -411,9 +413,8 @@ class _WorkerSide:
         blocks = torch.as_tensor(load.block_ids, dtype=torch.long)
         slot_mapping = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
         rows = slice(load.start, load.end)
-        for name, kv_cache in self.kv_caches.items():
+        for (name, kv_cache), impl in zip(self.kv_caches.items(), impls):
             layer = forward_context.no_compile_layers[name]
             index = extract_layer_index(name)
-            layer.impl.write_slots(layer, kv_cache, slot_mapping.to(kv_cache.device),
-                                   prefix.keys[index][rows], prefix.values[index][rows],
-                                   prefix.beta[index][rows])
+            impl.write_slots(layer, kv_cache, slot_mapping.to(kv_cache.device),
+                             prefix.keys[index][rows], prefix.values[index][rows], prefix.beta[index][rows])

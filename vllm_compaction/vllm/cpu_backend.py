@@ -24,9 +24,9 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
-from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
@@ -37,15 +37,8 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
 )
 
-from vllm_compaction.cache import CacheError
-from vllm_compaction.vllm.backend_common import (
-    AugmentedHeadSizes,
-    compaction_enabled,
-    kv_snapshots_enabled,
-    packed_batch,
-    page_width,
-    record_kv_write,
-)
+from vllm_compaction.vllm import compat
+from vllm_compaction.vllm.backend_common import AugmentedHeadSizes, CompactionImplMixin, step_state
 from vllm_compaction.vllm.bias import augment_kv, augment_query, augmented_head_size
 from vllm_compaction.vllm.cpu_pages import probe_page_order
 from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages, attend_prefixes
@@ -67,8 +60,6 @@ SUFFIX_FROM_PAGES_ENV = "VLLM_COMPACTION_SUFFIX_FROM_PAGES"
 
 logger = logging.getLogger(__name__)
 
-_AUGMENTED = AugmentedHeadSizes("CPU_ATTN")
-
 
 def cpu_augmented_head_size(head_size: int) -> int:
     """The widened page size of a head: the next size the CPU kernels support (64 -> 80)."""
@@ -82,31 +73,25 @@ class CompactionCPUAttentionBackend(CPUAttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec):
-        return _AUGMENTED.widen_spec(super().customize_spec(spec))
+        return CompactionCPUAttentionImpl.head_sizes.widen_spec(super().customize_spec(spec))
 
 
-class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
+class CompactionCPUAttentionImpl(CompactionImplMixin, CPUAttentionBackendImpl):
     """Splits steps with requests on packed prefixes; with widened pages, pads q/k/v into the
     augmented head size around the stock kernels."""
 
+    head_sizes = AugmentedHeadSizes("CPU_ATTN")
+    augmented_size = staticmethod(cpu_augmented_head_size)
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.compaction = False  # a decoder layer of an engine with the compaction connector
-        self.augmented: int | None = None  # the widened page size, None for stock-width pages
-        self.records_kv = False  # K/V writes shown to a KV snapshot (.snapshot)
         self.suffix_from_pages = os.environ.get(SUFFIX_FROM_PAGES_ENV) == "1"
-        config = get_current_vllm_config()
-        if self.attn_type == AttentionType.DECODER and compaction_enabled(config):
-            self.compaction = True
-            if page_width(config) == "widened":
-                self.augmented = cpu_augmented_head_size(self.head_size)
-                _AUGMENTED.record(self.head_size, self.augmented)
-            elif self.alibi_slopes is not None or self.logits_soft_cap or self.sinks is not None:
-                raise ValueError("compacted prefixes on stock-width pages do not support ALiBi, attention "
-                                 "softcapping or sinks yet; start the engine with pages='widened'")
-            self.records_kv = kv_snapshots_enabled(config)
-        if self.attn_type == AttentionType.DECODER and self.augmented is None:
-            _AUGMENTED.forget(self.head_size)  # stock pages, whatever an earlier engine here used
+        self._set_up_compaction(get_current_vllm_config(), holds_kv=self.attn_type == AttentionType.DECODER)
+
+    def _check_supported(self, width: str) -> None:
+        if width == "stock" and (self.alibi_slopes is not None or self.logits_soft_cap or self.sinks is not None):
+            raise ValueError("compacted prefixes on stock-width pages do not support ALiBi, attention "
+                             "softcapping or sinks yet; start the engine with pages='widened'")
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
@@ -201,13 +186,14 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         suffix = torch.empty_like(query)
         num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-        ops.cpu_attention_with_kv_cache(
+        k_scale, v_scale = compat.kv_scale_floats(layer)
+        compat.cpu_attention_with_kv_cache(
             query=query, key_cache=key_cache, value_cache=value_cache, output=suffix,
             query_start_loc=metadata.query_start_loc, seq_lens=metadata.seq_lens, scale=self.scale,
             causal=True, alibi_slopes=None, sliding_window=self.sliding_window,
             block_table=metadata.block_table, softcap=self.logits_soft_cap,
             scheduler_metadata=metadata.scheduler_metadata, s_aux=sink, dynamic_causal=None,
-            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
+            k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=self.kv_cache_dtype)
         return suffix
 
     @staticmethod
@@ -218,34 +204,10 @@ class CompactionCPUAttentionImpl(CPUAttentionBackendImpl):
         view = kv_cache.view(num_blocks, heads, 2, block_size, width // 2)
         return view[:, :, 0], view[:, :, 1]
 
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        if self.records_kv:
-            record_kv_write(layer, key, value, slot_mapping)
-        if self.augmented is not None:
-            key, value = augment_kv(key, value, self.augmented)
-        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-
-    @property
-    def holds_bias(self) -> bool:
-        """Whether the pages carry per-slot bias (widened); stock-width pages hold beta = 0 only."""
-        return self.augmented is not None
-
-    def write_slots(self, layer, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    keys: torch.Tensor, values: torch.Tensor, beta: torch.Tensor) -> None:
-        """Write ``keys/values [N, H, d]`` with per-slot ``beta [N, H]`` at ``slot_mapping [N]``.
-
-        Goes through the engine's own packing op, so the ISA-specific page layout is respected.
-        Stock-width pages take bias-free slots only (``beta`` all 0), written as ordinary tokens.
-        """
-        dtype = kv_cache.dtype
-        if self.augmented is None:
-            if beta.any():
-                raise CacheError("per-slot biases need the bias coordinates of widened KV pages; build the prompt "
-                                 "with layout='varlen', or start the engine with pages='widened'")
-            super().do_kv_cache_update(layer, keys.to(dtype), values.to(dtype), kv_cache, slot_mapping)
-            return
-        key_aug, value_aug = augment_kv(keys.to(dtype), values.to(dtype), self.augmented, beta)
-        super().do_kv_cache_update(layer, key_aug, value_aug, kv_cache, slot_mapping)
+    def _write_widened(self, layer: Any, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, beta: torch.Tensor | None) -> None:
+        key_aug, value_aug = augment_kv(key, value, self.augmented, beta)
+        self._stock_kv_update(layer, key_aug, value_aug, kv_cache, slot_mapping)
 
 
 # ---------------------------------------------------------------------- packed prefixes in a batch
@@ -308,19 +270,16 @@ class _SuffixPlan:
                    torch.tensor(lengths, device=device), chunks)
 
 
-_SPLIT_ATTR = "_vllm_compaction_split"
-
-
 def _split_for(metadata: CPUAttentionMetadata, impl: CompactionCPUAttentionImpl, layer,
                dtype: torch.dtype) -> _Split | None:
     """The step's batch split into plain requests and requests on packed prefixes (None: all
-    plain). Built by the first layer and kept on the metadata object the layers share."""
-    if hasattr(metadata, _SPLIT_ATTR):
-        return getattr(metadata, _SPLIT_ATTR)
-    result = None
-    found = packed_batch(metadata) if metadata.causal is True and metadata.encoder_cache is None else None
-    if found is not None:
-        split, pages = found
+    plain), with the kernel metadata of both parts: built by the first layer, kept in the
+    step's :class:`.backend_common.StepState` for the others."""
+    if metadata.causal is not True or metadata.encoder_cache is not None:
+        return None
+    state = step_state(metadata)
+    if state.packed is not None and state.backend is None:
+        split, pages = state.packed
         plain = None
         if split.plain_rows:
             rows = split.plain_rows
@@ -328,15 +287,14 @@ def _split_for(metadata: CPUAttentionMetadata, impl: CompactionCPUAttentionImpl,
                                   metadata.seq_lens[rows], metadata.block_table[rows])
         packed = _sub_metadata(metadata, impl, layer, dtype, split.query_start_loc, split.seq_lens,
                                split.block_table)
-        result = _Split(split, plain, packed, pages)
-    setattr(metadata, _SPLIT_ATTR, result)
-    return result
+        state.backend = _Split(split, plain, packed, pages)
+    return state.backend
 
 
 def _sub_metadata(metadata: CPUAttentionMetadata, impl, layer, dtype: torch.dtype, query_start_loc: torch.Tensor,
                   seq_lens: torch.Tensor, block_table: torch.Tensor) -> CPUAttentionMetadata:
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
-    scheduler = ops.cpu_attn_get_scheduler_metadata(
+    scheduler = compat.cpu_attn_get_scheduler_metadata(
         num_reqs=seq_lens.numel(), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
         head_dim=impl.augmented or impl.head_size, seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc,
         causal=True, sliding_window_size=impl.sliding_window, isa=layer.isa,

