@@ -34,7 +34,9 @@ def test_beta_survives_the_cache_dtype(dtype):
     beta = torch.linspace(-7, 7, 1001)
     decoded = decode_beta(encode_beta(beta, dtype))
     one_coordinate = beta.to(dtype).float()
-    assert (decoded - beta).abs().max() <= (one_coordinate - beta).abs().max() / 64 + 1e-7
+    assert (decoded - beta).abs().max() <= (
+        one_coordinate - beta
+    ).abs().max() / 64 + 1e-7
 
 
 def _reference(q, k, v, beta, scale):
@@ -70,44 +72,96 @@ def test_cpu_kernel_adds_beta_and_masks_padding(dtype, tol):
     cache = torch.zeros(3, hkv, bs, 2 * aug, dtype=dtype)
     key_cache, value_cache = cache.view(3, hkv, 2 * bs, aug).chunk(2, dim=2)
     key_aug, value_aug = augment_kv(k.to(dtype), v.to(dtype), aug, beta)
-    slots = torch.cat([torch.arange(128) + 2 * bs, torch.arange(t - 128)])  # blocks 2 then 0
-    compat.cpu_attn_reshape_and_cache(key_aug, value_aug, key_cache, value_cache, slots, isa)
-    qsl, seq = torch.tensor([0, n], dtype=torch.int32), torch.tensor([t], dtype=torch.int32)
+    slots = torch.cat(
+        [torch.arange(128) + 2 * bs, torch.arange(t - 128)]
+    )  # blocks 2 then 0
+    compat.cpu_attn_reshape_and_cache(
+        key_aug, value_aug, key_cache, value_cache, slots, isa
+    )
+    qsl, seq = (
+        torch.tensor([0, n], dtype=torch.int32),
+        torch.tensor([t], dtype=torch.int32),
+    )
     meta = compat.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=hq, num_kv_heads=hkv, head_dim=aug, seq_lens=seq, dtype=dtype,
-        query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+        num_reqs=1,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=aug,
+        seq_lens=seq,
+        dtype=dtype,
+        query_start_loc=qsl,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=False,
+    )
     out = torch.empty(n, hq, aug, dtype=dtype)
     compat.cpu_attention_with_kv_cache(
-        query=augment_query(q.to(dtype), aug, scale), key_cache=key_cache, value_cache=value_cache,
-        output=out, query_start_loc=qsl, seq_lens=seq, scale=scale, causal=True, alibi_slopes=None,
-        sliding_window=-1, block_table=torch.tensor([[2, 0]], dtype=torch.int32), softcap=0.0,
-        scheduler_metadata=meta, s_aux=None)
+        query=augment_query(q.to(dtype), aug, scale),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=out,
+        query_start_loc=qsl,
+        seq_lens=seq,
+        scale=scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=torch.tensor([[2, 0]], dtype=torch.int32),
+        softcap=0.0,
+        scheduler_metadata=meta,
+        s_aux=None,
+    )
     expected = _reference(q, k.to(dtype).float(), v.to(dtype).float(), beta, scale)
     assert torch.allclose(out[..., :d].double(), expected, atol=tol, rtol=tol)
     assert out[..., :d].abs().max() < 100  # nothing of the 1e4 values
 
 
 def _hf_rope(x, positions, config):
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    from transformers.models.llama.modeling_llama import (
+        LlamaRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
 
     cos, sin = LlamaRotaryEmbedding(config)(x, positions[None])
     return apply_rotary_pos_emb(x[None], x[None], cos, sin)[0][0]
 
 
-@pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 512}])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        None,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+    ],
+)
 def test_rotate_keys_matches_transformers_and_composes(rope):
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                         rope_theta=10000.0, rope_scaling=rope)
+    config = LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        rope_theta=10000.0,
+        rope_scaling=rope,
+    )
     torch.manual_seed(0)
     raw = torch.randn(1, 40, 64)  # [H, T, d]
     positions = torch.arange(1000, 1040)
     rotated = _hf_rope(raw, positions, config)
     assert torch.allclose(rotate_keys(raw, positions, config), rotated, atol=2e-4)
     # re-basing by -(T - P) equals computing the keys at the shifted positions
-    assert torch.allclose(rotate_keys(rotated, -700, config), _hf_rope(raw, positions - 700, config), atol=2e-4)
+    assert torch.allclose(
+        rotate_keys(rotated, -700, config),
+        _hf_rope(raw, positions - 700, config),
+        atol=2e-4,
+    )
 
 
 def test_rotate_keys_refuses_sequence_dependent_rope():
@@ -135,12 +189,31 @@ def test_physical_prefix_pads_heads_and_rebases_keys(tiny_llama):
         lengths = [len(idx) for idx in keep]
         beta = torch.linspace(-1, 1, sum(lengths))
         cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-        layers.append(CompactedHeads(keys=keys, beta=beta, values=values, indices=torch.cat(keep), cu_seqlens=cu))
-    cache = CompactedCache(layers=layers, logical_length=30, token_ids=ids, compacted_span=(0, 30),
-                           layer_compacted=[True] * adapter.num_layers, model=adapter.fingerprint(),
-                           method="test", ratio=0.5)
+        layers.append(
+            CompactedHeads(
+                keys=keys,
+                beta=beta,
+                values=values,
+                indices=torch.cat(keep),
+                cu_seqlens=cu,
+            )
+        )
+    cache = CompactedCache(
+        layers=layers,
+        logical_length=30,
+        token_ids=ids,
+        compacted_span=(0, 30),
+        layer_compacted=[True] * adapter.num_layers,
+        model=adapter.fingerprint(),
+        method="test",
+        ratio=0.5,
+    )
     phys = physical_prefix(cache, adapter.model.config)
-    assert phys.num_slots == 15 and phys.keys[0].shape == (15, adapter.num_kv_heads, adapter.head_dim)
+    assert phys.num_slots == 15 and phys.keys[0].shape == (
+        15,
+        adapter.num_kv_heads,
+        adapter.head_dim,
+    )
     beta0 = phys.beta[0]
     assert (beta0[3:, 0] == MASKED_BETA).all() and (beta0[:, 1] > MASKED_BETA).all()
     assert torch.allclose(beta0[:3, 0], layers[0].head(0)[1])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.engines import exact_cache, start_llm, stop_llm
 from vllm_compaction.cache import CacheError, CacheMismatchError
 from vllm_compaction.corpus import haystack_text
 from vllm_compaction.eval import score_answer
@@ -15,9 +14,13 @@ from vllm_compaction.reference import ReferenceDecoder
 from vllm_compaction.vllm import CompactedRef, compacted_prompt
 from vllm_compaction.vllm.prompt import PLACEHOLDER_TOKEN_ID
 
+from serving.engines import exact_cache, start_llm, stop_llm
+
 pytestmark = pytest.mark.slow
 
-QUESTION = [{"role": "user", "content": "In two sentences, what is the essay above about?"}]
+QUESTION = [
+    {"role": "user", "content": "In two sentences, what is the essay above about?"}
+]
 
 
 def greedy(max_tokens: int, logprobs: int | None = None):
@@ -27,7 +30,13 @@ def greedy(max_tokens: int, logprobs: int | None = None):
 
 
 def essay_messages(adapter, tokens: int, seed: int) -> list[dict]:
-    return [{"role": "user", "content": "Read this essay.\n\n" + haystack_text(tokens, adapter.tokenizer, seed=seed)}]
+    return [
+        {
+            "role": "user",
+            "content": "Read this essay.\n\n"
+            + haystack_text(tokens, adapter.tokenizer, seed=seed),
+        }
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +59,16 @@ def top_logprobs(step: dict) -> dict[int, float]:
 
 def test_identity_cache_matches_vanilla_vllm(llm, vanilla, smollm2, essay, store_dir):
     prefix_ids, question_ids = essay
-    prompt = compacted_prompt(exact_cache(smollm2, prefix_ids), question_ids, llm=llm, store=store_dir)
-    assert prompt["prompt_token_ids"][: len(prefix_ids)] == [PLACEHOLDER_TOKEN_ID] * len(prefix_ids)
+    prompt = compacted_prompt(
+        exact_cache(smollm2, prefix_ids), question_ids, llm=llm, store=store_dir
+    )
+    assert prompt["prompt_token_ids"][: len(prefix_ids)] == [
+        PLACEHOLDER_TOKEN_ID
+    ] * len(prefix_ids)
     served = llm.generate([prompt], greedy(64, logprobs=5))[0].outputs[0]
-    plain = vanilla.generate([{"prompt_token_ids": prefix_ids + question_ids}], greedy(64, logprobs=5))[0].outputs[0]
+    plain = vanilla.generate(
+        [{"prompt_token_ids": prefix_ids + question_ids}], greedy(64, logprobs=5)
+    )[0].outputs[0]
     assert served.token_ids == plain.token_ids
     assert len(served.token_ids) >= 16
     worst = 0.0
@@ -69,11 +84,16 @@ def test_plain_prompts_unchanged_by_the_plugin(llm, vanilla, essay):
     prefix_ids, question_ids = essay
     # a salt of its own: the whole prompt is prefilled in both engines (a prefix-cache hit would
     # split the prefill differently, and with it the fp32 rounding)
-    prompt = {"prompt_token_ids": prefix_ids + question_ids, "cache_salt": "plain-traffic"}
+    prompt = {
+        "prompt_token_ids": prefix_ids + question_ids,
+        "cache_salt": "plain-traffic",
+    }
     ours = llm.generate([prompt], greedy(32, logprobs=5))[0].outputs[0]
     theirs = vanilla.generate([prompt], greedy(32, logprobs=5))[0].outputs[0]
     assert ours.token_ids == theirs.token_ids
-    assert [top_logprobs(step) for step in ours.logprobs] == [top_logprobs(step) for step in theirs.logprobs]
+    assert [top_logprobs(step) for step in ours.logprobs] == [
+        top_logprobs(step) for step in theirs.logprobs
+    ]
 
 
 def test_engine_kv_snapshot_is_what_the_model_computes(llm, smollm2, essay, store_dir):
@@ -85,20 +105,34 @@ def test_engine_kv_snapshot_is_what_the_model_computes(llm, smollm2, essay, stor
     prefix_ids, _ = essay
     kv = snapshot_kv(llm, prefix_ids)
     reference = smollm2.prefill(prefix_ids, capture_queries=False)
-    assert kv.keys.shape == (smollm2.num_layers, reference.keys[0].shape[0], len(prefix_ids), reference.keys[0].shape[2])
+    assert kv.keys.shape == (
+        smollm2.num_layers,
+        reference.keys[0].shape[0],
+        len(prefix_ids),
+        reference.keys[0].shape[2],
+    )
     for layer in range(smollm2.num_layers):
-        assert torch.allclose(kv.keys[layer], reference.keys[layer], atol=5e-4, rtol=1e-4), layer
-        assert torch.allclose(kv.values[layer], reference.values[layer], atol=5e-4, rtol=1e-4), layer
+        assert torch.allclose(
+            kv.keys[layer], reference.keys[layer], atol=5e-4, rtol=1e-4
+        ), layer
+        assert torch.allclose(
+            kv.values[layer], reference.values[layer], atol=5e-4, rtol=1e-4
+        ), layer
     assert not list(snapshot_dir(store_dir).glob("*"))  # read and removed
     # a request that asks for one with an already cached prefix gets none, and decodes normally
     path = snapshot_dir(store_dir) / "asked.safetensors"
     asking = {"prompt_token_ids": prefix_ids, "cache_salt": "shared"}
-    params = SamplingParams(max_tokens=1, temperature=0.0,
-                            extra_args={"kv_transfer_params": {"compaction_snapshot": path.stem}})
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        extra_args={"kv_transfer_params": {"compaction_snapshot": path.stem}},
+    )
     llm.generate([asking], params)  # computes the prefix: a snapshot is written
     assert path.is_file()
     path.unlink()
-    again = llm.generate([asking], params)[0].outputs[0]  # prefix from the prefix cache: refused
+    again = llm.generate([asking], params)[0].outputs[
+        0
+    ]  # prefix from the prefix cache: refused
     assert not path.exists() and again.finish_reason == "length"
 
 
@@ -109,20 +143,32 @@ def test_stock_width_pages_cost_no_kv_memory(llm, vanilla):
     assert kv_bytes_per_token(llm.llm_engine.vllm_config) == layers_heads_fp32 * 64
     assert kv_bytes_per_token(vanilla.llm_engine.vllm_config) == layers_heads_fp32 * 64
     spec = llm.llm_engine.vllm_config.cache_config
-    assert spec.num_gpu_blocks == vanilla.llm_engine.vllm_config.cache_config.num_gpu_blocks  # same pages
+    assert (
+        spec.num_gpu_blocks
+        == vanilla.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    )  # same pages
 
 
-def test_padded_prefixes_are_refused_on_stock_pages(llm, smollm2, niah_cases, store_dir):
+def test_padded_prefixes_are_refused_on_stock_pages(
+    llm, smollm2, niah_cases, store_dir
+):
     """Padded prefixes need the bias coordinates: the prompt builder says so, and a hand-made
     request fails alone while the rest of its batch is served."""
     _, prompt, cache = niah_cases[0]
     with pytest.raises(ValueError, match="stock-width KV pages"):
-        compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir, layout="padded")
+        compacted_prompt(
+            cache, prompt.continuation_ids, llm=llm, store=store_dir, layout="padded"
+        )
     varlen = compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir)
     padded_slots = cache.physical_tokens("padded", None)
     ref = CompactedRef.parse(varlen["cache_salt"])
-    forged = {"prompt_token_ids": [PLACEHOLDER_TOKEN_ID] * padded_slots + prompt.continuation_ids,
-              "cache_salt": CompactedRef(ref.entry_id, padded_slots, ref.digest, "padded").salt}
+    forged = {
+        "prompt_token_ids": [PLACEHOLDER_TOKEN_ID] * padded_slots
+        + prompt.continuation_ids,
+        "cache_salt": CompactedRef(
+            ref.entry_id, padded_slots, ref.digest, "padded"
+        ).salt,
+    }
     bad, good = llm.generate([forged, varlen], greedy(8))
     assert _failed(bad) and not _failed(good)
 
@@ -140,8 +186,14 @@ def test_niah_caches_agree_with_reference_decoder(llm, smollm2, niah_cases, stor
         lengths = cache.head_lengths
         assert lengths.min() < lengths.max()  # per-head budgets really differ
         reference = decoder.generate(cache, prompt.continuation_ids, max_new_tokens=12)
-        served = llm.generate([compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir)],
-                              greedy(12, logprobs=5))[0].outputs[0]
+        served = llm.generate(
+            [
+                compacted_prompt(
+                    cache, prompt.continuation_ids, llm=llm, store=store_dir
+                )
+            ],
+            greedy(12, logprobs=5),
+        )[0].outputs[0]
         assert served.token_ids == reference.token_ids, (served.text, reference.text)
         assert _first_logprob_gap(served, reference.first_logits) < 1e-3
         assert score_answer(inst, served.text) == score_answer(inst, reference.text)
@@ -149,11 +201,15 @@ def test_niah_caches_agree_with_reference_decoder(llm, smollm2, niah_cases, stor
 
 def test_uniform_budget_cache_agrees_with_reference_decoder(llm, smollm2, store_dir):
     messages = essay_messages(smollm2, 700, seed=5)
-    cache = compact(smollm2, messages, ratio=0.1, method="am-highest-attn-fast", budgets="uniform")
+    cache = compact(
+        smollm2, messages, ratio=0.1, method="am-highest-attn-fast", budgets="uniform"
+    )
     decoder = ReferenceDecoder(smollm2)
     reference = decoder.generate(cache, QUESTION, max_new_tokens=24)
-    served = llm.generate([compacted_prompt(cache, QUESTION, llm=llm, store=store_dir)],
-                          greedy(24, logprobs=5))[0].outputs[0]
+    served = llm.generate(
+        [compacted_prompt(cache, QUESTION, llm=llm, store=store_dir)],
+        greedy(24, logprobs=5),
+    )[0].outputs[0]
     assert served.token_ids == reference.token_ids, (served.text, reference.text)
     assert _first_logprob_gap(served, reference.first_logits) < 1e-3
 
@@ -170,16 +226,23 @@ def test_second_request_reuses_loaded_blocks(llm, niah_cases, store_dir):
 def test_mixed_batch_matches_solo_requests(llm, smollm2, niah_cases, essay, store_dir):
     prefix_ids, question_ids = essay
     batch = [{"prompt_token_ids": prefix_ids + question_ids}]
-    batch += [compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir)
-              for _, prompt, cache in niah_cases]
-    batch.append({"prompt_token_ids": smollm2.chat_ids(QUESTION, add_generation_prompt=True)})
+    batch += [
+        compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir)
+        for _, prompt, cache in niah_cases
+    ]
+    batch.append(
+        {"prompt_token_ids": smollm2.chat_ids(QUESTION, add_generation_prompt=True)}
+    )
     together = [o.outputs[0].token_ids for o in llm.generate(batch, greedy(16))]
     alone = [llm.generate([p], greedy(16))[0].outputs[0].token_ids for p in batch]
     assert together == alone
 
 
 def _failed(output) -> bool:
-    return output.outputs[0].finish_reason not in ("stop", "length") or not output.outputs[0].token_ids
+    return (
+        output.outputs[0].finish_reason not in ("stop", "length")
+        or not output.outputs[0].token_ids
+    )
 
 
 def test_bad_caches_fail_only_their_request(llm, smollm2, niah_cases, store_dir):
@@ -189,9 +252,14 @@ def test_bad_caches_fail_only_their_request(llm, smollm2, niah_cases, store_dir)
     n = ref.num_slots
     missing = dict(good, cache_salt=CompactedRef("no-such-entry", n, ref.digest).salt)
     changed = dict(good, cache_salt=CompactedRef(ref.entry_id, n, "0" * 32).salt)
-    wrong_count = {"prompt_token_ids": good["prompt_token_ids"][1:],
-                   "cache_salt": CompactedRef(ref.entry_id, n - 1, ref.digest).salt}
-    as_text = {"prompt_token_ids": [1] * n + prompt.continuation_ids, "cache_salt": ref.salt}
+    wrong_count = {
+        "prompt_token_ids": good["prompt_token_ids"][1:],
+        "cache_salt": CompactedRef(ref.entry_id, n - 1, ref.digest).salt,
+    }
+    as_text = {
+        "prompt_token_ids": [1] * n + prompt.continuation_ids,
+        "cache_salt": ref.salt,
+    }
     outputs = llm.generate([missing, good, changed, wrong_count, as_text], greedy(8))
     assert [_failed(o) for o in outputs] == [True, False, True, True, True]
     # the engine keeps serving
@@ -199,14 +267,18 @@ def test_bad_caches_fail_only_their_request(llm, smollm2, niah_cases, store_dir)
     assert again.outputs[0].token_ids == outputs[1].outputs[0].token_ids
 
 
-def test_corrupt_and_foreign_caches_are_refused(llm, smollm2, niah_cases, store_dir, tmp_path):
+def test_corrupt_and_foreign_caches_are_refused(
+    llm, smollm2, niah_cases, store_dir, tmp_path
+):
     import dataclasses
 
     from vllm_compaction.cache import LocalDiskStore
 
     _, prompt, cache = niah_cases[0]
     store = LocalDiskStore(store_dir)
-    foreign = dataclasses.replace(cache, model=dataclasses.replace(cache.model, weights_digest="0" * 64))
+    foreign = dataclasses.replace(
+        cache, model=dataclasses.replace(cache.model, weights_digest="0" * 64)
+    )
     with pytest.raises(CacheMismatchError, match="weights_digest"):
         compacted_prompt(foreign, prompt.continuation_ids, llm=llm, store=store)
     with pytest.raises(CacheError, match="No compacted cache"):
@@ -215,7 +287,9 @@ def test_corrupt_and_foreign_caches_are_refused(llm, smollm2, niah_cases, store_
     good = compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store)
     entry = CompactedRef.parse(good["cache_salt"]).entry_id
     store.put_id("damaged", cache)
-    damaged_prompt = compacted_prompt("damaged", prompt.continuation_ids, llm=llm, store=store)
+    damaged_prompt = compacted_prompt(
+        "damaged", prompt.continuation_ids, llm=llm, store=store
+    )
     path = store.path_for("damaged")
     data = bytearray(path.read_bytes())
     data[-100] ^= 0xFF
@@ -235,8 +309,10 @@ def test_continuations_as_text_ids_and_messages(llm, smollm2, niah_cases, store_
     by_chat = compacted_prompt(cache, QUESTION, llm=llm, store=store_dir)
     assert by_text["prompt_token_ids"][-2:] == smollm2.encode("Hello there")[-2:]
     turn = smollm2.turn_ids(QUESTION)
-    assert by_chat["prompt_token_ids"][-len(turn):] == turn
-    assert text and by_ids["cache_salt"] == by_text["cache_salt"] == by_chat["cache_salt"]
+    assert by_chat["prompt_token_ids"][-len(turn) :] == turn
+    assert (
+        text and by_ids["cache_salt"] == by_text["cache_salt"] == by_chat["cache_salt"]
+    )
     for bad in ([], "", [{"role": "user"}], [-1]):
         with pytest.raises(ValueError):
             compacted_prompt(cache, bad, llm=llm, store=store_dir)

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import pytest
 
-from serving.engines import start_llm, stop_llm
 from vllm_compaction.corpus import haystack_text
 from vllm_compaction.vllm import compacted_prompt
 from vllm_compaction.vllm.snapshot import identity_cache, snapshot_kv
+
+from serving.engines import start_llm, stop_llm
 
 pytestmark = pytest.mark.slow
 
@@ -41,20 +42,37 @@ def _close(a, b) -> float:
 
 
 def _common(a, b) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+    return next(
+        (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+        len(a.token_ids),
+    )
 
 
 def _same_steps(a, b) -> bool:
     def steps(output):
-        return [{token: lp.logprob for token, lp in step.items()} for step in output.logprobs]
+        return [
+            {token: lp.logprob for token, lp in step.items()}
+            for step in output.logprobs
+        ]
+
     return steps(a) == steps(b)
 
 
-def test_bf16_plain_traffic_and_identity_caches_are_exact_where_the_kernel_is_shared(smollm2, tmp_path):
+def test_bf16_plain_traffic_and_identity_caches_are_exact_where_the_kernel_is_shared(
+    smollm2, tmp_path
+):
     from vllm import SamplingParams
 
-    messages = [{"role": "user", "content": "Read this essay.\n\n" + haystack_text(600, smollm2.tokenizer, seed=7)}]
-    question = smollm2.turn_ids([{"role": "user", "content": "What is the essay about?"}])
+    messages = [
+        {
+            "role": "user",
+            "content": "Read this essay.\n\n"
+            + haystack_text(600, smollm2.tokenizer, seed=7),
+        }
+    ]
+    question = smollm2.turn_ids(
+        [{"role": "user", "content": "What is the essay about?"}]
+    )
     params = SamplingParams(max_tokens=64, temperature=0.0, logprobs=3)
     prime = SamplingParams(max_tokens=1, temperature=0.0)
     block = 128  # vLLM's CPU default block size, checked below
@@ -64,21 +82,37 @@ def test_bf16_plain_traffic_and_identity_caches_are_exact_where_the_kernel_is_sh
 
     def from_prefix_cache(engine):
         assert engine.llm_engine.vllm_config.cache_config.block_size == block
-        engine.generate([{"prompt_token_ids": prefix_ids, "cache_salt": "plain"}], prime, use_tqdm=False)
-        return engine.generate([{"prompt_token_ids": prefix_ids + question, "cache_salt": "plain"}], params,
-                               use_tqdm=False)[0].outputs[0]
+        engine.generate(
+            [{"prompt_token_ids": prefix_ids, "cache_salt": "plain"}],
+            prime,
+            use_tqdm=False,
+        )
+        return engine.generate(
+            [{"prompt_token_ids": prefix_ids + question, "cache_salt": "plain"}],
+            params,
+            use_tqdm=False,
+        )[0].outputs[0]
 
     def serve(pages: str, *layouts: str):
         """The plain prompt, and the identity cache from the engine's own snapshot in each layout,
         on one engine."""
-        engine = start_llm("bfloat16", store=tmp_path / pages, kv_snapshots=True, pages=pages)
+        engine = start_llm(
+            "bfloat16", store=tmp_path / pages, kv_snapshots=True, pages=pages
+        )
         try:
             plain = from_prefix_cache(engine)
             cache = identity_cache(engine, snapshot_kv(engine, prefix_ids))
-            prompts = [compacted_prompt(cache, question, llm=engine, store=tmp_path / pages, layout=layout)
-                       for layout in layouts]
+            prompts = [
+                compacted_prompt(
+                    cache, question, llm=engine, store=tmp_path / pages, layout=layout
+                )
+                for layout in layouts
+            ]
             # one at a time, as stock vLLM runs it: the batch's shape could change GEMM rounding
-            return plain, *(engine.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts)
+            return plain, *(
+                engine.generate([p], params, use_tqdm=False)[0].outputs[0]
+                for p in prompts
+            )
         finally:
             stop_llm(engine)
 
@@ -97,8 +131,13 @@ def test_bf16_plain_traffic_and_identity_caches_are_exact_where_the_kernel_is_sh
     assert stock_padded.token_ids == stock.token_ids, (stock_padded.text, stock.text)
     assert _same_steps(stock_padded, stock)
     # widened pages: the padded identity is the same engine's plain prompt, bit for bit
-    assert padded.token_ids == widened_plain.token_ids, (padded.text, widened_plain.text)
+    assert padded.token_ids == widened_plain.token_ids, (
+        padded.text,
+        widened_plain.text,
+    )
     assert _same_steps(padded, widened_plain)
     # different roundings: close
     assert _close(varlen, stock) < BF16_STEPS and _common(varlen, stock) >= 4
-    assert _close(widened_plain, stock) < BF16_STEPS and _close(padded, stock) < BF16_STEPS
+    assert (
+        _close(widened_plain, stock) < BF16_STEPS and _close(padded, stock) < BF16_STEPS
+    )

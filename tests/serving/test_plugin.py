@@ -30,12 +30,16 @@ def test_register_is_idempotent_and_wires_connector_and_backend(monkeypatch):
     plugin.register()
     plugin.register()
     assert compat.connector_registered(plugin.CONNECTOR_NAME)
-    assert AttentionBackendEnum.CPU_ATTN.get_path().endswith("CompactionCPUAttentionBackend")
+    assert AttentionBackendEnum.CPU_ATTN.get_path().endswith(
+        "CompactionCPUAttentionBackend"
+    )
 
 
 def test_untested_vllm_version_is_refused_with_a_sentence(monkeypatch, caplog):
     monkeypatch.setattr(compat, "_installed_vllm_version", lambda: "0.99.1")
-    with pytest.raises(UnsupportedVLLMError, match="supports vLLM 0.32.0 but found 0.99.1"):
+    with pytest.raises(
+        UnsupportedVLLMError, match="supports vLLM 0.32.0 but found 0.99.1"
+    ):
         check_vllm_version()
     # the general plugin itself never raises: it logs and stays disabled
     monkeypatch.setattr(plugin, "_registered", False)
@@ -48,9 +52,12 @@ def test_compacted_ref_round_trip_and_malformed_salts():
     ref = CompactedRef("abc-1", 137, "0123456789abcdef0123456789abcdef")
     assert CompactedRef.parse(ref.salt) == ref
     assert CompactedRef.parse(None) is None and CompactedRef.parse("user-salt") is None
-    for bad in ("vllm-compaction:1:a/b:3:" + "0" * 32, "vllm-compaction:2:a:3:" + "0" * 32,
-                "vllm-compaction:1:a:x:" + "0" * 32,
-                "vllm-compaction:2:varlen:a:3:" + "0" * 32):  # an older packing version
+    for bad in (
+        "vllm-compaction:1:a/b:3:" + "0" * 32,
+        "vllm-compaction:2:a:3:" + "0" * 32,
+        "vllm-compaction:1:a:x:" + "0" * 32,
+        "vllm-compaction:2:varlen:a:3:" + "0" * 32,
+    ):  # an older packing version
         with pytest.raises(ValueError, match="malformed"):
             CompactedRef.parse(bad)
 
@@ -73,11 +80,18 @@ def test_unknown_page_width_is_refused_with_a_sentence(tmp_path):
     from vllm_compaction.vllm.backend_common import page_width
     from vllm_compaction.vllm.engine import kv_transfer_config
 
-    with pytest.raises(ValueError, match="'pages' KV connector option must be one of stock, widened"):
+    with pytest.raises(
+        ValueError, match="'pages' KV connector option must be one of stock, widened"
+    ):
         kv_transfer_config(tmp_path, pages="narrow")
     config = kv_transfer_config(tmp_path)
     config["kv_connector_extra_config"]["pages"] = "narrow"
-    with pytest.raises(ValueError, match="'pages' KV connector option must be one of stock, widened"):
+    with pytest.raises(
+        ValueError, match="'pages' KV connector option must be one of stock, widened"
+    ):
         page_width(VllmConfig(kv_transfer_config=KVTransferConfig(**config)))
     config["kv_connector_extra_config"]["pages"] = "widened"
-    assert page_width(VllmConfig(kv_transfer_config=KVTransferConfig(**config))) == "widened"
+    assert (
+        page_width(VllmConfig(kv_transfer_config=KVTransferConfig(**config)))
+        == "widened"
+    )

@@ -10,13 +10,20 @@ import dataclasses
 import pytest
 import torch
 
-from serving.engines import exact_cache, start_llm, stop_llm
-from serving.test_engine import QUESTION, _failed, _first_logprob_gap, essay_messages, greedy
 from vllm_compaction.am.heads import CompactedHeads
 from vllm_compaction.cache import CacheMismatchError, CompactedCache, LocalDiskStore
 from vllm_compaction.pipeline import compact
 from vllm_compaction.reference import ReferenceDecoder
 from vllm_compaction.vllm import CompactedRef, compacted_prompt
+
+from serving.engines import exact_cache, start_llm, stop_llm
+from serving.test_engine import (
+    QUESTION,
+    _failed,
+    _first_logprob_gap,
+    essay_messages,
+    greedy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +39,9 @@ def llm(store_dir):
 def test_widened_pages_cost_a_quarter_more_kv_memory(llm):
     from vllm_compaction.vllm.engine import kv_bytes_per_token
 
-    assert kv_bytes_per_token(llm.llm_engine.vllm_config) == 30 * 3 * 2 * 4 * 80  # d = 64 -> 80
+    assert (
+        kv_bytes_per_token(llm.llm_engine.vllm_config) == 30 * 3 * 2 * 4 * 80
+    )  # d = 64 -> 80
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +54,25 @@ def extreme_cache(smollm2) -> CompactedCache:
     every_keys, _, every_values, every_indices = full.layers[3].padded()
     length = cache.logical_length
     width = max(keys.shape[1], length)
-    pad = lambda x, v: torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[1]) if x.dim() == 3  # noqa: E731
-                                               else (0, width - x.shape[1]), value=v)
-    keys, values, beta, indices = pad(keys, 0.0), pad(values, 0.0), pad(beta, 0.0), pad(indices, 0)
-    keys[1], values[1], beta[1], indices[1] = every_keys[1], every_values[1], 0.0, every_indices[1]
+    pad = lambda x, v: torch.nn.functional.pad(
+        x,
+        (0, 0, 0, width - x.shape[1])
+        if x.dim() == 3  # noqa: E731
+        else (0, width - x.shape[1]),
+        value=v,
+    )
+    keys, values, beta, indices = (
+        pad(keys, 0.0),
+        pad(values, 0.0),
+        pad(beta, 0.0),
+        pad(indices, 0),
+    )
+    keys[1], values[1], beta[1], indices[1] = (
+        every_keys[1],
+        every_values[1],
+        0.0,
+        every_indices[1],
+    )
     lengths = cache.layers[3].head_budgets.clone()
     lengths[0], lengths[1] = 0, length
     layers = list(cache.layers)
@@ -56,15 +80,27 @@ def extreme_cache(smollm2) -> CompactedCache:
     return dataclasses.replace(cache, layers=layers)
 
 
-def test_varlen_equals_padded_and_reference_with_empty_and_full_heads(llm, smollm2, extreme_cache, store_dir):
+def test_varlen_equals_padded_and_reference_with_empty_and_full_heads(
+    llm, smollm2, extreme_cache, store_dir
+):
     lengths = extreme_cache.head_lengths
-    assert int(lengths.min()) == 0 and int(lengths.max()) == extreme_cache.logical_length
-    reference = ReferenceDecoder(smollm2).generate(extreme_cache, QUESTION, max_new_tokens=16)
+    assert (
+        int(lengths.min()) == 0 and int(lengths.max()) == extreme_cache.logical_length
+    )
+    reference = ReferenceDecoder(smollm2).generate(
+        extreme_cache, QUESTION, max_new_tokens=16
+    )
     outputs = {}
     for layout in ("varlen", "padded"):
-        prompt = compacted_prompt(extreme_cache, QUESTION, llm=llm, store=store_dir, layout=layout)
+        prompt = compacted_prompt(
+            extreme_cache, QUESTION, llm=llm, store=store_dir, layout=layout
+        )
         outputs[layout] = llm.generate([prompt], greedy(16, logprobs=5))[0].outputs[0]
-        assert outputs[layout].token_ids == reference.token_ids, (layout, outputs[layout].text, reference.text)
+        assert outputs[layout].token_ids == reference.token_ids, (
+            layout,
+            outputs[layout].text,
+            reference.text,
+        )
         assert _first_logprob_gap(outputs[layout], reference.first_logits) < 1e-3
     mine = {t: lp.logprob for t, lp in outputs["varlen"].logprobs[0].items()}
     theirs = {t: lp.logprob for t, lp in outputs["padded"].logprobs[0].items()}
@@ -75,23 +111,42 @@ def test_engine_reserves_the_packed_size_and_reuses_it(llm, niah_cases, store_di
     """At 10% the prefix takes its packed rows in whole blocks, not its longest head."""
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
     _, prompt, cache = niah_cases[0]
-    packed = compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir, layout="varlen")
-    padded = compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir, layout="padded")
+    packed = compacted_prompt(
+        cache, prompt.continuation_ids, llm=llm, store=store_dir, layout="varlen"
+    )
+    padded = compacted_prompt(
+        cache, prompt.continuation_ids, llm=llm, store=store_dir, layout="padded"
+    )
     placeholders = CompactedRef.parse(packed["cache_salt"]).num_slots
-    assert len(packed["prompt_token_ids"]) == placeholders + len(prompt.continuation_ids)
+    assert len(packed["prompt_token_ids"]) == placeholders + len(
+        prompt.continuation_ids
+    )
     layers, heads = cache.num_layers, cache.model.num_kv_heads
-    exact_rows = cache.physical_slots / (layers * heads)  # token slots' worth of the kept rows
-    assert placeholders % block_size == 0 and exact_rows <= placeholders < exact_rows + block_size + 8
+    exact_rows = cache.physical_slots / (
+        layers * heads
+    )  # token slots' worth of the kept rows
+    assert (
+        placeholders % block_size == 0
+        and exact_rows <= placeholders < exact_rows + block_size + 8
+    )
     assert placeholders < 0.3 * CompactedRef.parse(padded["cache_salt"]).num_slots
     first, second = (llm.generate([packed], greedy(8))[0] for _ in range(2))
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
-    assert second.num_cached_tokens >= placeholders  # the packed blocks are prefix-cache hits
+    assert (
+        second.num_cached_tokens >= placeholders
+    )  # the packed blocks are prefix-cache hits
 
 
 def test_batch_mixing_plain_padded_and_varlen(llm, smollm2, niah_cases, store_dir):
-    batch = [{"prompt_token_ids": smollm2.chat_ids(QUESTION, add_generation_prompt=True)}]
+    batch = [
+        {"prompt_token_ids": smollm2.chat_ids(QUESTION, add_generation_prompt=True)}
+    ]
     for (_, prompt, cache), layout in zip(niah_cases, ["varlen", "padded", "varlen"]):
-        batch.append(compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir, layout=layout))
+        batch.append(
+            compacted_prompt(
+                cache, prompt.continuation_ids, llm=llm, store=store_dir, layout=layout
+            )
+        )
     together = [o.outputs[0].token_ids for o in llm.generate(batch, greedy(12))]
     alone = [llm.generate([p], greedy(12))[0].outputs[0].token_ids for p in batch]
     assert together == alone
@@ -100,16 +155,24 @@ def test_batch_mixing_plain_padded_and_varlen(llm, smollm2, niah_cases, store_di
 def test_prefix_of_another_geometry_is_refused(llm, smollm2, niah_cases, store_dir):
     _, prompt, cache = niah_cases[0]
     store = LocalDiskStore(store_dir)
-    shallow = dataclasses.replace(cache, model=dataclasses.replace(cache.model, num_layers=29),
-                                  layers=cache.layers[:29], layer_compacted=cache.layer_compacted[:29])
+    shallow = dataclasses.replace(
+        cache,
+        model=dataclasses.replace(cache.model, num_layers=29),
+        layers=cache.layers[:29],
+        layer_compacted=cache.layer_compacted[:29],
+    )
     with pytest.raises(CacheMismatchError, match="num_layers"):
         compacted_prompt(shallow, prompt.continuation_ids, llm=llm, store=store)
     good = compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store)
     ref = CompactedRef.parse(good["cache_salt"])
     # a salt that promises a block count the cache does not have, or a part of a block
-    wrong = {"prompt_token_ids": good["prompt_token_ids"][128:],
-             "cache_salt": dataclasses.replace(ref, num_slots=ref.num_slots - 128).salt}
-    ragged = {"prompt_token_ids": good["prompt_token_ids"][1:],
-              "cache_salt": dataclasses.replace(ref, num_slots=ref.num_slots - 1).salt}
+    wrong = {
+        "prompt_token_ids": good["prompt_token_ids"][128:],
+        "cache_salt": dataclasses.replace(ref, num_slots=ref.num_slots - 128).salt,
+    }
+    ragged = {
+        "prompt_token_ids": good["prompt_token_ids"][1:],
+        "cache_salt": dataclasses.replace(ref, num_slots=ref.num_slots - 1).salt,
+    }
     outputs = llm.generate([wrong, good, ragged], greedy(8))
     assert [_failed(o) for o in outputs] == [True, False, True]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving.reference_ops import full_reference, masked_reference, prefix_reference
 from vllm_compaction.am.heads import CompactedHeads
 from vllm_compaction.cache import CacheError, PagedPacking
 from vllm_compaction.vllm import compat
@@ -31,7 +30,11 @@ from vllm_compaction.vllm.varlen_attention import (
     sink_for,
 )
 
-LENGTHS = torch.tensor([[0, 5, 300], [129, 1, 0], [40, 40, 40]])  # includes empty and long heads
+from serving.reference_ops import full_reference, masked_reference, prefix_reference
+
+LENGTHS = torch.tensor(
+    [[0, 5, 300], [129, 1, 0], [40, 40, 40]]
+)  # includes empty and long heads
 
 
 def cpu_pages(pages: list[torch.Tensor], head_size: int) -> PagedPrefixPages:
@@ -45,8 +48,12 @@ def test_geometry_counts_only_real_slots():
     packing = PagedPacking(LENGTHS, head_dim=64, block_size=32)
     assert packing.rows_per_block == 3 * 3 * 32
     assert packing.header_rows == -(-4 * (5 + 9) // 128)
-    assert packing.beta_rows == -(-int(LENGTHS.sum()) // 32)  # fp32 betas in rows of 2 * 64 bytes
-    assert packing.num_rows == packing.header_rows + packing.beta_rows + int(LENGTHS.sum())
+    assert packing.beta_rows == -(
+        -int(LENGTHS.sum()) // 32
+    )  # fp32 betas in rows of 2 * 64 bytes
+    assert packing.num_rows == packing.header_rows + packing.beta_rows + int(
+        LENGTHS.sum()
+    )
     assert packing.num_blocks == -(-packing.num_rows // packing.rows_per_block)
     assert packing.num_tokens == packing.num_blocks * 32
     # every layer's rows are covered once, in order, by its spans
@@ -57,7 +64,12 @@ def test_geometry_counts_only_real_slots():
         assert rows == int(LENGTHS[layer].sum())
         for s in spans:
             region = s.block * 3 + s.layer
-            covered += list(range(region * packing.region_rows + s.start, region * packing.region_rows + s.stop))
+            covered += list(
+                range(
+                    region * packing.region_rows + s.start,
+                    region * packing.region_rows + s.stop,
+                )
+            )
     assert covered == list(range(packing.data_start, packing.num_rows))
     assert packing.cu_seqlens(0).tolist() == [0, 0, 5, 305]
     # each layer's betas: the beta rows from its first to its last, skipping the betas before it
@@ -66,31 +78,62 @@ def test_geometry_counts_only_real_slots():
         first = int(packing.layer_offsets[layer]) - packing.data_start
         assert skip == first % 32
         assert spans[0].start == packing.header_rows + first // 32
-        assert sum(s.stop - s.start for s in spans) * 32 >= skip + int(LENGTHS[layer].sum())
+        assert sum(s.stop - s.start for s in spans) * 32 >= skip + int(
+            LENGTHS[layer].sum()
+        )
 
 
 def test_header_round_trip_and_refusals():
     packing = PagedPacking(LENGTHS, head_dim=64, block_size=32)
     words = packing.header()
-    again = PagedPacking.from_header(words, num_layers=3, num_kv_heads=3, head_dim=64, block_size=32)
-    assert torch.equal(again.head_lengths, LENGTHS) and again.num_blocks == packing.num_blocks
+    again = PagedPacking.from_header(
+        words, num_layers=3, num_kv_heads=3, head_dim=64, block_size=32
+    )
+    assert (
+        torch.equal(again.head_lengths, LENGTHS)
+        and again.num_blocks == packing.num_blocks
+    )
     with pytest.raises(ValueError, match="no packed-prefix header"):
-        PagedPacking.from_header(torch.zeros(20, dtype=torch.int32), num_layers=3, num_kv_heads=3,
-                                 head_dim=64, block_size=32)
+        PagedPacking.from_header(
+            torch.zeros(20, dtype=torch.int32),
+            num_layers=3,
+            num_kv_heads=3,
+            head_dim=64,
+            block_size=32,
+        )
     with pytest.raises(ValueError, match="3 layers x 3 heads, the engine 4 x 3"):
-        PagedPacking.from_header(torch.cat([words, words]), num_layers=4, num_kv_heads=3, head_dim=64,
-                                 block_size=32)
+        PagedPacking.from_header(
+            torch.cat([words, words]),
+            num_layers=4,
+            num_kv_heads=3,
+            head_dim=64,
+            block_size=32,
+        )
     with pytest.raises(ValueError, match="must be >= 0"):
         PagedPacking(-LENGTHS, head_dim=64, block_size=32)
 
 
-def _packed(lengths: torch.Tensor, d: int, block_size: int, dtype=torch.float32) -> tuple[PackedPrefix, list]:
+def _packed(
+    lengths: torch.Tensor, d: int, block_size: int, dtype=torch.float32
+) -> tuple[PackedPrefix, list]:
     """A random packed prefix and its per-layer (keys, beta, values)."""
     packing = PagedPacking(lengths, head_dim=d, block_size=block_size)
-    layers = [(torch.randn(int(n), d).to(dtype), torch.rand(int(n)) * 6 - 3, torch.randn(int(n), d).to(dtype))
-              for n in lengths.sum(1)]
-    prefix = pack_layers(packing, [k for k, _, _ in layers], [v for _, _, v in layers], [b for _, b, _ in layers],
-                         dtype=dtype, logical_length=1000)
+    layers = [
+        (
+            torch.randn(int(n), d).to(dtype),
+            torch.rand(int(n)) * 6 - 3,
+            torch.randn(int(n), d).to(dtype),
+        )
+        for n in lengths.sum(1)
+    ]
+    prefix = pack_layers(
+        packing,
+        [k for k, _, _ in layers],
+        [v for _, _, v in layers],
+        [b for _, b, _ in layers],
+        dtype=dtype,
+        logical_length=1000,
+    )
     return prefix, layers
 
 
@@ -100,7 +143,9 @@ def test_pages_round_trip_through_scattered_blocks(dtype):
     d, width, block_size = 64, 80, 32
     prefix, layers = _packed(LENGTHS, d, block_size, dtype)
     packing = prefix.packing
-    pages = [torch.full((12, 3, block_size, 2 * width), 7.0, dtype=dtype) for _ in range(3)]
+    pages = [
+        torch.full((12, 3, block_size, 2 * width), 7.0, dtype=dtype) for _ in range(3)
+    ]
     view = cpu_pages(pages, d)
     blocks = [9, 2, 5, 11][: packing.num_blocks]
     view.write(prefix, blocks)
@@ -122,7 +167,9 @@ def test_pages_round_trip_through_scattered_blocks(dtype):
 def test_pages_refuse_another_geometry():
     pages = [torch.zeros(4, 2, 32, 160) for _ in range(3)]
     view = cpu_pages(pages, 64)
-    with pytest.raises(CacheError, match=r"\(3, 3, 64, 32\), the engine \(3, 2, 64, 32\)"):
+    with pytest.raises(
+        CacheError, match=r"\(3, 3, 64, 32\), the engine \(3, 2, 64, 32\)"
+    ):
         view.write(_packed(LENGTHS, 64, 32)[0], [0, 1, 2, 3])
     with pytest.raises(CacheError, match="no packed-prefix header"):
         view.packing_at(0)
@@ -130,21 +177,27 @@ def test_pages_refuse_another_geometry():
 
 def prefix_attention(query, keys, beta, values, cu_seqlens, scale):
     """:func:`prefixes_attention` for one request (a batch of one), as the production path calls it."""
-    out, lse = prefixes_attention(query[None], keys[None], beta[None], values[None], cu_seqlens[None], scale)
+    out, lse = prefixes_attention(
+        query[None], keys[None], beta[None], values[None], cu_seqlens[None], scale
+    )
     return out[0], lse[0]
 
 
 def assert_close_to_reference(out, lse, want_out, want_lse):
     assert torch.allclose(out, want_out, atol=1e-5, rtol=1e-5)
-    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))  # -inf exactly where a head is empty
-    assert torch.allclose(lse[torch.isfinite(lse)], want_lse[torch.isfinite(want_lse)], atol=1e-5)
+    assert torch.equal(
+        torch.isinf(lse), torch.isinf(want_lse)
+    )  # -inf exactly where a head is empty
+    assert torch.allclose(
+        lse[torch.isfinite(lse)], want_lse[torch.isfinite(want_lse)], atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefix_attention_equals_a_per_head_softmax(dtype):
     """One prefix with an empty head, a one-row head and a long one; a prefill chunk of queries."""
     torch.manual_seed(2)
-    d, num_q, scale = 64, 9, 64 ** -0.5
+    d, num_q, scale = 64, 9, 64**-0.5
     lengths = torch.tensor([0, 1, 300])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     keys, values = torch.randn(301, d).to(dtype), torch.randn(301, d).to(dtype)
@@ -152,7 +205,9 @@ def test_prefix_attention_equals_a_per_head_softmax(dtype):
     query = (torch.randn(20, num_q, d) * 2).to(dtype)
     out, lse = prefix_attention(query, keys, beta, values, cu, scale)
     assert out.dtype == lse.dtype == torch.float32
-    assert_close_to_reference(out, lse, *prefix_reference(query, keys, beta, values, cu, scale))
+    assert_close_to_reference(
+        out, lse, *prefix_reference(query, keys, beta, values, cu, scale)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -160,25 +215,54 @@ def test_prefixes_attention_equals_one_prefix_at_a_time(dtype):
     """Several requests' prefixes of different lengths (empty heads, one request with no rows at
     all), padded together, give each request its own prefix's attention."""
     torch.manual_seed(3)
-    d, num_q, scale = 64, 9, 64 ** -0.5
-    lengths = [torch.tensor(x) for x in ([0, 37, 300], [5, 0, 1], [0, 0, 0], [120, 64, 2])]
-    prefixes = [(torch.randn(int(n.sum()), d).to(dtype), torch.rand(int(n.sum())) * 6 - 3,
-                 torch.randn(int(n.sum()), d).to(dtype)) for n in lengths]
-    cu = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)]) for n in lengths])
+    d, num_q, scale = 64, 9, 64**-0.5
+    lengths = [
+        torch.tensor(x) for x in ([0, 37, 300], [5, 0, 1], [0, 0, 0], [120, 64, 2])
+    ]
+    prefixes = [
+        (
+            torch.randn(int(n.sum()), d).to(dtype),
+            torch.rand(int(n.sum())) * 6 - 3,
+            torch.randn(int(n.sum()), d).to(dtype),
+        )
+        for n in lengths
+    ]
+    cu = torch.stack(
+        [torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)]) for n in lengths]
+    )
     width = max(int(n.sum()) for n in lengths)
 
     def padded(i):
-        return torch.stack([torch.nn.functional.pad(p[i], (0, 0, 0, width - p[i].shape[0])) if p[i].dim() == 2
-                            else torch.nn.functional.pad(p[i], (0, width - p[i].shape[0])) for p in prefixes])
+        return torch.stack(
+            [
+                torch.nn.functional.pad(p[i], (0, 0, 0, width - p[i].shape[0]))
+                if p[i].dim() == 2
+                else torch.nn.functional.pad(p[i], (0, width - p[i].shape[0]))
+                for p in prefixes
+            ]
+        )
 
     query = (torch.randn(len(lengths), 3, num_q, d) * 2).to(dtype)
     out, lse = prefixes_attention(query, padded(0), padded(1), padded(2), cu, scale)
     for r, (keys, beta, values) in enumerate(prefixes):
-        assert_close_to_reference(out[r], lse[r], *prefix_reference(query[r], keys, beta, values, cu[r], scale))
-    assert bool((out[2] == 0).all()) and bool(torch.isinf(lse[2]).all())  # no rows: no mass
+        assert_close_to_reference(
+            out[r],
+            lse[r],
+            *prefix_reference(query[r], keys, beta, values, cu[r], scale),
+        )
+    assert bool((out[2] == 0).all()) and bool(
+        torch.isinf(lse[2]).all()
+    )  # no rows: no mass
     # every prefix empty in a layer
     empty = torch.zeros(2, 0, d)
-    out, lse = prefixes_attention(query[:2], empty, torch.zeros(2, 0), empty, torch.zeros(2, 4, dtype=torch.long), scale)
+    out, lse = prefixes_attention(
+        query[:2],
+        empty,
+        torch.zeros(2, 0),
+        empty,
+        torch.zeros(2, 4, dtype=torch.long),
+        scale,
+    )
     assert bool((out == 0).all()) and bool(torch.isinf(lse).all())
 
 
@@ -187,11 +271,21 @@ def test_attend_prefixes_batches_decode_rows_over_different_prefixes():
     long prefill chunk on a fourth: the batched call and the chunk's own call give each token
     exactly what attending its prefix alone gives."""
     torch.manual_seed(4)
-    d, block_size, num_q, scale = 64, 32, 9, 64 ** -0.5
+    d, block_size, num_q, scale = 64, 32, 9, 64**-0.5
     pages = [torch.zeros(24, 3, block_size, 2 * d) for _ in range(3)]
     view = cpu_pages(pages, d)
-    geometries = [LENGTHS, LENGTHS.flip(0), torch.tensor([[3, 0, 9], [1, 1, 1], [0, 0, 0]]), LENGTHS // 2]
-    requests_rows = [[1], [1], [1, 1], [BATCHED_PREFIX_QUERY_ROWS + 4]]  # query rows per request, per prefix
+    geometries = [
+        LENGTHS,
+        LENGTHS.flip(0),
+        torch.tensor([[3, 0, 9], [1, 1, 1], [0, 0, 0]]),
+        LENGTHS // 2,
+    ]
+    requests_rows = [
+        [1],
+        [1],
+        [1, 1],
+        [BATCHED_PREFIX_QUERY_ROWS + 4],
+    ]  # query rows per request, per prefix
     requests, offset, next_block = [], 0, 0
     for lengths, counts in zip(geometries, requests_rows):
         prefix, _ = _packed(lengths, d, block_size)
@@ -199,47 +293,122 @@ def test_attend_prefixes_batches_decode_rows_over_different_prefixes():
         next_block += prefix.packing.num_blocks
         view.write(prefix, blocks.tolist())
         for count in counts:
-            requests.append(PackedRequest(torch.arange(offset, offset + count), blocks, view.packing_at(int(blocks[0]))))
+            requests.append(
+                PackedRequest(
+                    torch.arange(offset, offset + count),
+                    blocks,
+                    view.packing_at(int(blocks[0])),
+                )
+            )
             offset += count
-    split = BatchSplit(plain_rows=[], plain_tokens=torch.zeros(0, dtype=torch.long), packed_rows=list(range(len(requests))),
-                       packed_tokens=torch.arange(offset), block_table=torch.zeros(0), seq_lens=torch.zeros(0),
-                       query_start_loc=torch.zeros(0), requests=requests)
-    assert sorted(tokens.numel() for tokens, _ in split.prefix_groups()) == [1, 1, 2, BATCHED_PREFIX_QUERY_ROWS + 4]
+    split = BatchSplit(
+        plain_rows=[],
+        plain_tokens=torch.zeros(0, dtype=torch.long),
+        packed_rows=list(range(len(requests))),
+        packed_tokens=torch.arange(offset),
+        block_table=torch.zeros(0),
+        seq_lens=torch.zeros(0),
+        query_start_loc=torch.zeros(0),
+        requests=requests,
+    )
+    assert sorted(tokens.numel() for tokens, _ in split.prefix_groups()) == [
+        1,
+        1,
+        2,
+        BATCHED_PREFIX_QUERY_ROWS + 4,
+    ]
     query = torch.randn(offset, num_q, d) * 2
     for layer in range(3):
         out, lse = attend_prefixes(query, split, view, layer, scale)
         for request in requests:
             keys, beta, values = view.layer_rows(request.packing, layer, request.blocks)
-            assert_close_to_reference(out[request.tokens], lse[request.tokens],
-                                      *prefix_reference(query[request.tokens], keys, beta, values,
-                                                        request.packing.cu_seqlens(layer), scale))
+            assert_close_to_reference(
+                out[request.tokens],
+                lse[request.tokens],
+                *prefix_reference(
+                    query[request.tokens],
+                    keys,
+                    beta,
+                    values,
+                    request.packing.cu_seqlens(layer),
+                    scale,
+                ),
+            )
 
 
 def packed_from_heads(heads: CompactedHeads, block_size: int) -> PackedPrefix:
     """A one-layer packed prefix holding ``heads``."""
     packing = PagedPacking(heads.head_budgets[None], heads.head_dim, block_size)
-    return pack_layers(packing, [heads.keys], [heads.values], [heads.beta], dtype=heads.keys.dtype,
-                       logical_length=1000)
+    return pack_layers(
+        packing,
+        [heads.keys],
+        [heads.values],
+        [heads.beta],
+        dtype=heads.keys.dtype,
+        logical_length=1000,
+    )
 
 
 def uneven_heads(d: int) -> CompactedHeads:
     """Three random compacted heads of lengths 0, 37 and 300 (an empty head and a long one)."""
-    return CompactedHeads.from_padded(torch.randn(3, 300, d) * 2, torch.rand(3, 300) * 6 - 3, torch.randn(3, 300, d),
-                                      torch.arange(300).expand(3, 300), torch.tensor([0, 37, 300]))
+    return CompactedHeads.from_padded(
+        torch.randn(3, 300, d) * 2,
+        torch.rand(3, 300) * 6 - 3,
+        torch.randn(3, 300, d),
+        torch.arange(300).expand(3, 300),
+        torch.tensor([0, 37, 300]),
+    )
 
 
-def stock_kernel(query, key_cache, value_cache, block_table, seq_lens, query_start, scale, isa, num_kv, sink):
+def stock_kernel(
+    query,
+    key_cache,
+    value_cache,
+    block_table,
+    seq_lens,
+    query_start,
+    scale,
+    isa,
+    num_kv,
+    sink,
+):
     """vLLM's CPU paged attention (causal) over ``block_table``, with an optional sink."""
     schedule = compat.cpu_attn_get_scheduler_metadata(
-        num_reqs=seq_lens.numel(), num_heads=query.shape[1], num_kv_heads=num_kv, head_dim=query.shape[2],
-        seq_lens=seq_lens, dtype=query.dtype, query_start_loc=query_start, causal=True, sliding_window_size=-1,
-        isa=isa, enable_kv_split=False, dynamic_causal=None, kv_cache_dtype="auto")
+        num_reqs=seq_lens.numel(),
+        num_heads=query.shape[1],
+        num_kv_heads=num_kv,
+        head_dim=query.shape[2],
+        seq_lens=seq_lens,
+        dtype=query.dtype,
+        query_start_loc=query_start,
+        causal=True,
+        sliding_window_size=-1,
+        isa=isa,
+        enable_kv_split=False,
+        dynamic_causal=None,
+        kv_cache_dtype="auto",
+    )
     out = torch.empty_like(query)
     compat.cpu_attention_with_kv_cache(
-        query=query, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=query_start,
-        seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1, block_table=block_table,
-        softcap=0.0, scheduler_metadata=schedule, s_aux=sink, dynamic_causal=None, k_scale=1.0, v_scale=1.0,
-        kv_cache_dtype="auto")
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=out,
+        query_start_loc=query_start,
+        seq_lens=seq_lens,
+        scale=scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=-1,
+        block_table=block_table,
+        softcap=0.0,
+        scheduler_metadata=schedule,
+        s_aux=sink,
+        dynamic_causal=None,
+        k_scale=1.0,
+        v_scale=1.0,
+        kv_cache_dtype="auto",
+    )
     return out
 
 
@@ -250,32 +419,68 @@ def test_prefix_plus_sink_kernel_equals_full_attention(dtype):
     num_kv, group, d, width, block_size = 3, 3, 64, 80, 32
     heads = uneven_heads(d)
     heads.keys[:5] *= 0  # some flat scores too
-    suffix_len, n = 70, 4  # four query tokens at the end of a 70-token suffix (a prefill chunk)
-    suffix_k, suffix_v = torch.randn(suffix_len, num_kv, d), torch.randn(suffix_len, num_kv, d)
+    suffix_len, n = (
+        70,
+        4,
+    )  # four query tokens at the end of a 70-token suffix (a prefill chunk)
+    suffix_k, suffix_v = (
+        torch.randn(suffix_len, num_kv, d),
+        torch.randn(suffix_len, num_kv, d),
+    )
     query = torch.randn(n, num_kv * group, d) * 2
-    scale = d ** -0.5
+    scale = d**-0.5
 
     isa = compat.cpu_attn_isa(dtype, block_size, width)
     cache = torch.zeros(4, num_kv, block_size, 2 * width, dtype=dtype)
-    key_cache, value_cache = cache.view(4, num_kv, 2 * block_size, width).chunk(2, dim=2)
+    key_cache, value_cache = cache.view(4, num_kv, 2 * block_size, width).chunk(
+        2, dim=2
+    )
     block_table = torch.tensor([[3, 1, 0, 2]], dtype=torch.int32)
     positions = torch.arange(suffix_len)
-    slots = block_table[0, positions // block_size].long() * block_size + positions % block_size
+    slots = (
+        block_table[0, positions // block_size].long() * block_size
+        + positions % block_size
+    )
     k_aug, v_aug = augment_kv(suffix_k.to(dtype), suffix_v.to(dtype), width)
-    compat.cpu_attn_reshape_and_cache(k_aug, v_aug, key_cache, value_cache, slots, isa,
-                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    compat.cpu_attn_reshape_and_cache(
+        k_aug,
+        v_aug,
+        key_cache,
+        value_cache,
+        slots,
+        isa,
+        k_scale=1.0,
+        v_scale=1.0,
+        kv_cache_dtype="auto",
+    )
 
-    prefix_out, prefix_lse = prefix_attention(query.to(dtype), heads.keys, heads.beta, heads.values,
-                                              heads.cu_seqlens, scale)
+    prefix_out, prefix_lse = prefix_attention(
+        query.to(dtype), heads.keys, heads.beta, heads.values, heads.cu_seqlens, scale
+    )
     sink = sink_for(prefix_lse)
     seq_lens = torch.tensor([suffix_len], dtype=torch.int32)
     query_start = torch.tensor([0, n], dtype=torch.int32)
-    out = stock_kernel(augment_query(query.to(dtype), width, scale), key_cache, value_cache, block_table, seq_lens,
-                       query_start, scale, isa, num_kv, sink)
+    out = stock_kernel(
+        augment_query(query.to(dtype), width, scale),
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start,
+        scale,
+        isa,
+        num_kv,
+        sink,
+    )
     merged = merge_with_prefix(out, d, sink, prefix_out, prefix_lse)
 
-    reference = full_reference(query.to(dtype).float(), heads, suffix_k.to(dtype).float(),
-                                suffix_v.to(dtype).float(), scale)
+    reference = full_reference(
+        query.to(dtype).float(),
+        heads,
+        suffix_k.to(dtype).float(),
+        suffix_v.to(dtype).float(),
+        scale,
+    )
     error = (merged.double() - reference).abs().max().item()
     assert error < (1e-5 if dtype == torch.float32 else 2e-2), error
     assert torch.isinf(prefix_lse[:, :group]).all()  # the empty head
@@ -292,21 +497,43 @@ def test_page_order_reads_back_what_the_write_op_stored(dtype, block_size, head_
     order = probe_page_order(dtype, block_size, head_size, isa)
     heads, blocks = 3, 5
     cache = torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
-    key_cache, value_cache = cache.view(blocks, heads, 2 * block_size, head_size).chunk(2, dim=2)
+    key_cache, value_cache = cache.view(blocks, heads, 2 * block_size, head_size).chunk(
+        2, dim=2
+    )
     slots = torch.randperm(blocks * block_size)[:100]
-    keys, values = torch.randn(100, heads, head_size).to(dtype), torch.randn(100, heads, head_size).to(dtype)
-    compat.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, isa,
-                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    keys, values = (
+        torch.randn(100, heads, head_size).to(dtype),
+        torch.randn(100, heads, head_size).to(dtype),
+    )
+    compat.cpu_attn_reshape_and_cache(
+        keys,
+        values,
+        key_cache,
+        value_cache,
+        slots,
+        isa,
+        k_scale=1.0,
+        v_scale=1.0,
+        kv_cache_dtype="auto",
+    )
     read_keys, read_values = order.read(cache, slots // block_size, slots % block_size)
     assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
 
 
 def test_causal_attention_matches_the_reference():
     torch.manual_seed(4)
-    query, keys, values = torch.randn(5, 6, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16)
+    query, keys, values = (
+        torch.randn(5, 6, 16),
+        torch.randn(9, 2, 16),
+        torch.randn(9, 2, 16),
+    )
     last_key = torch.tensor([4, 5, 6, 7, 8])
-    out, lse = masked_attention(query[None], keys[None], values[None], last_key[None], 0.25)
-    assert_close_to_reference(out[0], lse[0], *masked_reference(query, keys, values, last_key, 0.25))
+    out, lse = masked_attention(
+        query[None], keys[None], values[None], last_key[None], 0.25
+    )
+    assert_close_to_reference(
+        out[0], lse[0], *masked_reference(query, keys, values, last_key, 0.25)
+    )
 
 
 def test_batched_decode_attention_equals_one_call_per_request():
@@ -315,9 +542,13 @@ def test_batched_decode_attention_equals_one_call_per_request():
     lengths = [7, 1, 12]
     query = torch.randn(3, 6, 16)
     keys, values = torch.randn(3, 12, 2, 16), torch.randn(3, 12, 2, 16)
-    out, lse = masked_attention(query[:, None], keys, values, torch.tensor(lengths)[:, None] - 1, 0.25)
+    out, lse = masked_attention(
+        query[:, None], keys, values, torch.tensor(lengths)[:, None] - 1, 0.25
+    )
     for r, length in enumerate(lengths):
-        want_out, want_lse = masked_reference(query[r, None], keys[r], values[r], torch.tensor([length - 1]), 0.25)
+        want_out, want_lse = masked_reference(
+            query[r, None], keys[r], values[r], torch.tensor([length - 1]), 0.25
+        )
         assert_close_to_reference(out[r], lse[r], want_out, want_lse)
 
 
@@ -331,27 +562,51 @@ def test_prefix_plus_suffix_read_from_stock_pages_equals_full_attention(dtype):
     num_kv, group, d, block_size = 3, 3, 64, 32
     heads = uneven_heads(d)
     suffix_len, n = 70, 4
-    suffix_k, suffix_v = torch.randn(suffix_len, num_kv, d).to(dtype), torch.randn(suffix_len, num_kv, d).to(dtype)
+    suffix_k, suffix_v = (
+        torch.randn(suffix_len, num_kv, d).to(dtype),
+        torch.randn(suffix_len, num_kv, d).to(dtype),
+    )
     query = (torch.randn(n, num_kv * group, d) * 2).to(dtype)
-    scale = d ** -0.5
+    scale = d**-0.5
     isa = compat.cpu_attn_isa(dtype, block_size, d)
     cache = torch.zeros(4, num_kv, block_size, 2 * d, dtype=dtype)
     key_cache, value_cache = cache.view(4, num_kv, 2 * block_size, d).chunk(2, dim=2)
     table = torch.tensor([3, 1, 0, 2])
     positions = torch.arange(suffix_len)
     slots = table[positions // block_size] * block_size + positions % block_size
-    compat.cpu_attn_reshape_and_cache(suffix_k, suffix_v, key_cache, value_cache, slots, isa,
-                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    compat.cpu_attn_reshape_and_cache(
+        suffix_k,
+        suffix_v,
+        key_cache,
+        value_cache,
+        slots,
+        isa,
+        k_scale=1.0,
+        v_scale=1.0,
+        kv_cache_dtype="auto",
+    )
 
-    keys, values = probe_page_order(dtype, block_size, d, isa).read(cache, table[positions // block_size],
-                                                                     positions % block_size)
-    suffix_out, suffix_lse = masked_attention(query[None], keys[None], values[None],
-                                              torch.arange(suffix_len - n, suffix_len)[None], scale)
+    keys, values = probe_page_order(dtype, block_size, d, isa).read(
+        cache, table[positions // block_size], positions % block_size
+    )
+    suffix_out, suffix_lse = masked_attention(
+        query[None],
+        keys[None],
+        values[None],
+        torch.arange(suffix_len - n, suffix_len)[None],
+        scale,
+    )
     suffix_out, suffix_lse = suffix_out[0], suffix_lse[0]
-    prefix_out, prefix_lse = prefix_attention(query, heads.keys, heads.beta, heads.values, heads.cu_seqlens, scale)
+    prefix_out, prefix_lse = prefix_attention(
+        query, heads.keys, heads.beta, heads.values, heads.cu_seqlens, scale
+    )
     merged = merge_by_lse(prefix_out, prefix_lse, suffix_out, suffix_lse)
-    reference = full_reference(query.float(), heads, suffix_k.float(), suffix_v.float(), scale)
-    assert (merged.double() - reference).abs().max().item() < 1e-5  # fp32 math on the stored rows
+    reference = full_reference(
+        query.float(), heads, suffix_k.float(), suffix_v.float(), scale
+    )
+    assert (
+        merged.double() - reference
+    ).abs().max().item() < 1e-5  # fp32 math on the stored rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -361,7 +616,7 @@ def test_prefix_plus_two_stock_width_kernel_calls_equal_full_attention(dtype):
     torch.manual_seed(6)
     num_kv, group, d, block_size = 3, 3, 64, 32
     heads = uneven_heads(d)
-    scale = d ** -0.5
+    scale = d**-0.5
     isa = compat.cpu_attn_isa(dtype, block_size, d)
     cache = torch.zeros(6, num_kv, block_size, 2 * d, dtype=dtype)
     key_cache, value_cache = cache.view(6, num_kv, 2 * block_size, d).chunk(2, dim=2)
@@ -369,25 +624,51 @@ def test_prefix_plus_two_stock_width_kernel_calls_equal_full_attention(dtype):
     requests = [(70, 4), (41, 1)]  # (suffix length, query tokens at its end)
     suffixes, queries = [], []
     for row, (suffix_len, n) in enumerate(requests):
-        k, v = torch.randn(suffix_len, num_kv, d).to(dtype), torch.randn(suffix_len, num_kv, d).to(dtype)
+        k, v = (
+            torch.randn(suffix_len, num_kv, d).to(dtype),
+            torch.randn(suffix_len, num_kv, d).to(dtype),
+        )
         positions = torch.arange(suffix_len)
-        slots = tables[row, positions // block_size].long() * block_size + positions % block_size
-        compat.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        slots = (
+            tables[row, positions // block_size].long() * block_size
+            + positions % block_size
+        )
+        compat.cpu_attn_reshape_and_cache(
+            k,
+            v,
+            key_cache,
+            value_cache,
+            slots,
+            isa,
+            k_scale=1.0,
+            v_scale=1.0,
+            kv_cache_dtype="auto",
+        )
         suffixes.append((k, v))
         queries.append((torch.randn(n, num_kv * group, d) * 2).to(dtype))
     query = torch.cat(queries)
     seq_lens = torch.tensor([length for length, _ in requests], dtype=torch.int32)
     query_start = torch.tensor([0, 4, 5], dtype=torch.int32)
 
-    prefix_out, prefix_lse = prefix_attention(query, heads.keys, heads.beta, heads.values, heads.cu_seqlens, scale)
+    prefix_out, prefix_lse = prefix_attention(
+        query, heads.keys, heads.beta, heads.values, heads.cu_seqlens, scale
+    )
     sink = sink_for(prefix_lse)
     call = (key_cache, value_cache, tables, seq_lens, query_start, scale, isa, num_kv)
-    merged, trusted = merge_two_calls(stock_kernel(query, *call, None), stock_kernel(query, *call, sink), sink,
-                                      prefix_out, prefix_lse)
+    merged, trusted = merge_two_calls(
+        stock_kernel(query, *call, None),
+        stock_kernel(query, *call, sink),
+        sink,
+        prefix_out,
+        prefix_lse,
+    )
     assert trusted.all()
-    reference = torch.cat([full_reference(q.float(), heads, k.float(), v.float(), scale)
-                           for q, (k, v) in zip(queries, suffixes)])
+    reference = torch.cat(
+        [
+            full_reference(q.float(), heads, k.float(), v.float(), scale)
+            for q, (k, v) in zip(queries, suffixes)
+        ]
+    )
     error = (merged.double() - reference).abs().max().item()
     assert error < (1e-5 if dtype == torch.float32 else 2e-2), error
 
@@ -404,7 +685,11 @@ def test_two_call_merge_flags_a_vanishing_suffix_output():
     prefix_out, prefix_lse = torch.randn(n, num_q, d), torch.randn(n, num_q)
     prefix_lse[2, 0] = float("-inf")  # empty prefix head: token 2 stays trusted
     prefix_out[2, 0] = 0.0
-    merged, trusted = merge_two_calls(plain, sunk, sink_for(prefix_lse), prefix_out, prefix_lse)
+    merged, trusted = merge_two_calls(
+        plain, sunk, sink_for(prefix_lse), prefix_out, prefix_lse
+    )
     assert trusted.tolist() == [True, False, True]
     assert torch.isfinite(merged[trusted]).all()
-    assert torch.allclose(merged[2, 0], plain[2, 0])  # no prefix: the suffix's own output
+    assert torch.allclose(
+        merged[2, 0], plain[2, 0]
+    )  # no prefix: the suffix's own output

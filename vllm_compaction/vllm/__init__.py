@@ -9,9 +9,21 @@
 Importing this package does not import vLLM; the submodules that need it do.
 """
 
-from vllm_compaction.vllm.compat import TESTED_VLLM_VERSIONS, UnsupportedVLLMError, check_vllm_version
-from vllm_compaction.vllm.engine import engine_fingerprint, engine_kwargs, kv_transfer_config
-from vllm_compaction.vllm.prompt import CompactedRef, compacted_prompt, default_store_dir
+from vllm_compaction.vllm.compat import (
+    TESTED_VLLM_VERSIONS,
+    UnsupportedVLLMError,
+    check_vllm_version,
+)
+from vllm_compaction.vllm.engine import (
+    engine_fingerprint,
+    engine_kwargs,
+    kv_transfer_config,
+)
+from vllm_compaction.vllm.prompt import (
+    CompactedRef,
+    compacted_prompt,
+    default_store_dir,
+)
 
 __all__ = [
     "TESTED_VLLM_VERSIONS",

@@ -36,8 +36,15 @@ class CompactionAttentionImpl(Protocol):
         """Whether the pages carry a per-slot bias (widened); stock-width pages hold beta = 0 only."""
         ...
 
-    def write_slots(self, layer: Any, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    keys: torch.Tensor, values: torch.Tensor, beta: torch.Tensor) -> None:
+    def write_slots(
+        self,
+        layer: Any,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> None:
         """Write ``keys/values [N, Hkv, d]`` with per-slot ``beta [N, Hkv]`` at ``slot_mapping [N]``,
         through the engine's own KV write op (so its page layout is respected)."""
         ...
@@ -53,5 +60,7 @@ def compaction_impl(impl: Any, needed_for: str) -> CompactionAttentionImpl:
     """``impl`` if it implements :class:`CompactionAttentionImpl`, else a ``CacheError`` saying
     which backend the engine runs and what it cannot do (``needed_for``, one clause)."""
     if not isinstance(impl, CompactionAttentionImpl):
-        raise CacheError(f"the engine's attention backend ({type(impl).__name__}) {needed_for}")
+        raise CacheError(
+            f"the engine's attention backend ({type(impl).__name__}) {needed_for}"
+        )
     return impl

@@ -38,9 +38,19 @@ if TYPE_CHECKING:
     from vllm_compaction.vllm.connector import CompactionConnector
     from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages
 
-__all__ = ["PAGE_WIDTHS", "AugmentedHeadSizes", "CompactionImplMixin", "StepState", "check_page_width",
-           "compaction_enabled", "kv_snapshots_enabled", "packed_batch", "page_width", "record_kv_write",
-           "step_state"]
+__all__ = [
+    "PAGE_WIDTHS",
+    "AugmentedHeadSizes",
+    "CompactionImplMixin",
+    "StepState",
+    "check_page_width",
+    "compaction_enabled",
+    "kv_snapshots_enabled",
+    "packed_batch",
+    "page_width",
+    "record_kv_write",
+    "step_state",
+]
 
 PAGE_WIDTHS = ("stock", "widened")
 """KV page widths with compaction on: ``stock`` keeps the model's head size (plain requests run
@@ -68,7 +78,11 @@ def kv_snapshots_enabled(vllm_config: Any) -> bool:
     do not even look for them on a K/V write."""
     if not compaction_enabled(vllm_config):
         return False
-    return bool((vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("kv_snapshots"))
+    return bool(
+        (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get(
+            "kv_snapshots"
+        )
+    )
 
 
 def page_width(vllm_config: Any) -> str:
@@ -80,14 +94,18 @@ def page_width(vllm_config: Any) -> str:
     """
     if not compaction_enabled(vllm_config):
         return "stock"
-    width = (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("pages")
+    width = (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get(
+        "pages"
+    )
     return check_page_width("stock" if width is None else width)
 
 
 def check_page_width(width: str) -> str:
     """``width`` if it is one of :data:`PAGE_WIDTHS`, else ``ValueError`` (one sentence)."""
     if width not in PAGE_WIDTHS:
-        raise ValueError(f"the 'pages' KV connector option must be one of {', '.join(PAGE_WIDTHS)}, not {width!r}")
+        raise ValueError(
+            f"the 'pages' KV connector option must be one of {', '.join(PAGE_WIDTHS)}, not {width!r}"
+        )
     return width
 
 
@@ -100,7 +118,7 @@ class StepState:
     backend derives from the step once (the CPU backend's sub-batch kernel metadata).
     """
 
-    packed: "tuple[BatchSplit, PagedPrefixPages] | None"
+    packed: tuple[BatchSplit, PagedPrefixPages] | None
     backend: Any = None
 
 
@@ -119,13 +137,13 @@ def step_state(metadata: Any) -> StepState:
     return state
 
 
-def packed_batch(metadata: Any) -> "tuple[BatchSplit, PagedPrefixPages] | None":
+def packed_batch(metadata: Any) -> tuple[BatchSplit, PagedPrefixPages] | None:
     """This step's requests on packed (varlen) prefixes, split off the batch, with the pages to
     read them from; None when there are none (:attr:`StepState.packed`)."""
     return step_state(metadata).packed
 
 
-def _find_packed(metadata: Any) -> "tuple[BatchSplit, PagedPrefixPages] | None":
+def _find_packed(metadata: Any) -> tuple[BatchSplit, PagedPrefixPages] | None:
     from vllm_compaction.vllm.paged_prefix import split_batch
 
     connector = _compaction_connector()
@@ -133,13 +151,22 @@ def _find_packed(metadata: Any) -> "tuple[BatchSplit, PagedPrefixPages] | None":
     if connector is None or not prefixes:
         return None
     pages = connector.prefix_pages()
-    split = split_batch(metadata.query_start_loc, metadata.seq_lens, metadata.block_table, prefixes, pages)
+    split = split_batch(
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        metadata.block_table,
+        prefixes,
+        pages,
+    )
     return (split, pages) if split is not None else None
 
 
-def _compaction_connector() -> "CompactionConnector | None":
+def _compaction_connector() -> CompactionConnector | None:
     """This process's KV connector if it is the compaction one (None without a connector)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    from vllm.distributed.kv_transfer import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
 
     from vllm_compaction.vllm.connector import CompactionConnector
 
@@ -176,8 +203,12 @@ class AugmentedHeadSizes:
                 f"{augmented}; all layers of one head size must share one page layout"
             )
         if known is None:
-            logger.debug("%s: head size %d -> %d (bias-carrying KV pages)",
-                         self.backend, head_size, augmented)
+            logger.debug(
+                "%s: head size %d -> %d (bias-carrying KV pages)",
+                self.backend,
+                head_size,
+                augmented,
+            )
         self._sizes[head_size] = augmented
 
     def forget(self, head_size: int) -> None:
@@ -191,14 +222,18 @@ class AugmentedHeadSizes:
         """The augmented size recorded for ``head_size``, or ``None``."""
         return self._sizes.get(head_size)
 
-    def widen_spec(self, spec: "AttentionSpec") -> "AttentionSpec":
+    def widen_spec(self, spec: AttentionSpec) -> AttentionSpec:
         """``spec`` with ``head_size`` and ``head_size_v`` widened, if its head size is recorded.
 
         Values are widened too: both the CPU and the Triton pages hold K and V of one head size
         side by side (logical ``[B, H, N, 2 * hs]``), and the kernels split the content in half.
         """
         augmented = self._sizes.get(spec.head_size)
-        return replace(spec, head_size=augmented, head_size_v=augmented) if augmented else spec
+        return (
+            replace(spec, head_size=augmented, head_size_v=augmented)
+            if augmented
+            else spec
+        )
 
 
 class CompactionImplMixin:
@@ -217,7 +252,9 @@ class CompactionImplMixin:
     augmented_size: ClassVar[Callable[[int], int]]
     """Model head size -> widened page size on this backend (a staticmethod)."""
 
-    compaction: bool = False  # a KV-holding layer of an engine with the compaction connector
+    compaction: bool = (
+        False  # a KV-holding layer of an engine with the compaction connector
+    )
     augmented: int | None = None  # the widened page size, None for stock-width pages
     records_kv: bool = False  # K/V writes shown to a KV snapshot (.snapshot)
 
@@ -245,19 +282,38 @@ class CompactionImplMixin:
         prefixes with on pages of ``width``."""
         raise NotImplementedError
 
-    def _write_widened(self, layer: Any, kv_cache: "torch.Tensor", slot_mapping: "torch.Tensor",
-                       key: "torch.Tensor", value: "torch.Tensor", beta: "torch.Tensor | None") -> None:
+    def _write_widened(
+        self,
+        layer: Any,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        beta: torch.Tensor | None,
+    ) -> None:
         """Write ``key/value [N, Hkv, d]`` widened to :attr:`augmented` with ``beta [N, Hkv]``
         (None: 0) through the backend's own KV write op."""
         raise NotImplementedError
 
-    def _stock_kv_update(self, layer: Any, key: "torch.Tensor", value: "torch.Tensor", kv_cache: "torch.Tensor",
-                         slot_mapping: "torch.Tensor") -> None:
+    def _stock_kv_update(
+        self,
+        layer: Any,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         """vLLM's own K/V write of the impl this mixin sits on."""
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)  # type: ignore[misc]
 
-    def do_kv_cache_update(self, layer: Any, key: "torch.Tensor", value: "torch.Tensor", kv_cache: "torch.Tensor",
-                           slot_mapping: "torch.Tensor") -> None:
+    def do_kv_cache_update(
+        self,
+        layer: Any,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         if self.records_kv:
             record_kv_write(layer, key, value, slot_mapping)
         if self.augmented is None:
@@ -270,8 +326,15 @@ class CompactionImplMixin:
         """Whether the pages carry per-slot bias (widened); stock-width pages hold beta = 0 only."""
         return self.augmented is not None
 
-    def write_slots(self, layer: Any, kv_cache: "torch.Tensor", slot_mapping: "torch.Tensor",
-                    keys: "torch.Tensor", values: "torch.Tensor", beta: "torch.Tensor") -> None:
+    def write_slots(
+        self,
+        layer: Any,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> None:
         """Write ``keys/values [N, Hkv, d]`` with per-slot ``beta [N, Hkv]`` at ``slot_mapping [N]``.
 
         Called by the compaction connector for the slots of a padded compacted prefix; goes
@@ -279,13 +342,16 @@ class CompactionImplMixin:
         pages take bias-free slots only (``beta`` all 0), written as ordinary tokens.
         """
         if not self.compaction:
-            raise RuntimeError("this attention layer was built without the compaction connector")
+            raise RuntimeError(
+                "this attention layer was built without the compaction connector"
+            )
         keys, values = keys.to(kv_cache.dtype), values.to(kv_cache.dtype)
         if self.augmented is None:
             if beta.any():
-                raise CacheError("per-slot biases need the bias coordinates of widened KV pages; build the prompt "
-                                 "with layout='varlen', or start the engine with pages='widened'")
+                raise CacheError(
+                    "per-slot biases need the bias coordinates of widened KV pages; build the prompt "
+                    "with layout='varlen', or start the engine with pages='widened'"
+                )
             self._stock_kv_update(layer, keys, values, kv_cache, slot_mapping)
         else:
             self._write_widened(layer, kv_cache, slot_mapping, keys, values, beta)
-

@@ -21,7 +21,7 @@ This module is pure torch and shared by the CPU backend, the KV loader and the T
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -82,7 +82,10 @@ def augment_query(query: torch.Tensor, augmented: int, scale: float) -> torch.Te
 
 
 def augment_kv(
-    key: torch.Tensor, value: torch.Tensor, augmented: int, beta: torch.Tensor | None = None
+    key: torch.Tensor,
+    value: torch.Tensor,
+    augmented: int,
+    beta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys/values ``[N, H, d]`` -> ``[N, H, augmented]``; ``beta [N, H]`` (default 0) encoded."""
     n, h, d = key.shape

@@ -42,10 +42,20 @@ from vllm_compaction.cache import CacheError, CompactedCache, read_metadata
 from vllm_compaction.vllm.backend_api import compaction_impl
 from vllm_compaction.vllm.backend_common import page_width
 from vllm_compaction.vllm.compat import check_vllm_version
-from vllm_compaction.vllm.layout import PackedPrefix, PhysicalPrefix, packed_prefix, physical_prefix
+from vllm_compaction.vllm.layout import (
+    PackedPrefix,
+    PhysicalPrefix,
+    packed_prefix,
+    physical_prefix,
+)
 from vllm_compaction.vllm.paged_prefix import PagedPrefixPages
 from vllm_compaction.vllm.prompt import PLACEHOLDER_TOKEN_ID, CompactedRef, open_store
-from vllm_compaction.vllm.snapshot import SnapshotPlan, SnapshotRecorder, snapshot_dir, snapshot_name
+from vllm_compaction.vllm.snapshot import (
+    SnapshotPlan,
+    SnapshotRecorder,
+    snapshot_dir,
+    snapshot_name,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -69,41 +79,68 @@ class PrefixLoad:
     start: int
     end: int
     block_ids: list[int]
-    problem: str | None = None  # set by the scheduler when the request itself is malformed
+    problem: str | None = (
+        None  # set by the scheduler when the request itself is malformed
+    )
 
 
 @dataclass
 class CompactionMetadata(KVConnectorMetadata):
     loads: list[PrefixLoad] = field(default_factory=list)
-    packed: dict[int, int] = field(default_factory=dict)  # first block id -> prefix blocks
+    packed: dict[int, int] = field(
+        default_factory=dict
+    )  # first block id -> prefix blocks
     snapshots: list[SnapshotPlan] = field(default_factory=list)
-    abandoned_snapshots: list[str] = field(default_factory=list)  # requests that ended before their prompt did
+    abandoned_snapshots: list[str] = field(
+        default_factory=list
+    )  # requests that ended before their prompt did
 
 
 class CompactionConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
         check_vllm_version()
         super().__init__(vllm_config, role, kv_cache_config)
         block_size = _block_size(vllm_config, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         snapshots = bool(extra.get("kv_snapshots", False))
-        self._scheduler = (_SchedulerSide(block_size, snapshots, page_width(vllm_config))
-                           if role == KVConnectorRole.SCHEDULER else None)
-        self._worker = _WorkerSide(vllm_config, kv_cache_config) if role == KVConnectorRole.WORKER else None
-        self._step: CompactionMetadata | None = None  # this step's metadata (worker side), once bound
+        self._scheduler = (
+            _SchedulerSide(block_size, snapshots, page_width(vllm_config))
+            if role == KVConnectorRole.SCHEDULER
+            else None
+        )
+        self._worker = (
+            _WorkerSide(vllm_config, kv_cache_config)
+            if role == KVConnectorRole.WORKER
+            else None
+        )
+        self._step: CompactionMetadata | None = (
+            None  # this step's metadata (worker side), once bound
+        )
 
     # ---------------------------------------------------------------- scheduler side
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         return self._scheduler.num_new_matched(request, num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ):
         self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> KVConnectorMetadata:
         return self._scheduler.take_metadata(scheduler_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler.forget(request.request_id)
         return False, None
 
@@ -120,7 +157,11 @@ class CompactionConnector(KVConnectorBase_V1):
         if self._step is None:
             return {}
         failed = self._worker.failed_blocks if self._worker is not None else set()
-        return {first: count for first, count in self._step.packed.items() if first not in failed}
+        return {
+            first: count
+            for first, count in self._step.packed.items()
+            if first not in failed
+        }
 
     def prefix_pages(self) -> PagedPrefixPages:
         """The engine's pages as packed-prefix rows (worker side)."""
@@ -128,32 +169,50 @@ class CompactionConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self._step = connector_metadata if isinstance(connector_metadata, CompactionMetadata) else None
+        self._step = (
+            connector_metadata
+            if isinstance(connector_metadata, CompactionMetadata)
+            else None
+        )
         # before the forward pass (loads may start after it, when no request waits on one)
         if self._worker is not None and self._step is not None:
-            self._worker.begin_step(self._step.snapshots, self._step.abandoned_snapshots)
+            self._worker.begin_step(
+                self._step.snapshots, self._step.abandoned_snapshots
+            )
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         self._step = None
 
-    def record_kv(self, layer_name: str, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def record_kv(
+        self,
+        layer_name: str,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         """Called by the compaction backends with every K/V write: feeds this step's snapshots."""
         if self._worker is not None and self._worker.recorder is not None:
             from vllm.model_executor.models.utils import extract_layer_index
 
-            self._worker.recorder.record(extract_layer_index(layer_name), key, value, slot_mapping)
+            self._worker.recorder.record(
+                extract_layer_index(layer_name), key, value, slot_mapping
+            )
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._step is None:
-            raise RuntimeError("start_load_kv before the step's connector metadata was bound")
+            raise RuntimeError(
+                "start_load_kv before the step's connector metadata was bound"
+            )
         for load in self._step.loads:
             self._worker.load(load, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous, done in start_load_kv
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any
+    ) -> None:
         return  # nothing is saved: caches come from the compaction worker's store
 
     def wait_for_save(self):
@@ -164,30 +223,50 @@ class CompactionConnector(KVConnectorBase_V1):
         return self._worker.take_failed_blocks() if self._worker is not None else set()
 
 
-def _block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> int:
+def _block_size(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
+) -> int:
     groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-    return groups[0].kv_cache_spec.block_size if groups else vllm_config.cache_config.block_size
+    return (
+        groups[0].kv_cache_spec.block_size
+        if groups
+        else vllm_config.cache_config.block_size
+    )
 
 
 class _SchedulerSide:
-    def __init__(self, block_size: int, snapshots: bool = False, pages: str = "widened") -> None:
+    def __init__(
+        self, block_size: int, snapshots: bool = False, pages: str = "widened"
+    ) -> None:
         self.block_size = block_size
         self.snapshots = snapshots
         self.pages = pages  # page width (backend_common.page_width): stock pages hold varlen prefixes only
-        self._snapshot_of: dict[str, tuple[str, int]] = {}  # request -> snapshot name, prompt length
-        self._snapshot_blocks: dict[str, list[int]] = {}  # request -> its block ids so far
-        self._abandoned: list[str] = []  # snapshots whose request ended first: workers drop their rows
+        self._snapshot_of: dict[
+            str, tuple[str, int]
+        ] = {}  # request -> snapshot name, prompt length
+        self._snapshot_blocks: dict[
+            str, list[int]
+        ] = {}  # request -> its block ids so far
+        self._abandoned: list[
+            str
+        ] = []  # snapshots whose request ended first: workers drop their rows
         self._pending: dict[str, tuple[CompactedRef, int, str | None]] = {}
         self._loads: list[PrefixLoad] = []
-        self._packed_blocks: dict[str, int] = {}  # request -> prefix blocks, for packed prefixes
-        self._first_block: dict[str, int] = {}  # request -> its first block id, once allocated
+        self._packed_blocks: dict[
+            str, int
+        ] = {}  # request -> prefix blocks, for packed prefixes
+        self._first_block: dict[
+            str, int
+        ] = {}  # request -> its first block id, once allocated
 
-    def num_new_matched(self, request: "Request", num_computed_tokens: int) -> int:
+    def num_new_matched(self, request: Request, num_computed_tokens: int) -> int:
         self._plan_snapshot(request, num_computed_tokens)
         try:
             ref = CompactedRef.parse(request.cache_salt)
         except ValueError as exc:
-            logger.warning("request %s: %s; served as an ordinary prompt", request.request_id, exc)
+            logger.warning(
+                "request %s: %s; served as an ordinary prompt", request.request_id, exc
+            )
             return 0
         if ref is None:
             return 0
@@ -196,13 +275,19 @@ class _SchedulerSide:
         if ref.layout == "varlen":
             self._packed_blocks[request.request_id] = ref.num_slots // self.block_size
             if ref.num_slots % self.block_size:
-                problem = (f"a packed prefix of {ref.num_slots} placeholders does not fill whole blocks of "
-                           f"{self.block_size} (the prompt was built for another block size)")
+                problem = (
+                    f"a packed prefix of {ref.num_slots} placeholders does not fill whole blocks of "
+                    f"{self.block_size} (the prompt was built for another block size)"
+                )
         if request.num_prompt_tokens <= ref.num_slots:
-            problem = (f"the prompt has {request.num_prompt_tokens} tokens, not the {ref.num_slots} "
-                       f"placeholders of the compacted prefix plus at least one more")
+            problem = (
+                f"the prompt has {request.num_prompt_tokens} tokens, not the {ref.num_slots} "
+                f"placeholders of the compacted prefix plus at least one more"
+            )
             claim = request.num_prompt_tokens - 1
-        elif any(t != PLACEHOLDER_TOKEN_ID for t in request.prompt_token_ids[: ref.num_slots]):
+        elif any(
+            t != PLACEHOLDER_TOKEN_ID for t in request.prompt_token_ids[: ref.num_slots]
+        ):
             problem = "its placeholder positions hold other tokens (build prompts with compacted_prompt)"
         remaining = claim - num_computed_tokens
         if remaining <= 0:
@@ -210,52 +295,88 @@ class _SchedulerSide:
         self._pending[request.request_id] = (ref, num_computed_tokens, problem)
         return remaining
 
-    def after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         pending = self._pending.pop(request.request_id, None)
         if pending is None or num_external_tokens == 0:
             return
         ref, start, problem = pending
         groups = blocks.get_block_ids()
         if len(groups) != 1:
-            problem = problem or "models with several KV cache groups are not supported yet"
-        self._loads.append(PrefixLoad(request.request_id, ref, start, start + num_external_tokens,
-                                      list(groups[0]), problem))
+            problem = (
+                problem or "models with several KV cache groups are not supported yet"
+            )
+        self._loads.append(
+            PrefixLoad(
+                request.request_id,
+                ref,
+                start,
+                start + num_external_tokens,
+                list(groups[0]),
+                problem,
+            )
+        )
 
-    def take_metadata(self, scheduler_output: "SchedulerOutput") -> CompactionMetadata:
+    def take_metadata(self, scheduler_output: SchedulerOutput) -> CompactionMetadata:
         if self._packed_blocks:
             for new in scheduler_output.scheduled_new_reqs:
-                if new.req_id in self._packed_blocks and new.block_ids and new.block_ids[0]:
+                if (
+                    new.req_id in self._packed_blocks
+                    and new.block_ids
+                    and new.block_ids[0]
+                ):
                     self._first_block[new.req_id] = new.block_ids[0][0]
             cached = scheduler_output.scheduled_cached_reqs
             for req_id, blocks in zip(cached.req_ids, cached.new_block_ids):
-                if req_id in cached.resumed_req_ids and req_id in self._packed_blocks and blocks and blocks[0]:
-                    self._first_block[req_id] = blocks[0][0]  # resumed: a new block table
-        packed = {self._first_block[r]: self._packed_blocks[r]
-                  for r in scheduler_output.num_scheduled_tokens if r in self._first_block}
+                if (
+                    req_id in cached.resumed_req_ids
+                    and req_id in self._packed_blocks
+                    and blocks
+                    and blocks[0]
+                ):
+                    self._first_block[req_id] = blocks[0][
+                        0
+                    ]  # resumed: a new block table
+        packed = {
+            self._first_block[r]: self._packed_blocks[r]
+            for r in scheduler_output.num_scheduled_tokens
+            if r in self._first_block
+        }
         snapshots = self._snapshot_plans(scheduler_output) if self._snapshot_of else []
         metadata = CompactionMetadata(self._loads, packed, snapshots, self._abandoned)
         self._loads, self._abandoned = [], []
         return metadata
 
-    def _plan_snapshot(self, request: "Request", num_computed_tokens: int) -> None:
+    def _plan_snapshot(self, request: Request, num_computed_tokens: int) -> None:
         try:
             name = snapshot_name(request.kv_transfer_params)
         except ValueError as exc:
-            logger.error("request %s: %s; no KV snapshot taken", request.request_id, exc)
+            logger.error(
+                "request %s: %s; no KV snapshot taken", request.request_id, exc
+            )
             return
         if name is None or request.request_id in self._snapshot_of:
             return  # (a resumed request keeps its plan: the rows recorded before stay valid)
         if not self.snapshots:
-            logger.error("request %s asks for a KV snapshot, but this engine was not started with "
-                         "kv_snapshots enabled; none is taken", request.request_id)
+            logger.error(
+                "request %s asks for a KV snapshot, but this engine was not started with "
+                "kv_snapshots enabled; none is taken",
+                request.request_id,
+            )
         elif num_computed_tokens:
-            logger.error("request %s: %d prompt tokens came from the prefix cache, so no KV snapshot can be "
-                         "taken; give snapshot requests a cache_salt of their own", request.request_id,
-                         num_computed_tokens)
+            logger.error(
+                "request %s: %d prompt tokens came from the prefix cache, so no KV snapshot can be "
+                "taken; give snapshot requests a cache_salt of their own",
+                request.request_id,
+                num_computed_tokens,
+            )
         else:
             self._snapshot_of[request.request_id] = (name, request.num_prompt_tokens)
 
-    def _snapshot_plans(self, scheduler_output: "SchedulerOutput") -> list[SnapshotPlan]:
+    def _snapshot_plans(
+        self, scheduler_output: SchedulerOutput
+    ) -> list[SnapshotPlan]:
         """The prompt positions of snapshot requests computed this step, and their slots."""
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -266,8 +387,14 @@ class _SchedulerSide:
         for index, req_id in enumerate(cached.req_ids):
             if req_id in self._snapshot_of:
                 blocks = cached.new_block_ids[index]
-                known = [] if req_id in cached.resumed_req_ids else self._snapshot_blocks.get(req_id, [])
-                self._snapshot_blocks[req_id] = known + (list(blocks[0]) if blocks else [])
+                known = (
+                    []
+                    if req_id in cached.resumed_req_ids
+                    else self._snapshot_blocks.get(req_id, [])
+                )
+                self._snapshot_blocks[req_id] = known + (
+                    list(blocks[0]) if blocks else []
+                )
                 computed[req_id] = cached.num_computed_tokens[index]
         plans = []
         for req_id, start in computed.items():
@@ -276,7 +403,10 @@ class _SchedulerSide:
             if start >= length:
                 continue
             blocks = self._snapshot_blocks[req_id]
-            slots = [blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
+            slots = [
+                blocks[p // self.block_size] * self.block_size + p % self.block_size
+                for p in range(start, end)
+            ]
             plans.append(SnapshotPlan(name, start, end, slots, length))
             if end >= length:
                 self._forget_snapshot(req_id)
@@ -287,7 +417,9 @@ class _SchedulerSide:
         self._snapshot_blocks.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
-        if request_id in self._snapshot_of:  # aborted (or failed) before its prompt was computed
+        if (
+            request_id in self._snapshot_of
+        ):  # aborted (or failed) before its prompt was computed
             self._abandoned.append(self._snapshot_of[request_id][0])
         self._forget_snapshot(request_id)
         self._pending.pop(request_id, None)
@@ -298,7 +430,9 @@ class _SchedulerSide:
 class _WorkerSide:
     _MAX_PREPARED = 8
 
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    ) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self.store = open_store(extra.get("store"))
         self.vllm_config = vllm_config
@@ -307,16 +441,25 @@ class _WorkerSide:
         self.dtype = vllm_config.model_config.dtype
         self.block_size = _block_size(vllm_config, kv_cache_config)
         if getattr(self.hf_config, "sliding_window", None) and any(
-                t == "sliding_attention" for t in getattr(self.hf_config, "layer_types", None) or []):
-            raise ValueError("compacted prefixes on hybrid sliding-window models are not supported yet")
+            t == "sliding_attention"
+            for t in getattr(self.hf_config, "layer_types", None) or []
+        ):
+            raise ValueError(
+                "compacted prefixes on hybrid sliding-window models are not supported yet"
+            )
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._by_layer: list[tuple[str, torch.Tensor]] = []  # kv_caches in layer order
         self._pages: PagedPrefixPages | None = None
         self._prepared: OrderedDict[str, PhysicalPrefix | PackedPrefix] = OrderedDict()
         self._failed: set[int] = set()
-        self.recorder = (SnapshotRecorder(snapshot_dir(self.store.root),
-                                          self.model_config.get_num_layers(vllm_config.parallel_config))
-                         if extra.get("kv_snapshots") else None)
+        self.recorder = (
+            SnapshotRecorder(
+                snapshot_dir(self.store.root),
+                self.model_config.get_num_layers(vllm_config.parallel_config),
+            )
+            if extra.get("kv_snapshots")
+            else None
+        )
 
     def begin_step(self, plans: list[SnapshotPlan], abandoned: list[str]) -> None:
         if self.recorder is not None:
@@ -331,7 +474,9 @@ class _WorkerSide:
         from vllm.model_executor.models.utils import extract_layer_index
 
         self.kv_caches = kv_caches
-        self._by_layer = sorted(kv_caches.items(), key=lambda item: extract_layer_index(item[0]))
+        self._by_layer = sorted(
+            kv_caches.items(), key=lambda item: extract_layer_index(item[0])
+        )
 
     def pages(self) -> PagedPrefixPages:
         """The pages as packed-prefix rows, through each attention layer's ``prefix_page_views``."""
@@ -339,12 +484,17 @@ class _WorkerSide:
             layers = self.vllm_config.compilation_config.static_forward_context
             keys, values = [], []
             for name, kv_cache in self._by_layer:
-                impl = compaction_impl(layers[name].impl, "cannot read packed (varlen) prefixes; build the "
-                                                          "prompt with layout='padded'")
+                impl = compaction_impl(
+                    layers[name].impl,
+                    "cannot read packed (varlen) prefixes; build the "
+                    "prompt with layout='padded'",
+                )
                 key_view, value_view = impl.prefix_page_views(kv_cache)
                 keys.append(key_view)
                 values.append(value_view)
-            self._pages = PagedPrefixPages(keys, values, self.model_config.get_head_size())
+            self._pages = PagedPrefixPages(
+                keys, values, self.model_config.get_head_size()
+            )
         return self._pages
 
     @property
@@ -356,16 +506,23 @@ class _WorkerSide:
         failed, self._failed = self._failed, set()
         return failed
 
-    def load(self, load: PrefixLoad, forward_context: "ForwardContext") -> None:
+    def load(self, load: PrefixLoad, forward_context: ForwardContext) -> None:
         try:
             if load.problem:
                 raise CacheError(load.problem)
             prefix = self._prepare(load.ref)
             self._write(load, prefix, forward_context)
         except Exception as exc:  # any failure fails this request only
-            logger.error("Compacted prefix %r for request %s could not be loaded: %s",
-                         load.ref.entry_id, load.request_id, exc)
-            first, last = load.start // self.block_size, (load.end - 1) // self.block_size
+            logger.error(
+                "Compacted prefix %r for request %s could not be loaded: %s",
+                load.ref.entry_id,
+                load.request_id,
+                exc,
+            )
+            first, last = (
+                load.start // self.block_size,
+                (load.end - 1) // self.block_size,
+            )
             self._failed.update(load.block_ids[first : last + 1])
 
     def _prepare(self, ref: CompactedRef) -> PhysicalPrefix | PackedPrefix:
@@ -376,17 +533,28 @@ class _WorkerSide:
 
         path = self.store.path_for(ref.entry_id)
         if not path.is_file():
-            raise CacheError(f"no compacted cache {ref.entry_id!r} in the store at {self.store.root}")
+            raise CacheError(
+                f"no compacted cache {ref.entry_id!r} in the store at {self.store.root}"
+            )
         expect = engine_fingerprint(self.model_config)
-        if read_metadata(path, expect_model=expect)["tensors_sha256"][:32] != ref.digest:
-            raise CacheError(f"the store entry {ref.entry_id!r} changed since the prompt was built")
+        if (
+            read_metadata(path, expect_model=expect)["tensors_sha256"][:32]
+            != ref.digest
+        ):
+            raise CacheError(
+                f"the store entry {ref.entry_id!r} changed since the prompt was built"
+            )
         cache = CompactedCache.load(path, expect_model=expect)
         slots = cache.physical_tokens(ref.layout, self.block_size)
         if slots != ref.num_slots:
-            raise CacheError(f"the cache takes {slots} physical slots in the {ref.layout} layout, "
-                             f"the prompt has {ref.num_slots} placeholders")
+            raise CacheError(
+                f"the cache takes {slots} physical slots in the {ref.layout} layout, "
+                f"the prompt has {ref.num_slots} placeholders"
+            )
         if ref.layout == "varlen":
-            prefix = packed_prefix(cache, self.hf_config, block_size=self.block_size, dtype=self.dtype)
+            prefix = packed_prefix(
+                cache, self.hf_config, block_size=self.block_size, dtype=self.dtype
+            )
         else:
             prefix = physical_prefix(cache, self.hf_config, dtype=self.dtype)
         self._prepared[ref.salt] = prefix
@@ -394,27 +562,50 @@ class _WorkerSide:
             self._prepared.popitem(last=False)
         return prefix
 
-    def _write(self, load: PrefixLoad, prefix: PhysicalPrefix | PackedPrefix,
-               forward_context: "ForwardContext") -> None:
+    def _write(
+        self,
+        load: PrefixLoad,
+        prefix: PhysicalPrefix | PackedPrefix,
+        forward_context: ForwardContext,
+    ) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
         if isinstance(prefix, PackedPrefix):
-            self.pages().write(prefix, load.block_ids, first_block=load.start // self.block_size)
+            self.pages().write(
+                prefix, load.block_ids, first_block=load.start // self.block_size
+            )
             return
 
-        impls = [compaction_impl(forward_context.no_compile_layers[name].impl, "cannot hold per-slot bias; on "
-                                 "CUDA start the engine with --attention-backend CUSTOM") for name in self.kv_caches]
+        impls = [
+            compaction_impl(
+                forward_context.no_compile_layers[name].impl,
+                "cannot hold per-slot bias; on "
+                "CUDA start the engine with --attention-backend CUSTOM",
+            )
+            for name in self.kv_caches
+        ]
         # checked before any page is written: a refused request leaves no half-written prefix
         if not prefix.bias_free and not all(impl.holds_bias for impl in impls):
-            raise CacheError("this padded prefix has per-slot biases or masked padding, which need the bias "
-                             "coordinates of widened KV pages, and this engine runs stock-width pages; build "
-                             "the prompt with layout='varlen' (or start the engine with pages='widened')")
+            raise CacheError(
+                "this padded prefix has per-slot biases or masked padding, which need the bias "
+                "coordinates of widened KV pages, and this engine runs stock-width pages; build "
+                "the prompt with layout='varlen' (or start the engine with pages='widened')"
+            )
         positions = torch.arange(load.start, load.end)
         blocks = torch.as_tensor(load.block_ids, dtype=torch.long)
-        slot_mapping = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+        slot_mapping = (
+            blocks[positions // self.block_size] * self.block_size
+            + positions % self.block_size
+        )
         rows = slice(load.start, load.end)
         for (name, kv_cache), impl in zip(self.kv_caches.items(), impls):
             layer = forward_context.no_compile_layers[name]
             index = extract_layer_index(name)
-            impl.write_slots(layer, kv_cache, slot_mapping.to(kv_cache.device),
-                             prefix.keys[index][rows], prefix.values[index][rows], prefix.beta[index][rows])
+            impl.write_slots(
+                layer,
+                kv_cache,
+                slot_mapping.to(kv_cache.device),
+                prefix.keys[index][rows],
+                prefix.values[index][rows],
+                prefix.beta[index][rows],
+            )

@@ -35,21 +35,28 @@ class PageOrder:
     key_offsets: torch.Tensor  # [block_size, D] int64
     value_offsets: torch.Tensor
 
-    def read(self, kv_cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, kv_cache: torch.Tensor, blocks: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[N, H, D]`` of the tokens at ``(blocks[i], slots[i])`` of one layer's
         ``kv_cache [num_blocks, H, block_size, 2 * D]`` (one gather each, batched over heads)."""
         num_blocks, heads = kv_cache.shape[:2]
         areas = kv_cache.view(num_blocks, heads, 2, self.block_size * self.head_size)
         block_index = blocks.long()[:, None, None]
         head_index = torch.arange(heads, device=kv_cache.device)[None, :, None]
-        keys = areas[:, :, 0][block_index, head_index, self.key_offsets[slots.long()][:, None, :]]
-        values = areas[:, :, 1][block_index, head_index, self.value_offsets[slots.long()][:, None, :]]
+        keys = areas[:, :, 0][
+            block_index, head_index, self.key_offsets[slots.long()][:, None, :]
+        ]
+        values = areas[:, :, 1][
+            block_index, head_index, self.value_offsets[slots.long()][:, None, :]
+        ]
         return keys, values
 
 
 @functools.lru_cache(maxsize=8)
-def probe_page_order(dtype: torch.dtype, block_size: int, head_size: int, isa: str) -> PageOrder:
+def probe_page_order(
+    dtype: torch.dtype, block_size: int, head_size: int, isa: str
+) -> PageOrder:
     """The element order of ``cpu_attn_reshape_and_cache`` for pages of this dtype, geometry and ISA.
 
     Raises:
@@ -64,26 +71,47 @@ def probe_page_order(dtype: torch.dtype, block_size: int, head_size: int, isa: s
     codes = {
         "slot_low": (in_block % 64).float()[:, None].expand(tokens, head_size),
         "slot_high": (in_block // 64).float()[:, None].expand(tokens, head_size),
-        "coordinate": torch.arange(head_size).float()[None, :].expand(tokens, head_size),
+        "coordinate": torch.arange(head_size)
+        .float()[None, :]
+        .expand(tokens, head_size),
     }
     found: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, code in codes.items():
-        cache = torch.full((blocks, heads, 2 * block_size, head_size), -1.0, dtype=dtype)
+        cache = torch.full(
+            (blocks, heads, 2 * block_size, head_size), -1.0, dtype=dtype
+        )
         key_cache, value_cache = cache.chunk(2, dim=2)
         rows = code[:, None, :].expand(tokens, heads, head_size).to(dtype).contiguous()
-        compat.cpu_attn_reshape_and_cache(rows, rows.clone(), key_cache, value_cache, slots, isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        compat.cpu_attn_reshape_and_cache(
+            rows,
+            rows.clone(),
+            key_cache,
+            value_cache,
+            slots,
+            isa,
+            k_scale=1.0,
+            v_scale=1.0,
+            kv_cache_dtype="auto",
+        )
         areas = cache.view(blocks, heads, 2, -1).float()
-        if not all(torch.equal(areas[b, h], areas[0, 0]) for b in range(blocks) for h in range(heads)):
-            raise RuntimeError(f"the CPU KV write op ({isa}, {dtype}) lays out blocks or heads differently")
+        if not all(
+            torch.equal(areas[b, h], areas[0, 0])
+            for b in range(blocks)
+            for h in range(heads)
+        ):
+            raise RuntimeError(
+                f"the CPU KV write op ({isa}, {dtype}) lays out blocks or heads differently"
+            )
         found[name] = (areas[0, 0, 0], areas[0, 0, 1])
     offsets = []
     for part in (0, 1):  # keys, values
         slot = found["slot_low"][part] + 64 * found["slot_high"][part]
         code = (slot * head_size + found["coordinate"][part]).long()
         if not torch.equal(code.sort().values, torch.arange(block_size * head_size)):
-            raise RuntimeError(f"the CPU KV write op ({isa}, {dtype}) does not store each element of a "
-                               f"block exactly once; its pages cannot be read back")
+            raise RuntimeError(
+                f"the CPU KV write op ({isa}, {dtype}) does not store each element of a "
+                f"block exactly once; its pages cannot be read back"
+            )
         where = torch.empty_like(code)
         where[code] = torch.arange(code.numel())
         offsets.append(where.view(block_size, head_size))

@@ -44,8 +44,9 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadata,
     TritonAttentionMetadataBuilder,
 )
-from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
-from vllm_compaction_kernels.compacted_attention import compacted_attention
+from vllm.v1.attention.ops.triton_reshape_and_cache_flash import (
+    triton_reshape_and_cache_flash,
+)
 
 from vllm_compaction.vllm import compat
 from vllm_compaction.vllm.backend_common import (
@@ -56,6 +57,7 @@ from vllm_compaction.vllm.backend_common import (
 )
 from vllm_compaction.vllm.bias import BIAS_COORDS, augment_kv
 from vllm_compaction.vllm.paged_prefix import BatchSplit, PagedPrefixPages
+from vllm_compaction_kernels.compacted_attention import compacted_attention
 
 __all__ = [
     "CompactionTritonBackend",
@@ -104,7 +106,8 @@ def split_kv_cache(
     content = kv_cache.shape[-1]
     if kv_cache.dim() != 4 or content % 2:
         raise ValueError(
-            f"expected a logical [B, H, N, 2 * A] KV cache; got {tuple(kv_cache.shape)}")
+            f"expected a logical [B, H, N, 2 * A] KV cache; got {tuple(kv_cache.shape)}"
+        )
     if head_size is not None and content != 2 * head_size:
         raise RuntimeError(
             f"KV cache pages hold {content} coordinates per head, expected 2 * {head_size}: the "
@@ -140,13 +143,32 @@ def write_augmented_kv(
     key_aug, value_aug = augment_kv(key.to(dtype), value.to(dtype), augmented, beta)
     key_cache, value_cache = split_kv_cache(kv_cache, augmented)
     write = writer if writer is not None else triton_reshape_and_cache_flash
-    write(key_aug, value_aug, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-          k_scale, v_scale)
+    write(
+        key_aug,
+        value_aug,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        kv_cache_dtype,
+        k_scale,
+        v_scale,
+    )
 
 
-def compacted_forward(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, split: BatchSplit | None,
-                      pages: PagedPrefixPages | None, layer: int, scale: float, head_dim: int, out: torch.Tensor, *,
-                      suffix_bias: bool, kernel: AttentionKernel | None = None) -> torch.Tensor:
+def compacted_forward(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: Any,
+    split: BatchSplit | None,
+    pages: PagedPrefixPages | None,
+    layer: int,
+    scale: float,
+    head_dim: int,
+    out: torch.Tensor,
+    *,
+    suffix_bias: bool,
+    kernel: AttentionKernel | None = None,
+) -> torch.Tensor:
     """Every request of a step in one call of the compacted-attention kernel.
 
     ``query [T, Hq, d]`` (actual tokens), ``kv_cache`` the layer's logical ``[B, H, N, 2 * A]``
@@ -158,14 +180,39 @@ def compacted_forward(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
     """
     key_pages, value_pages = CompactionTritonImpl.prefix_page_views(kv_cache)
     attend = kernel if kernel is not None else compacted_attention
-    common = dict(scale=scale, head_dim=head_dim, max_query_len=metadata.max_query_len,
-                  suffix_bias=suffix_bias, out=out)
+    common = dict(
+        scale=scale,
+        head_dim=head_dim,
+        max_query_len=metadata.max_query_len,
+        suffix_bias=suffix_bias,
+        out=out,
+    )
     if split is None:
-        return attend(query, key_pages, value_pages, metadata.block_table, metadata.seq_lens,
-                      metadata.query_start_loc, max_keys=metadata.max_seq_len, **common)
-    inputs = split.kernel_inputs(metadata.block_table, metadata.seq_lens, metadata.max_seq_len, pages)
-    return attend(query, key_pages, value_pages, inputs.block_table, inputs.seq_lens, metadata.query_start_loc,
-                  max_keys=inputs.max_keys, prefix=inputs.tables, layer=layer, **common)
+        return attend(
+            query,
+            key_pages,
+            value_pages,
+            metadata.block_table,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            max_keys=metadata.max_seq_len,
+            **common,
+        )
+    inputs = split.kernel_inputs(
+        metadata.block_table, metadata.seq_lens, metadata.max_seq_len, pages
+    )
+    return attend(
+        query,
+        key_pages,
+        value_pages,
+        inputs.block_table,
+        inputs.seq_lens,
+        metadata.query_start_loc,
+        max_keys=inputs.max_keys,
+        prefix=inputs.tables,
+        layer=layer,
+        **common,
+    )
 
 
 class CompactionTritonBackend(TritonAttentionBackend):
@@ -178,11 +225,11 @@ class CompactionTritonBackend(TritonAttentionBackend):
         return "CUSTOM"
 
     @staticmethod
-    def get_impl_cls() -> type["CompactionTritonImpl"]:
+    def get_impl_cls() -> type[CompactionTritonImpl]:
         return CompactionTritonImpl
 
     @staticmethod
-    def get_builder_cls() -> type["CompactionTritonMetadataBuilder"]:
+    def get_builder_cls() -> type[CompactionTritonMetadataBuilder]:
         return CompactionTritonMetadataBuilder
 
     @classmethod
@@ -197,7 +244,9 @@ class CompactionTritonMetadataBuilder(TritonAttentionMetadataBuilder):
     (everything but attention) still apply."""
 
     @classmethod
-    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
+    def get_cudagraph_support(
+        cls, vllm_config: Any, kv_cache_spec: Any
+    ) -> AttentionCGSupport:
         if compaction_enabled(vllm_config):
             return AttentionCGSupport.NEVER
         return super().get_cudagraph_support(vllm_config, kv_cache_spec)
@@ -211,8 +260,11 @@ class CompactionTritonImpl(CompactionImplMixin, TritonAttentionImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._set_up_compaction(get_current_vllm_config(),
-                                holds_kv=self.attn_type not in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY))
+        self._set_up_compaction(
+            get_current_vllm_config(),
+            holds_kv=self.attn_type
+            not in (AttentionType.ENCODER, AttentionType.ENCODER_ONLY),
+        )
         if self.compaction:
             # a quantized query (fp8 KV cache paths) would reach a kernel that reads it as float
             self.supports_quant_query_input = False
@@ -241,7 +293,9 @@ class CompactionTritonImpl(CompactionImplMixin, TritonAttentionImpl):
             problems.append("attention sinks")
         if self.chunk_lookback != -1:
             problems.append(f"chunked attention lookback {self.chunk_lookback}")
-        if is_quantized_kv_cache(self.kv_cache_dtype) or compat.is_per_token_head_quant(self):
+        if is_quantized_kv_cache(self.kv_cache_dtype) or compat.is_per_token_head_quant(
+            self
+        ):
             problems.append(f"quantized KV cache {self.kv_cache_dtype!r}")
         return problems
 
@@ -265,30 +319,72 @@ class CompactionTritonImpl(CompactionImplMixin, TritonAttentionImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if not self.compaction or attn_metadata is None:  # stock path, or the profiling run
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                   output_scale, output_block_scale)
+        if (
+            not self.compaction or attn_metadata is None
+        ):  # stock path, or the profiling run
+            return super().forward(
+                layer,
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata,
+                output,
+                output_scale,
+                output_block_scale,
+            )
         found = packed_batch(attn_metadata)
-        if found is None and self.augmented is None:  # stock pages, no compacted prefix: vLLM's kernel
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                   output_scale, output_block_scale)
+        if (
+            found is None and self.augmented is None
+        ):  # stock pages, no compacted prefix: vLLM's kernel
+            return super().forward(
+                layer,
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata,
+                output,
+                output_scale,
+                output_block_scale,
+            )
         if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("fused output quantization with the compaction Triton backend")
+            raise NotImplementedError(
+                "fused output quantization with the compaction Triton backend"
+            )
         causal = attn_metadata.causal
-        if isinstance(causal, torch.Tensor) or not causal:  # a tensor: per-request flags
-            raise NotImplementedError("non-causal attention with the compaction Triton backend")
+        if (
+            isinstance(causal, torch.Tensor) or not causal
+        ):  # a tensor: per-request flags
+            raise NotImplementedError(
+                "non-causal attention with the compaction Triton backend"
+            )
         if attn_metadata.mm_prefix_range_tensor is not None:
-            raise NotImplementedError("bidirectional multimodal prefixes with the compaction Triton backend")
+            raise NotImplementedError(
+                "bidirectional multimodal prefixes with the compaction Triton backend"
+            )
         if attn_metadata.rswa_window is not None:
-            raise NotImplementedError("R-SWA attention with the compaction Triton backend")
+            raise NotImplementedError(
+                "R-SWA attention with the compaction Triton backend"
+            )
         n = attn_metadata.num_actual_tokens
         split, pages, index = None, None, 0
         if found is not None:
             from vllm.model_executor.models.utils import extract_layer_index
 
             (split, pages), index = found, extract_layer_index(layer.layer_name)
-        compacted_forward(query[:n], kv_cache, attn_metadata, split, pages, index, self.scale, self.head_size,
-                          output[:n], suffix_bias=self.augmented is not None)
+        compacted_forward(
+            query[:n],
+            kv_cache,
+            attn_metadata,
+            split,
+            pages,
+            index,
+            self.scale,
+            self.head_size,
+            output[:n],
+            suffix_bias=self.augmented is not None,
+        )
         return output
 
     @staticmethod
@@ -298,8 +394,24 @@ class CompactionTritonImpl(CompactionImplMixin, TritonAttentionImpl):
         half = kv_cache.shape[-1] // 2
         return kv_cache[..., :half], kv_cache[..., half:]
 
-    def _write_widened(self, layer: Any, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
-                       value: torch.Tensor, beta: torch.Tensor | None) -> None:
+    def _write_widened(
+        self,
+        layer: Any,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        beta: torch.Tensor | None,
+    ) -> None:
         k_scale, v_scale = compat.kv_scales(layer)
-        write_augmented_kv(kv_cache, slot_mapping, key, value, beta, augmented=self.augmented,
-                           kv_cache_dtype=self.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
+        write_augmented_kv(
+            kv_cache,
+            slot_mapping,
+            key,
+            value,
+            beta,
+            augmented=self.augmented,
+            kv_cache_dtype=self.kv_cache_dtype,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )

@@ -9,7 +9,6 @@ compacted, the stock handler receives the placeholder ids (through the decode-si
 prefix's ``cache_salt``. ``usage`` then also reports logical and physical prompt tokens.
 """
 
-
 import json
 import logging
 from argparse import Namespace
@@ -47,52 +46,87 @@ def _build_router() -> APIRouter:
     chat_api, completion_api = _stock()
     router = APIRouter()
 
-    @router.post("/v1/chat/completions", dependencies=[Depends(validate_json_request)],
-                 summary="Chat completion; extra_body compaction_id / conversation_id serve a compacted prefix")
+    @router.post(
+        "/v1/chat/completions",
+        dependencies=[Depends(validate_json_request)],
+        summary="Chat completion; extra_body compaction_id / conversation_id serve a compacted prefix",
+    )
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request):
         extra = request.model_extra or {}
-        compaction_id, conversation_id = extra.get("compaction_id"), extra.get("conversation_id")
+        compaction_id, conversation_id = (
+            extra.get("compaction_id"),
+            extra.get("conversation_id"),
+        )
         if compaction_id is None and conversation_id is None:
             return await chat_api.create_chat_completion(request, raw_request)
         service = getattr(raw_request.app.state, "compaction_service", None)
         if service is None:
-            return error_response(503, "compacted prefixes are not enabled on this server")
+            return error_response(
+                503, "compacted prefixes are not enabled on this server"
+            )
         try:
-            plan = await run_in_threadpool(service.plan_chat, owner_of(raw_request), request.messages,
-                                           compaction_id=compaction_id, conversation_id=conversation_id)
+            plan = await run_in_threadpool(
+                service.plan_chat,
+                owner_of(raw_request),
+                request.messages,
+                compaction_id=compaction_id,
+                conversation_id=conversation_id,
+            )
         except JobError as exc:
             return error_response(exc.status, str(exc))
         if plan is not None:
             if request.echo:
-                return error_response(400, "echo is not supported with a compacted prefix")
-            request.kv_transfer_params = {**(request.kv_transfer_params or {}),
-                                          "prompt_token_ids": _prompt_ids(plan)}
+                return error_response(
+                    400, "echo is not supported with a compacted prefix"
+                )
+            request.kv_transfer_params = {
+                **(request.kv_transfer_params or {}),
+                "prompt_token_ids": _prompt_ids(plan),
+            }
             request.cache_salt = _salt(plan)
-        response = await _serve(chat_api.create_chat_completion(request, raw_request), plan, service)
+        response = await _serve(
+            chat_api.create_chat_completion(request, raw_request), plan, service
+        )
         return _with_usage(response, plan)
 
-    @router.post("/v1/completions", dependencies=[Depends(validate_json_request)],
-                 summary="Completion; extra_body compaction_id makes the prompt continue a compacted prefix")
+    @router.post(
+        "/v1/completions",
+        dependencies=[Depends(validate_json_request)],
+        summary="Completion; extra_body compaction_id makes the prompt continue a compacted prefix",
+    )
     async def completions(request: CompletionRequest, raw_request: Request):
         compaction_id = (request.model_extra or {}).get("compaction_id")
         if compaction_id is None:
             return await completion_api.create_completion(request, raw_request)
         service = getattr(raw_request.app.state, "compaction_service", None)
         if service is None:
-            return error_response(503, "compacted prefixes are not enabled on this server")
+            return error_response(
+                503, "compacted prefixes are not enabled on this server"
+            )
         prompt = request.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        if (
+            isinstance(prompt, list)
+            and len(prompt) == 1
+            and isinstance(prompt[0], (str, list))
+        ):
             prompt = prompt[0]
         if not isinstance(prompt, (str, list)) or request.echo:
-            return error_response(400, "with compaction_id, prompt must be one text or one list of token "
-                                       "ids, and echo is not supported")
+            return error_response(
+                400,
+                "with compaction_id, prompt must be one text or one list of token "
+                "ids, and echo is not supported",
+            )
         try:
-            plan = await run_in_threadpool(service.plan_text, owner_of(raw_request), compaction_id, prompt)
+            plan = await run_in_threadpool(
+                service.plan_text, owner_of(raw_request), compaction_id, prompt
+            )
         except JobError as exc:
             return error_response(exc.status, str(exc))
         request.prompt = _prompt_ids(plan)
         request.cache_salt = _salt(plan)
-        response = await _serve(completion_api.create_completion(request, raw_request), plan, service)
+        response = await _serve(
+            completion_api.create_completion(request, raw_request), plan, service
+        )
         return _with_usage(response, plan)
 
     return router
@@ -114,10 +148,17 @@ async def _serve(handler: Any, plan: PrefixPlan | None, service: Any) -> Any:
 
 async def _cache_error(plan: PrefixPlan | None, service: Any) -> JSONResponse | None:
     """A 500 naming what is wrong with the plan's cache, or None when the cache is sound."""
-    if plan is None or (problem := await run_in_threadpool(service.diagnose, plan.compaction_id)) is None:
+    if (
+        plan is None
+        or (problem := await run_in_threadpool(service.diagnose, plan.compaction_id))
+        is None
+    ):
         return None
-    return error_response(500, f"The compacted cache of {plan.compaction_id} could not be loaded: {problem}. "
-                               f"Send the full conversation to be served without it.")
+    return error_response(
+        500,
+        f"The compacted cache of {plan.compaction_id} could not be loaded: {problem}. "
+        f"Send the full conversation to be served without it.",
+    )
 
 
 def _prompt_ids(plan: PrefixPlan) -> list[int]:
@@ -125,12 +166,17 @@ def _prompt_ids(plan: PrefixPlan) -> list[int]:
 
 
 def _salt(plan: PrefixPlan) -> str:
-    return CompactedRef(plan.compaction_id, plan.num_slots, plan.digest, plan.layout).salt
+    return CompactedRef(
+        plan.compaction_id, plan.num_slots, plan.digest, plan.layout
+    ).salt
 
 
 def _usage_fields(plan: PrefixPlan) -> dict[str, Any]:
-    return {"logical_prompt_tokens": plan.logical_prompt_tokens,
-            "physical_prompt_tokens": plan.physical_prompt_tokens, "compaction_id": plan.compaction_id}
+    return {
+        "logical_prompt_tokens": plan.logical_prompt_tokens,
+        "physical_prompt_tokens": plan.physical_prompt_tokens,
+        "compaction_id": plan.compaction_id,
+    }
 
 
 def _patch_usage(payload: dict, plan: PrefixPlan) -> dict:
@@ -145,8 +191,14 @@ def _with_usage(response: Any, plan: PrefixPlan | None) -> Any:
         return response
     if isinstance(response, JSONResponse) and response.status_code == 200:
         payload = _patch_usage(json.loads(response.body), plan)
-        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
-        return JSONResponse(payload, status_code=200, headers=headers, background=response.background)
+        headers = {
+            k: v
+            for k, v in response.headers.items()
+            if k.lower() not in ("content-length", "content-type")
+        }
+        return JSONResponse(
+            payload, status_code=200, headers=headers, background=response.background
+        )
     if isinstance(response, StreamingResponse):
         original = response.body_iterator
 
@@ -154,7 +206,10 @@ def _with_usage(response: Any, plan: PrefixPlan | None) -> Any:
             async for chunk in original:
                 text = chunk.decode() if isinstance(chunk, bytes) else chunk
                 if '"usage":{' in text.replace(" ", ""):
-                    text = "".join(_patch_sse_line(line, plan) for line in text.splitlines(keepends=True))
+                    text = "".join(
+                        _patch_sse_line(line, plan)
+                        for line in text.splitlines(keepends=True)
+                    )
                 yield text
 
         response.body_iterator = patched()
@@ -164,7 +219,7 @@ def _with_usage(response: Any, plan: PrefixPlan | None) -> Any:
 def _patch_sse_line(line: str, plan: PrefixPlan) -> str:
     if not line.startswith("data: ") or line.strip() == "data: [DONE]":
         return line
-    end = line[len(line.rstrip("\r\n")):]
+    end = line[len(line.rstrip("\r\n")) :]
     try:
         payload = json.loads(line[6:])
     except ValueError:
@@ -181,7 +236,9 @@ class CompactionEndpoints:
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(service_router)
         app.include_router(_build_router())
-        app.add_middleware(RequestGuard)  # reserved salts on every route, body limits on /v1/compact
+        app.add_middleware(
+            RequestGuard
+        )  # reserved salts on every route, body limits on /v1/compact
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         state.compaction_service = None
@@ -190,6 +247,12 @@ class CompactionEndpoints:
         from vllm_compaction.vllm.service_setup import start_service
 
         try:
-            state.compaction_service = await start_service(engine_client.vllm_config, args)
-        except Exception as exc:  # the OpenAI server keeps serving; compaction routes answer 503
-            logger.error("vllm-compaction: the compaction service did not start: %s", exc)
+            state.compaction_service = await start_service(
+                engine_client.vllm_config, args
+            )
+        except (
+            Exception
+        ) as exc:  # the OpenAI server keeps serving; compaction routes answer 503
+            logger.error(
+                "vllm-compaction: the compaction service did not start: %s", exc
+            )

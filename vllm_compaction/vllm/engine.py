@@ -13,7 +13,12 @@ from vllm_compaction.cache.format import ModelFingerprint
 from vllm_compaction.models.fingerprint import checkpoint_fingerprint
 from vllm_compaction.vllm.plugin import CONNECTOR_NAME
 
-__all__ = ["engine_fingerprint", "kv_transfer_config", "engine_kwargs", "kv_bytes_per_token"]
+__all__ = [
+    "engine_fingerprint",
+    "kv_transfer_config",
+    "engine_kwargs",
+    "kv_bytes_per_token",
+]
 
 
 @functools.lru_cache(maxsize=4)
@@ -29,11 +34,17 @@ def _fingerprint(model: str, dtype: str) -> ModelFingerprint:
 
 def engine_fingerprint(model_config) -> ModelFingerprint:
     """Fingerprint of the checkpoint a vLLM ``ModelConfig`` serves (caches are checked against it)."""
-    return _fingerprint(str(model_config.model), str(model_config.dtype).removeprefix("torch."))
+    return _fingerprint(
+        str(model_config.model), str(model_config.dtype).removeprefix("torch.")
+    )
 
 
-def kv_transfer_config(store: str | Path | None = None, *, kv_snapshots: bool = False,
-                       pages: str | None = None) -> dict[str, Any]:
+def kv_transfer_config(
+    store: str | Path | None = None,
+    *,
+    kv_snapshots: bool = False,
+    pages: str | None = None,
+) -> dict[str, Any]:
     """The ``--kv-transfer-config`` value that enables compacted prefixes.
 
     ``kv_snapshots`` lets requests ask for the K/V the engine computed (:mod:`.snapshot`); they
@@ -58,17 +69,28 @@ def kv_transfer_config(store: str | Path | None = None, *, kv_snapshots: bool = 
     }
 
 
-def engine_kwargs(store: str | Path | None = None, *, kv_snapshots: bool = False, pages: str | None = None,
-                  **overrides: Any) -> dict[str, Any]:
+def engine_kwargs(
+    store: str | Path | None = None,
+    *,
+    kv_snapshots: bool = False,
+    pages: str | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` with compaction enabled.
 
     Prefix caching stays on: it is what lets requests on the same cache share loaded pages. On
     CUDA the compaction backend is selected (``attention_backend="CUSTOM"``).
     """
-    kwargs: dict[str, Any] = {"kv_transfer_config": kv_transfer_config(store, kv_snapshots=kv_snapshots, pages=pages),
-                              "enable_prefix_caching": True}
+    kwargs: dict[str, Any] = {
+        "kv_transfer_config": kv_transfer_config(
+            store, kv_snapshots=kv_snapshots, pages=pages
+        ),
+        "enable_prefix_caching": True,
+    }
     if torch.cuda.is_available():
-        kwargs["attention_backend"] = "CUSTOM"  # the compacted-attention backend; the CPU platform has no choice
+        kwargs["attention_backend"] = (
+            "CUSTOM"  # the compacted-attention backend; the CPU platform has no choice
+        )
     kwargs.update(overrides)
     return kwargs
 
@@ -80,14 +102,22 @@ def kv_bytes_per_token(vllm_config) -> int:
 
     model = vllm_config.model_config
     head = model.get_head_size()
-    if page_width(vllm_config) == "widened":  # the same test the backends use to widen their pages
+    if (
+        page_width(vllm_config) == "widened"
+    ):  # the same test the backends use to widen their pages
         from vllm.platforms import current_platform
 
         if current_platform.is_cuda():
-            from vllm_compaction.vllm.cuda_backend import triton_augmented_head_size as widen
+            from vllm_compaction.vllm.cuda_backend import (
+                triton_augmented_head_size as widen,
+            )
         else:
-            from vllm_compaction.vllm.cpu_backend import cpu_augmented_head_size as widen
+            from vllm_compaction.vllm.cpu_backend import (
+                cpu_augmented_head_size as widen,
+            )
         head = widen(head)
     layers = model.get_num_layers(vllm_config.parallel_config)
     kv_heads = model.get_num_kv_heads(vllm_config.parallel_config)
-    return layers * kv_heads * 2 * head * torch.empty((), dtype=model.dtype).element_size()
+    return (
+        layers * kv_heads * 2 * head * torch.empty((), dtype=model.dtype).element_size()
+    )

@@ -30,8 +30,16 @@ from vllm_compaction.cache import CompactedCache, PagedPacking
 from vllm_compaction.models.rope import rotate_keys
 from vllm_compaction.vllm.bias import MASKED_BETA
 
-__all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "PackedPrefix", "PhysicalPrefix", "bias_free", "pack_layers",
-           "packed_prefix", "physical_prefix"]
+__all__ = [
+    "DEFAULT_LAYOUT",
+    "LAYOUTS",
+    "PackedPrefix",
+    "PhysicalPrefix",
+    "bias_free",
+    "pack_layers",
+    "packed_prefix",
+    "physical_prefix",
+]
 
 DEFAULT_LAYOUT = "varlen"
 """Both compaction backends read packed prefixes; ``padded`` stays available per prompt."""
@@ -41,7 +49,9 @@ def bias_free(cache: CompactedCache) -> bool:
     """Whether the padded layout of ``cache`` needs no bias at all: every head of every layer has
     the same number of slots (no masked padding) and every beta is 0."""
     lengths = cache.head_lengths
-    return bool((lengths == lengths.max()).all()) and all(not layer.beta.any() for layer in cache.layers)
+    return bool((lengths == lengths.max()).all()) and all(
+        not layer.beta.any() for layer in cache.layers
+    )
 
 
 @dataclass(frozen=True)
@@ -70,7 +80,9 @@ class PhysicalPrefix:
         return masked / total if total else 0.0
 
 
-def physical_prefix(cache: CompactedCache, rope_config, *, dtype: torch.dtype | None = None) -> PhysicalPrefix:
+def physical_prefix(
+    cache: CompactedCache, rope_config, *, dtype: torch.dtype | None = None
+) -> PhysicalPrefix:
     """Lay ``cache`` out as ``P = cache.max_head_length`` physical slots per head.
 
     ``rope_config`` is the model's HF config (for the RoPE frequencies); ``dtype`` casts keys and
@@ -80,12 +92,16 @@ def physical_prefix(cache: CompactedCache, rope_config, *, dtype: torch.dtype | 
     shift = slots - cache.logical_length  # <= 0: keys move back by T - P positions
     keys_out, values_out, beta_out = [], [], []
     for layer in cache.layers:
-        keys, beta, values, _ = layer.padded()  # [H, t_l, d], [H, t_l] with -inf padding
+        keys, beta, values, _ = (
+            layer.padded()
+        )  # [H, t_l, d], [H, t_l] with -inf padding
         pad = slots - keys.shape[1]
         keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
         values = torch.nn.functional.pad(values, (0, 0, 0, pad))
         beta = torch.nn.functional.pad(beta, (0, pad), value=float("-inf"))
-        beta = torch.where(torch.isfinite(beta), beta, torch.full_like(beta, MASKED_BETA))
+        beta = torch.where(
+            torch.isfinite(beta), beta, torch.full_like(beta, MASKED_BETA)
+        )
         if shift:
             keys = rotate_keys(keys, shift, rope_config)
         cast = dtype or keys.dtype
@@ -107,15 +123,25 @@ class PackedPrefix:
     logical_length: int
 
 
-def pack_layers(packing: PagedPacking, keys: list[torch.Tensor], values: list[torch.Tensor],
-                beta: list[torch.Tensor], *, dtype: torch.dtype, logical_length: int) -> PackedPrefix:
+def pack_layers(
+    packing: PagedPacking,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    beta: list[torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    logical_length: int,
+) -> PackedPrefix:
     """Per layer ``keys``/``values [sum_h t_{l,h}, d]`` and ``beta [sum_h t_{l,h}]`` (head after
     head) -> the packed rows, with the betas written as fp32 bytes into the beta rows."""
     rows, d = packing.num_blocks * packing.rows_per_block, packing.head_dim
     key_rows = torch.zeros(rows, d, dtype=dtype)
     value_rows = torch.zeros(rows, d, dtype=dtype)
     for index, (layer_keys, layer_values) in enumerate(zip(keys, values)):
-        start, stop = int(packing.layer_offsets[index]), int(packing.layer_offsets[index + 1])
+        start, stop = (
+            int(packing.layer_offsets[index]),
+            int(packing.layer_offsets[index + 1]),
+        )
         key_rows[start:stop] = layer_keys.to(dtype)
         value_rows[start:stop] = layer_values.to(dtype)
     betas = torch.zeros(packing.beta_rows * packing.betas_per_row, dtype=torch.float32)
@@ -124,12 +150,19 @@ def pack_layers(packing: PagedPacking, keys: list[torch.Tensor], values: list[to
     # the first 2 * d bytes of each beta row: as many as a row has in the narrowest dtype
     row_bytes = key_rows.view(torch.uint8).view(rows, -1)
     beta_rows = slice(packing.header_rows, packing.data_start)
-    row_bytes[beta_rows, : 2 * d] = betas.view(torch.uint8).view(packing.beta_rows, 2 * d)
+    row_bytes[beta_rows, : 2 * d] = betas.view(torch.uint8).view(
+        packing.beta_rows, 2 * d
+    )
     return PackedPrefix(packing, key_rows, value_rows, logical_length)
 
 
-def packed_prefix(cache: CompactedCache, rope_config, *, block_size: int,
-                  dtype: torch.dtype | None = None) -> PackedPrefix:
+def packed_prefix(
+    cache: CompactedCache,
+    rope_config,
+    *,
+    block_size: int,
+    dtype: torch.dtype | None = None,
+) -> PackedPrefix:
     """Lay ``cache`` out varlen in blocks of ``block_size`` token slots.
 
     Keys are re-based by ``-(T - P)`` with ``P = packing.num_tokens``, as in the padded layout:
@@ -137,7 +170,15 @@ def packed_prefix(cache: CompactedCache, rope_config, *, block_size: int,
     """
     packing = cache.paged_packing(block_size)
     shift = packing.num_tokens - cache.logical_length
-    keys = [rotate_keys(layer.keys, shift, rope_config) if shift else layer.keys for layer in cache.layers]
-    return pack_layers(packing, keys, [layer.values for layer in cache.layers],
-                       [layer.beta for layer in cache.layers], dtype=dtype or cache.dtype,
-                       logical_length=cache.logical_length)
+    keys = [
+        rotate_keys(layer.keys, shift, rope_config) if shift else layer.keys
+        for layer in cache.layers
+    ]
+    return pack_layers(
+        packing,
+        keys,
+        [layer.values for layer in cache.layers],
+        [layer.beta for layer in cache.layers],
+        dtype=dtype or cache.dtype,
+        logical_length=cache.logical_length,
+    )

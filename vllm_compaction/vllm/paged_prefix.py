@@ -18,34 +18,55 @@ Pure torch (no vLLM import): both backends use it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
 from vllm_compaction.cache import CacheError, PagedPacking
-from vllm_compaction_kernels.compacted_attention import PrefixTables
 from vllm_compaction.vllm.layout import PackedPrefix
 from vllm_compaction.vllm.varlen_attention import prefixes_attention
+from vllm_compaction_kernels.compacted_attention import PrefixTables
 
-__all__ = ["BatchSplit", "KernelInputs", "PackedRequest", "PagedPrefixPages", "attend_prefixes", "split_batch"]
+__all__ = [
+    "BatchSplit",
+    "KernelInputs",
+    "PackedRequest",
+    "PagedPrefixPages",
+    "attend_prefixes",
+    "split_batch",
+]
 
 
 class PagedPrefixPages:
     """The engine's KV pages, one key and one value view ``[num_blocks, H, block_size, D]`` per
     attention layer (in layer order), seen as the rows of packed prefixes."""
 
-    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], head_size: int) -> None:
+    def __init__(
+        self,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        head_size: int,
+    ) -> None:
         if not keys or len(keys) != len(values):
-            raise ValueError("packed prefixes need one key and one value view per layer")
+            raise ValueError(
+                "packed prefixes need one key and one value view per layer"
+            )
         shape = tuple(keys[0].shape)
         if len(shape) != 4 or any(tuple(t.shape) != shape for t in (*keys, *values)):
-            raise ValueError("packed prefixes need every layer's pages in one [blocks, H, block_size, D] shape")
+            raise ValueError(
+                "packed prefixes need every layer's pages in one [blocks, H, block_size, D] shape"
+            )
         _, self.num_kv_heads, self.block_size, self.width = shape
         self.head_size = head_size
         if self.width < head_size:
-            raise ValueError(f"pages of head size {self.width} cannot hold rows of {head_size}")
-        self._keys, self._values = list(keys), list(values)  # views: writes land in the engine's pages
+            raise ValueError(
+                f"pages of head size {self.width} cannot hold rows of {head_size}"
+            )
+        self._keys, self._values = (
+            list(keys),
+            list(values),
+        )  # views: writes land in the engine's pages
 
     @property
     def num_layers(self) -> int:
@@ -54,13 +75,22 @@ class PagedPrefixPages:
     def check(self, packing: PagedPacking) -> None:
         """Refuse a prefix whose geometry is not this engine's (one sentence saying why)."""
         engine = (self.num_layers, self.num_kv_heads, self.head_size, self.block_size)
-        prefix = (packing.num_layers, packing.num_kv_heads, packing.head_dim, packing.block_size)
+        prefix = (
+            packing.num_layers,
+            packing.num_kv_heads,
+            packing.head_dim,
+            packing.block_size,
+        )
         if engine != prefix:
-            raise CacheError(f"the packed prefix has layers x KV heads x head size x block size "
-                             f"{prefix}, the engine {engine}")
+            raise CacheError(
+                f"the packed prefix has layers x KV heads x head size x block size "
+                f"{prefix}, the engine {engine}"
+            )
 
     # ------------------------------------------------------------------ write
-    def write(self, prefix: PackedPrefix, block_ids: Sequence[int], first_block: int = 0) -> None:
+    def write(
+        self, prefix: PackedPrefix, block_ids: Sequence[int], first_block: int = 0
+    ) -> None:
         """Write blocks ``first_block..`` of ``prefix`` into the engine blocks ``block_ids[...]``.
 
         ``block_ids`` are the request's prefix blocks (all of them); blocks before
@@ -69,25 +99,41 @@ class PagedPrefixPages:
         packing = prefix.packing
         self.check(packing)
         if len(block_ids) < packing.num_blocks:
-            raise CacheError(f"the packed prefix needs {packing.num_blocks} blocks, the request has "
-                             f"{len(block_ids)}")
+            raise CacheError(
+                f"the packed prefix needs {packing.num_blocks} blocks, the request has "
+                f"{len(block_ids)}"
+            )
         if first_block >= packing.num_blocks:
             return
         dtype, d = self._keys[0].dtype, self.head_size
         if prefix.keys.dtype != dtype:
-            raise CacheError(f"the packed prefix was laid out in {prefix.keys.dtype}, the engine's pages are {dtype}")
+            raise CacheError(
+                f"the packed prefix was laid out in {prefix.keys.dtype}, the engine's pages are {dtype}"
+            )
         # stage only the blocks to write, in page width (spare coordinates, if any, stay zero)
-        shape = (packing.num_blocks - first_block, packing.num_layers, self.num_kv_heads, self.block_size)
-        rows = slice(first_block * packing.rows_per_block, packing.num_blocks * packing.rows_per_block)
+        shape = (
+            packing.num_blocks - first_block,
+            packing.num_layers,
+            self.num_kv_heads,
+            self.block_size,
+        )
+        rows = slice(
+            first_block * packing.rows_per_block,
+            packing.num_blocks * packing.rows_per_block,
+        )
         keys = torch.zeros(*shape, self.width, dtype=dtype)
         values = torch.zeros(*shape, self.width, dtype=dtype)
         keys[..., :d] = prefix.keys[rows].view(*shape, d)
         values[..., :d] = prefix.values[rows].view(*shape, d)
-        blocks = torch.as_tensor(list(block_ids[first_block : packing.num_blocks]), dtype=torch.long)
+        blocks = torch.as_tensor(
+            list(block_ids[first_block : packing.num_blocks]), dtype=torch.long
+        )
         blocks = blocks.to(self._keys[0].device)
         for layer in range(self.num_layers):
             self._keys[layer][blocks] = keys[:, layer].to(self._keys[layer].device)
-            self._values[layer][blocks] = values[:, layer].to(self._values[layer].device)
+            self._values[layer][blocks] = values[:, layer].to(
+                self._values[layer].device
+            )
         if first_block == 0:
             header = packing.header().view(torch.uint8)
             rows = self._header_rows(int(block_ids[0]), header.numel())
@@ -107,14 +153,23 @@ class PagedPrefixPages:
         rows = self._header_rows(first_block, 4 * words).cpu().contiguous()
         raw = rows.view(-1).view(torch.uint8)[: 4 * words].clone().view(torch.int32)
         try:
-            return PagedPacking.from_header(raw, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                                            head_dim=self.head_size, block_size=self.block_size)
+            return PagedPacking.from_header(
+                raw,
+                num_layers=self.num_layers,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_size,
+                block_size=self.block_size,
+            )
         except ValueError as exc:
             raise CacheError(f"block {first_block}: {exc}") from None
 
-    def layer_rows(self, packing: PagedPacking, layer: int, block_ids: torch.Tensor,
-                   out: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def layer_rows(
+        self,
+        packing: PagedPacking,
+        layer: int,
+        block_ids: torch.Tensor,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s rows of the prefix in ``block_ids``: keys ``[N, d]``, beta ``[N]``
         (fp32), values ``[N, d]``, head after head (``packing.cu_seqlens(layer)``). ``out``: key
         and value buffers ``[N, D]`` (contiguous rows) to copy the rows into instead of new ones."""
@@ -124,15 +179,27 @@ class PagedPrefixPages:
             empty = self._keys[0].new_zeros(0, d)
             return empty, empty.new_zeros(0, dtype=torch.float32), empty
         spans = packing.layer_spans(layer)
-        keys = self._gather(self._keys, spans, block_ids, None if out is None else out[0])
-        values = self._gather(self._values, spans, block_ids, None if out is None else out[1])
+        keys = self._gather(
+            self._keys, spans, block_ids, None if out is None else out[0]
+        )
+        values = self._gather(
+            self._values, spans, block_ids, None if out is None else out[1]
+        )
         beta_spans, skip = packing.beta_spans(layer)
         beta_rows = self._gather(self._keys, beta_spans, block_ids)[:, :d].contiguous()
-        betas = beta_rows.view(torch.uint8).view(beta_rows.shape[0], -1)[:, : 2 * d].contiguous().view(torch.float32)
+        betas = (
+            beta_rows.view(torch.uint8)
+            .view(beta_rows.shape[0], -1)[:, : 2 * d]
+            .contiguous()
+            .view(torch.float32)
+        )
         return keys[:, :d], betas.reshape(-1)[skip : skip + count], values[:, :d]
 
-    def kernel_tables(self, packings: Sequence[PagedPacking | None],
-                      block_ids: Sequence[torch.Tensor | Sequence[int] | None]) -> PrefixTables:
+    def kernel_tables(
+        self,
+        packings: Sequence[PagedPacking | None],
+        block_ids: Sequence[torch.Tensor | Sequence[int] | None],
+    ) -> PrefixTables:
         """Where the prefix rows of every layer lie for a batch of requests (``None``: a request
         without a prefix), as the compacted-attention kernel reads them in place. Host arithmetic
         on the packings, copied to the device once per step; every layer's call reuses it."""
@@ -140,36 +207,69 @@ class PagedPrefixPages:
         size, device = keys[0].element_size(), keys[0].device
         key_offsets = [(k.data_ptr() - keys[0].data_ptr()) // size for k in keys]
         deltas = {v.data_ptr() - k.data_ptr() for k, v in zip(keys, values)}
-        if len(deltas) != 1 or deltas.pop() != values[0].data_ptr() - keys[0].data_ptr():
-            raise CacheError("the compacted-prefix kernel needs every layer's values at one offset from its keys")
+        if (
+            len(deltas) != 1
+            or deltas.pop() != values[0].data_ptr() - keys[0].data_ptr()
+        ):
+            raise CacheError(
+                "the compacted-prefix kernel needs every layer's values at one offset from its keys"
+            )
         num_layers, num_heads = self.num_layers, self.num_kv_heads
-        regions = max([num_layers * len(b) for b in block_ids if b is not None], default=1)
+        regions = max(
+            [num_layers * len(b) for b in block_ids if b is not None], default=1
+        )
         bases = torch.zeros(len(packings), regions, dtype=torch.int64, device="cpu")
-        head_rows = torch.zeros(num_layers, len(packings), num_heads, 2, dtype=torch.int32, device="cpu")
+        head_rows = torch.zeros(
+            num_layers, len(packings), num_heads, 2, dtype=torch.int32, device="cpu"
+        )
         beta_rows = torch.zeros(len(packings), 2, dtype=torch.int32, device="cpu")
         offsets = torch.tensor(key_offsets, dtype=torch.int64, device="cpu")
         total_rows = [0] * num_layers
         for r, (packing, ids) in enumerate(zip(packings, block_ids)):
             if packing is None or ids is None:
                 continue
-            ids = torch.as_tensor(ids, dtype=torch.int64, device="cpu")[: packing.num_blocks]
+            ids = torch.as_tensor(ids, dtype=torch.int64, device="cpu")[
+                : packing.num_blocks
+            ]
             index = torch.arange(packing.num_blocks * num_layers, device="cpu")
-            bases[r, : index.numel()] = ids[index // num_layers] * keys[0].stride(0) + offsets[index % num_layers]
-            starts = packing.layer_offsets[:-1, None] + torch.cumsum(packing.head_lengths, 1) - packing.head_lengths
+            bases[r, : index.numel()] = (
+                ids[index // num_layers] * keys[0].stride(0)
+                + offsets[index % num_layers]
+            )
+            starts = (
+                packing.layer_offsets[:-1, None]
+                + torch.cumsum(packing.head_lengths, 1)
+                - packing.head_lengths
+            )
             head_rows[:, r, :, 0] = starts.to(torch.int32)
             head_rows[:, r, :, 1] = packing.head_lengths.to(torch.int32)
             beta_rows[r, 0], beta_rows[r, 1] = packing.header_rows, packing.data_start
-            total_rows = [t + int(n) for t, n in zip(total_rows, packing.head_lengths.sum(1).tolist())]
+            total_rows = [
+                t + int(n)
+                for t, n in zip(total_rows, packing.head_lengths.sum(1).tolist())
+            ]
         shifts = [-o for o in key_offsets]
         multiple = 16
-        while multiple > 1 and any(o % multiple for o in [*key_offsets, keys[0].stride(0)]):
+        while multiple > 1 and any(
+            o % multiple for o in [*key_offsets, keys[0].stride(0)]
+        ):
             multiple //= 2
-        return PrefixTables(region_bases=bases.to(device), head_rows=head_rows.to(device),
-                            beta_rows=beta_rows.to(device), beta_words=_fp32_alias(keys[0]),
-                            layer_shifts=shifts, total_rows=total_rows, offset_multiple=multiple)
+        return PrefixTables(
+            region_bases=bases.to(device),
+            head_rows=head_rows.to(device),
+            beta_rows=beta_rows.to(device),
+            beta_words=_fp32_alias(keys[0]),
+            layer_shifts=shifts,
+            total_rows=total_rows,
+            offset_multiple=multiple,
+        )
 
-    def layers_rows(self, packings: Sequence[PagedPacking], layer: int, block_ids: Sequence[torch.Tensor]
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def layers_rows(
+        self,
+        packings: Sequence[PagedPacking],
+        layer: int,
+        block_ids: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s rows of several prefixes, each padded to the longest: keys and values
         ``[R, N, d]`` (zero padding), beta ``[R, N]`` (fp32) and ``cu_seqlens [R, H + 1]``, the
         rows of prefix ``r``'s head ``h`` being ``cu_seqlens[r, h]:cu_seqlens[r, h + 1]``."""
@@ -183,17 +283,31 @@ class PagedPrefixPages:
             keys[r, count:] = 0  # padding: finite, and masked out by the caller
             values[r, count:] = 0
             if count:
-                _, beta[r, :count], _ = self.layer_rows(packing, layer, blocks, out=(keys[r, :count], values[r, :count]))
-        return keys[..., : self.head_size], beta, values[..., : self.head_size], cu_seqlens.to(keys.device)
+                _, beta[r, :count], _ = self.layer_rows(
+                    packing, layer, blocks, out=(keys[r, :count], values[r, :count])
+                )
+        return (
+            keys[..., : self.head_size],
+            beta,
+            values[..., : self.head_size],
+            cu_seqlens.to(keys.device),
+        )
 
-    def _gather(self, pages: list[torch.Tensor], spans, block_ids: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+    def _gather(
+        self,
+        pages: list[torch.Tensor],
+        spans,
+        block_ids: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The rows of ``spans`` (a region's rows run lane after lane) into ``out`` or a new
         ``[rows, D]`` tensor, copied once from the pages: whole lanes at once, partial lanes at
         the ends."""
         size = self.block_size
         if out is None:
-            out = pages[0].new_empty(sum(span.stop - span.start for span in spans), self.width)
+            out = pages[0].new_empty(
+                sum(span.stop - span.start for span in spans), self.width
+            )
         row = 0
         for span in spans:
             block = pages[span.layer][int(block_ids[span.block])]  # [H, block_size, D]
@@ -203,7 +317,9 @@ class PagedPrefixPages:
                 whole = (span.stop - start) // size if slot == 0 else 0
                 if whole:
                     take = whole * size
-                    out[row : row + take].view(whole, size, -1).copy_(block[lane : lane + whole])
+                    out[row : row + take].view(whole, size, -1).copy_(
+                        block[lane : lane + whole]
+                    )
                 else:
                     take = min(size - slot, span.stop - start)
                     out[row : row + take].copy_(block[lane, slot : slot + take])
@@ -219,7 +335,8 @@ def _fp32_alias(pages: torch.Tensor) -> torch.Tensor:
     if offset % 4:
         raise CacheError("the KV pages are not 4-byte aligned")
     return torch.empty(0, dtype=torch.float32, device=pages.device).set_(
-        storage, offset // 4, ((storage.nbytes() - offset) // 4,), (1,))
+        storage, offset // 4, ((storage.nbytes() - offset) // 4,), (1,)
+    )
 
 
 # ---------------------------------------------------------------------- a step's batch
@@ -262,17 +379,26 @@ class BatchSplit:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     requests: list[PackedRequest]
-    _groups: list[tuple[torch.Tensor, PackedRequest]] | None = field(default=None, repr=False)
-    _kernel: "KernelInputs | None" = field(default=None, repr=False)
+    _groups: list[tuple[torch.Tensor, PackedRequest]] | None = field(
+        default=None, repr=False
+    )
+    _kernel: KernelInputs | None = field(default=None, repr=False)
 
-    def kernel_inputs(self, block_table: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                      pages: "PagedPrefixPages") -> "KernelInputs":
+    def kernel_inputs(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        pages: PagedPrefixPages,
+    ) -> KernelInputs:
         """The whole batch as the compacted-attention kernel takes it (built by a step's first
         layer, reused by the others): every request's block table and length after its prefix
         (unchanged for plain requests) and where the prefix rows lie."""
         if self._kernel is None:
             num_reqs = seq_lens.shape[0]
-            rows = torch.tensor(self.packed_rows, dtype=torch.long, device=block_table.device)
+            rows = torch.tensor(
+                self.packed_rows, dtype=torch.long, device=block_table.device
+            )
             table, lengths = block_table[:num_reqs].clone(), seq_lens.clone()
             table[rows], lengths[rows] = self.block_table, self.seq_lens
             packings: list[PagedPacking | None] = [None] * num_reqs
@@ -280,8 +406,12 @@ class BatchSplit:
             for row, request in zip(self.packed_rows, self.requests):
                 packings[row], blocks[row] = request.packing, request.blocks.cpu()
             longest_head = max(int(r.packing.head_lengths.max()) for r in self.requests)
-            self._kernel = KernelInputs(table, lengths, pages.kernel_tables(packings, blocks),
-                                        max_keys=longest_head + max_seq_len)
+            self._kernel = KernelInputs(
+                table,
+                lengths,
+                pages.kernel_tables(packings, blocks),
+                max_keys=longest_head + max_seq_len,
+            )
         return self._kernel
 
     def plain_query_start_loc(self, query_start_loc: torch.Tensor) -> torch.Tensor:
@@ -294,24 +424,36 @@ class BatchSplit:
             groups: dict[tuple[int, ...], list[PackedRequest]] = {}
             for request in self.requests:
                 groups.setdefault(tuple(request.blocks.tolist()), []).append(request)
-            self._groups = [(torch.cat([r.tokens for r in members]), members[0]) for members in groups.values()]
+            self._groups = [
+                (torch.cat([r.tokens for r in members]), members[0])
+                for members in groups.values()
+            ]
         return self._groups
 
 
 def _sub_starts(query_start_loc: torch.Tensor, rows: list[int]) -> torch.Tensor:
     lengths = (query_start_loc[1:] - query_start_loc[:-1])[rows]
-    starts = torch.zeros(len(rows) + 1, dtype=query_start_loc.dtype, device=query_start_loc.device)
+    starts = torch.zeros(
+        len(rows) + 1, dtype=query_start_loc.dtype, device=query_start_loc.device
+    )
     starts[1:] = torch.cumsum(lengths, 0)
     return starts
 
 
 def _tokens(starts: list[int], rows: list[int], device) -> torch.Tensor:
     parts = [torch.arange(starts[r], starts[r + 1], device=device) for r in rows]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+    return (
+        torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+    )
 
 
-def split_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                prefixes: dict[int, int], pages: PagedPrefixPages) -> BatchSplit | None:
+def split_batch(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    prefixes: dict[int, int],
+    pages: PagedPrefixPages,
+) -> BatchSplit | None:
     """Split a batch by the first block of each request (``prefixes``: first block id -> prefix
     blocks, from the connector). None when no request starts on a packed prefix."""
     num_reqs = query_start_loc.numel() - 1
@@ -324,21 +466,32 @@ def split_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
     starts, device = query_start_loc.tolist(), block_table.device
     cut = torch.tensor([prefixes[first_blocks[r]] for r in packed_rows], device=device)
     width = block_table.shape[1]
-    shifted = (torch.arange(width, device=device)[None, :] + cut[:, None]).clamp_max(width - 1)
+    shifted = (torch.arange(width, device=device)[None, :] + cut[:, None]).clamp_max(
+        width - 1
+    )
     rows = torch.tensor(packed_rows, device=device)
     requests, offset = [], 0
     for row, blocks in zip(packed_rows, cut.tolist()):
         count = starts[row + 1] - starts[row]
         prefix_blocks = block_table[row, :blocks].clone()
-        requests.append(PackedRequest(torch.arange(offset, offset + count, device=device), prefix_blocks,
-                                      pages.packing_at(int(prefix_blocks[0]))))
+        requests.append(
+            PackedRequest(
+                torch.arange(offset, offset + count, device=device),
+                prefix_blocks,
+                pages.packing_at(int(prefix_blocks[0])),
+            )
+        )
         offset += count
     return BatchSplit(
-        plain_rows=plain_rows, plain_tokens=_tokens(starts, plain_rows, device),
-        packed_rows=packed_rows, packed_tokens=_tokens(starts, packed_rows, device),
+        plain_rows=plain_rows,
+        plain_tokens=_tokens(starts, plain_rows, device),
+        packed_rows=packed_rows,
+        packed_tokens=_tokens(starts, packed_rows, device),
         block_table=torch.gather(block_table[rows], 1, shifted.to(torch.long)),
         seq_lens=seq_lens[rows] - (cut * pages.block_size).to(seq_lens.dtype),
-        query_start_loc=_sub_starts(query_start_loc, packed_rows), requests=requests)
+        query_start_loc=_sub_starts(query_start_loc, packed_rows),
+        requests=requests,
+    )
 
 
 #: Prefix groups with at most this many query rows (decode steps, short chunks) are attended in
@@ -347,8 +500,13 @@ def split_batch(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tab
 BATCHED_PREFIX_QUERY_ROWS = 16
 
 
-def attend_prefixes(query: torch.Tensor, split: BatchSplit, pages: PagedPrefixPages, layer: int,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attend_prefixes(
+    query: torch.Tensor,
+    split: BatchSplit,
+    pages: PagedPrefixPages,
+    layer: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the packed requests' queries ``[m, Hq, d]`` (``split.packed_tokens`` order)
     over their prefixes in ``layer``: fp32 ``out [m, Hq, d]`` and ``lse [m, Hq]``.
 
@@ -361,26 +519,58 @@ def attend_prefixes(query: torch.Tensor, split: BatchSplit, pages: PagedPrefixPa
     lse = torch.empty(m, num_q_heads, dtype=torch.float32, device=query.device)
     groups = split.prefix_groups()
     small = [g for g in groups if g[0].numel() <= BATCHED_PREFIX_QUERY_ROWS]
-    alone = groups if len(small) < 2 else [g for g in groups if g[0].numel() > BATCHED_PREFIX_QUERY_ROWS]
+    alone = (
+        groups
+        if len(small) < 2
+        else [g for g in groups if g[0].numel() > BATCHED_PREFIX_QUERY_ROWS]
+    )
     for tokens, request in alone:
         keys, beta, values = pages.layer_rows(request.packing, layer, request.blocks)
         cu_seqlens = request.packing.cu_seqlens(layer).to(keys.device)
-        part_out, part_lse = prefixes_attention(query[tokens][None], keys[None], beta[None], values[None],
-                                                cu_seqlens[None], scale)
+        part_out, part_lse = prefixes_attention(
+            query[tokens][None],
+            keys[None],
+            beta[None],
+            values[None],
+            cu_seqlens[None],
+            scale,
+        )
         out[tokens], lse[tokens] = part_out[0], part_lse[0]
     if len(small) >= 2:
         _attend_together(query, small, pages, layer, scale, out, lse)
     return out, lse
 
 
-def _attend_together(query: torch.Tensor, groups: list[tuple[torch.Tensor, PackedRequest]], pages: PagedPrefixPages,
-                     layer: int, scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
+def _attend_together(
+    query: torch.Tensor,
+    groups: list[tuple[torch.Tensor, PackedRequest]],
+    pages: PagedPrefixPages,
+    layer: int,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
     """One :func:`prefixes_attention` call for ``groups``: their rows padded to the longest prefix,
     their query rows to the largest group (padding query rows repeat a real one and are dropped)."""
-    keys, beta, values, cu_seqlens = pages.layers_rows([request.packing for _, request in groups], layer,
-                                                       [request.blocks for _, request in groups])
+    keys, beta, values, cu_seqlens = pages.layers_rows(
+        [request.packing for _, request in groups],
+        layer,
+        [request.blocks for _, request in groups],
+    )
     width = max(tokens.numel() for tokens, _ in groups)
-    index = torch.stack([torch.cat([tokens, tokens[-1:].expand(width - tokens.numel())]) for tokens, _ in groups])
-    real = torch.stack([torch.arange(width, device=index.device) < tokens.numel() for tokens, _ in groups])
-    part_out, part_lse = prefixes_attention(query[index], keys, beta, values, cu_seqlens, scale)
+    index = torch.stack(
+        [
+            torch.cat([tokens, tokens[-1:].expand(width - tokens.numel())])
+            for tokens, _ in groups
+        ]
+    )
+    real = torch.stack(
+        [
+            torch.arange(width, device=index.device) < tokens.numel()
+            for tokens, _ in groups
+        ]
+    )
+    part_out, part_lse = prefixes_attention(
+        query[index], keys, beta, values, cu_seqlens, scale
+    )
     out[index[real]], lse[index[real]] = part_out[real], part_lse[real]

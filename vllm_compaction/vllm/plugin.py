@@ -22,9 +22,19 @@ from __future__ import annotations
 import logging
 
 from vllm_compaction.vllm import compat
-from vllm_compaction.vllm.compat import TESTED_VLLM_VERSIONS, UnsupportedVLLMError, check_vllm_version
+from vllm_compaction.vllm.compat import (
+    TESTED_VLLM_VERSIONS,
+    UnsupportedVLLMError,
+    check_vllm_version,
+)
 
-__all__ = ["TESTED_VLLM_VERSIONS", "CONNECTOR_NAME", "register", "check_vllm_version", "UnsupportedVLLMError"]
+__all__ = [
+    "TESTED_VLLM_VERSIONS",
+    "CONNECTOR_NAME",
+    "register",
+    "check_vllm_version",
+    "UnsupportedVLLMError",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +55,26 @@ def register() -> None:
         return
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention.backends.registry import (
+        AttentionBackendEnum,
+        register_backend,
+    )
 
     if not compat.connector_registered(CONNECTOR_NAME):
         KVConnectorFactory.register_connector(
-            CONNECTOR_NAME, "vllm_compaction.vllm.connector", "CompactionConnector")
+            CONNECTOR_NAME, "vllm_compaction.vllm.connector", "CompactionConnector"
+        )
     if current_platform.is_cpu():
         # the CPU platform ignores --attention-backend and always picks CPU_ATTN
-        register_backend(AttentionBackendEnum.CPU_ATTN,
-                         "vllm_compaction.vllm.cpu_backend.CompactionCPUAttentionBackend")
+        register_backend(
+            AttentionBackendEnum.CPU_ATTN,
+            "vllm_compaction.vllm.cpu_backend.CompactionCPUAttentionBackend",
+        )
     elif current_platform.is_cuda():
         # a class path, not the class: importing the backend here would pull in Triton kernels in
         # every process; users opt in with --attention-backend CUSTOM
-        register_backend(AttentionBackendEnum.CUSTOM,
-                         "vllm_compaction.vllm.cuda_backend.CompactionTritonBackend")
+        register_backend(
+            AttentionBackendEnum.CUSTOM,
+            "vllm_compaction.vllm.cuda_backend.CompactionTritonBackend",
+        )
     logger.debug("vllm-compaction plugin registered")

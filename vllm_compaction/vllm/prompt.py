@@ -16,18 +16,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_compaction.cache import CacheError, CompactedCache, LocalDiskStore, read_metadata
+from vllm_compaction.cache import (
+    CacheError,
+    CompactedCache,
+    LocalDiskStore,
+    read_metadata,
+)
 from vllm_compaction.cache.format import ModelFingerprint
 from vllm_compaction.models.chat import ChatTokenizer, Continuation
 from vllm_compaction.vllm.backend_common import page_width
 from vllm_compaction.vllm.layout import DEFAULT_LAYOUT, LAYOUTS, bias_free
 
-__all__ = ["CompactedRef", "PLACEHOLDER_TOKEN_ID", "compacted_prompt", "default_store_dir", "open_store"]
+__all__ = [
+    "CompactedRef",
+    "PLACEHOLDER_TOKEN_ID",
+    "compacted_prompt",
+    "default_store_dir",
+    "open_store",
+]
 
 PLACEHOLDER_TOKEN_ID = 0
 """Token id of the placeholder positions; never embedded, since the connector claims them."""
 
-_SALT_RE = re.compile(r"vllm-compaction:3:(varlen|padded):([A-Za-z0-9_-]{1,128}):(\d{1,9}):([0-9a-f]{32})")
+_SALT_RE = re.compile(
+    r"vllm-compaction:3:(varlen|padded):([A-Za-z0-9_-]{1,128}):(\d{1,9}):([0-9a-f]{32})"
+)
+
 
 def default_store_dir() -> Path:
     """``$VLLM_COMPACTION_HOME/store`` (default ``~/.cache/vllm-compaction/store``)."""
@@ -47,14 +61,16 @@ class CompactedRef:
     entry_id: str
     num_slots: int
     digest: str  # first 32 hex of the entry's tensors_sha256: a changed entry is a new prefix
-    layout: str = "padded"  # "varlen" (packed heads) or "padded" (every head at the longest)
+    layout: str = (
+        "padded"  # "varlen" (packed heads) or "padded" (every head at the longest)
+    )
 
     @property
     def salt(self) -> str:
         return f"vllm-compaction:3:{self.layout}:{self.entry_id}:{self.num_slots}:{self.digest}"
 
     @classmethod
-    def parse(cls, salt: str | None) -> "CompactedRef | None":
+    def parse(cls, salt: str | None) -> CompactedRef | None:
         """The reference in ``salt``, or None for an ordinary request."""
         if not salt or not salt.startswith("vllm-compaction:"):
             return None
@@ -64,8 +80,11 @@ class CompactedRef:
         return cls(match.group(2), int(match.group(3)), match.group(4), match.group(1))
 
 
-def _entry_for(cache: CompactedCache | str, store: LocalDiskStore,
-               expect_model: ModelFingerprint | None) -> tuple[str, CompactedCache]:
+def _entry_for(
+    cache: CompactedCache | str,
+    store: LocalDiskStore,
+    expect_model: ModelFingerprint | None,
+) -> tuple[str, CompactedCache]:
     if isinstance(cache, CompactedCache):
         if expect_model is not None:
             cache.model.check_compatible(expect_model)
@@ -74,7 +93,9 @@ def _entry_for(cache: CompactedCache | str, store: LocalDiskStore,
             store.put_id(entry_id, cache)
         return entry_id, cache
     if not isinstance(cache, str):
-        raise TypeError(f"cache must be a CompactedCache or a store entry id, not {type(cache).__name__}")
+        raise TypeError(
+            f"cache must be a CompactedCache or a store entry id, not {type(cache).__name__}"
+        )
     path = store.path_for(cache)
     if not path.is_file():
         raise CacheError(f"No compacted cache {cache!r} in the store at {store.root}.")
@@ -83,8 +104,12 @@ def _entry_for(cache: CompactedCache | str, store: LocalDiskStore,
 
 def _continuation_ids(continuation: Continuation, tokenizer) -> list[int]:
     items = continuation if isinstance(continuation, str) else list(continuation)
-    if tokenizer is None and (isinstance(items, str) or any(isinstance(m, dict) for m in items)):
-        raise ValueError("a text or chat continuation needs the tokenizer (pass llm= or tokenizer=)")
+    if tokenizer is None and (
+        isinstance(items, str) or any(isinstance(m, dict) for m in items)
+    ):
+        raise ValueError(
+            "a text or chat continuation needs the tokenizer (pass llm= or tokenizer=)"
+        )
     return ChatTokenizer(tokenizer).continuation_ids(items)
 
 
@@ -131,16 +156,31 @@ def compacted_prompt(
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
     if layout == "varlen" and not block_size:
-        raise ValueError("a varlen prefix needs the engine's block size (pass llm= or block_size=)")
+        raise ValueError(
+            "a varlen prefix needs the engine's block size (pass llm= or block_size=)"
+        )
     entry_id, loaded = _entry_for(cache, store, expect)
-    if (layout == "padded" and llm is not None and page_width(llm.llm_engine.vllm_config) != "widened"
-            and not bias_free(loaded)):
-        raise ValueError("this engine runs stock-width KV pages, which hold a padded prefix only when it needs "
-                         "no bias (every head the same length, beta = 0); use layout='varlen', or start the "
-                         "engine with engine_kwargs(..., pages='widened')")
+    if (
+        layout == "padded"
+        and llm is not None
+        and page_width(llm.llm_engine.vllm_config) != "widened"
+        and not bias_free(loaded)
+    ):
+        raise ValueError(
+            "this engine runs stock-width KV pages, which hold a padded prefix only when it needs "
+            "no bias (every head the same length, beta = 0); use layout='varlen', or start the "
+            "engine with engine_kwargs(..., pages='widened')"
+        )
     ids = _continuation_ids(continuation, tokenizer)
     if not ids:
-        raise ValueError("the continuation is empty: at least one token must follow the compacted prefix")
+        raise ValueError(
+            "the continuation is empty: at least one token must follow the compacted prefix"
+        )
     digest = read_metadata(store.path_for(entry_id))["tensors_sha256"][:32]
-    ref = CompactedRef(entry_id, loaded.physical_tokens(layout, block_size), digest, layout)
-    return {"prompt_token_ids": [PLACEHOLDER_TOKEN_ID] * ref.num_slots + ids, "cache_salt": ref.salt}
+    ref = CompactedRef(
+        entry_id, loaded.physical_tokens(layout, block_size), digest, layout
+    )
+    return {
+        "prompt_token_ids": [PLACEHOLDER_TOKEN_ID] * ref.num_slots + ids,
+        "cache_salt": ref.salt,
+    }

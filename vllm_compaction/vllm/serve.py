@@ -13,7 +13,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from vllm_compaction.service.config import ENV_PREFIX, FLAGS
 from vllm_compaction.vllm.endpoints import ENDPOINT_PLUGIN_NAME
@@ -30,7 +30,9 @@ def _has_flag(argv: Sequence[str], flag: str) -> bool:
 def vllm_serve_argv(argv: Sequence[str], environ: dict[str, str]) -> list[str]:
     """Split ``argv`` into the service flags (moved into ``environ``) and the vLLM ones,
     then add the flags compaction needs. Returns the ``vllm serve`` arguments."""
-    parser = argparse.ArgumentParser(prog="vllm-compaction serve", add_help=False, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="vllm-compaction serve", add_help=False, allow_abbrev=False
+    )
     for field, (flag, help_text) in FLAGS.items():
         parser.add_argument(flag, dest=field, default=None, help=help_text)
     ours, rest = parser.parse_known_args(list(argv))
@@ -39,9 +41,13 @@ def vllm_serve_argv(argv: Sequence[str], environ: dict[str, str]) -> list[str]:
             environ[ENV_PREFIX + field.upper()] = value
     from vllm_compaction.service.config import ServiceConfig
 
-    ServiceConfig.from_env(environ)  # a bad value fails here, with the flag's name, not in the server
+    ServiceConfig.from_env(
+        environ
+    )  # a bad value fails here, with the flag's name, not in the server
     if not rest or rest[0].startswith("-"):
-        raise ValueError("give the model first: vllm-compaction serve MODEL [vllm serve flags]")
+        raise ValueError(
+            "give the model first: vllm-compaction serve MODEL [vllm serve flags]"
+        )
     model, flags = rest[0], rest[1:]
     from vllm_compaction.models.prepare import resolve
     from vllm_compaction.models.registry import SPECS
@@ -54,13 +60,17 @@ def vllm_serve_argv(argv: Sequence[str], environ: dict[str, str]) -> list[str]:
     # transfer threads); the compaction connector has none, so keep the stock reservation.
     environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     plugins = [p for p in environ.get("VLLM_PLUGINS", "").split(",") if p]
-    environ["VLLM_PLUGINS"] = ",".join(dict.fromkeys(plugins + [GENERAL_PLUGIN_NAME, ENDPOINT_PLUGIN_NAME]))
+    environ["VLLM_PLUGINS"] = ",".join(
+        dict.fromkeys(plugins + [GENERAL_PLUGIN_NAME, ENDPOINT_PLUGIN_NAME])
+    )
     from vllm_compaction.vllm.engine import engine_kwargs
 
     kwargs = engine_kwargs(environ.get(ENV_PREFIX + "STORE"))
     if not _has_flag(flags, "--kv-transfer-config"):
         flags += ["--kv-transfer-config", json.dumps(kwargs["kv_transfer_config"])]
-    if not _has_flag(flags, "--enable-prefix-caching") and not _has_flag(flags, "--no-enable-prefix-caching"):
+    if not _has_flag(flags, "--enable-prefix-caching") and not _has_flag(
+        flags, "--no-enable-prefix-caching"
+    ):
         flags += ["--enable-prefix-caching"]
     if "attention_backend" in kwargs and not _has_flag(flags, "--attention-backend"):
         flags += ["--attention-backend", kwargs["attention_backend"]]

@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from vllm_compaction.service.worker import NETWORK_ERRORS
 
@@ -39,24 +39,45 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 300.0) -> None:
-        cmd = [sys.executable, "-m", "vllm_compaction.cli", "serve", self.model, "--host", "127.0.0.1",
-               "--port", str(self.port), *self.flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm_compaction.cli",
+            "serve",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.flags,
+        ]
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"the server exited with {self.process.returncode}:\n{self.log_tail()}"
+                )
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                with urllib.request.urlopen(
+                    f"{self.url}/health", timeout=2
+                ) as response:
                     if response.status == 200:
                         return
             except NETWORK_ERRORS:
                 pass
             time.sleep(1.0)
         self.stop()
-        raise RuntimeError(f"the server did not come up in {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"the server did not come up in {timeout_s:.0f} s:\n{self.log_tail()}"
+        )
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -69,5 +90,9 @@ class ServerProcess:
             self.process.wait()
 
     def log_tail(self, n: int = 60) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
+        lines = (
+            self.log_path.read_text(errors="replace").splitlines()
+            if self.log_path.exists()
+            else []
+        )
         return "\n".join(lines[-n:])

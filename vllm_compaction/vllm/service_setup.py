@@ -25,7 +25,9 @@ async def start_service(vllm_config, args: Namespace) -> CompactionService:
 
     ValueError (one sentence) when the engine was not started with the compaction connector.
     """
-    if not compaction_enabled(vllm_config):  # the test the backends use to take the compaction path
+    if not compaction_enabled(
+        vllm_config
+    ):  # the test the backends use to take the compaction path
         raise ValueError(
             f"the engine runs without the {CONNECTOR_NAME} KV connector: start it with "
             f"`vllm-compaction serve` or pass --kv-transfer-config (see docs/serving.md)"
@@ -38,28 +40,44 @@ async def start_service(vllm_config, args: Namespace) -> CompactionService:
     engine_store = Path(extra.get("store") or default_store_dir())
     config = ServiceConfig.from_env(store=str(engine_store))
     if config.store is not None and config.store.resolve() != engine_store.resolve():
-        raise ValueError(f"the service store {config.store} (VLLM_COMPACTION_STORE) is not the store the "
-                         f"engine's connector reads ({engine_store}); give both the same directory")
+        raise ValueError(
+            f"the service store {config.store} (VLLM_COMPACTION_STORE) is not the store the "
+            f"engine's connector reads ({engine_store}); give both the same directory"
+        )
     model_config = vllm_config.model_config
     names = model_config.served_model_name
     names = [names] if isinstance(names, str) else list(names or [model_config.model])
     service = CompactionService(
-        config, model_path=model_config.model, served_model_names=names,
+        config,
+        model_path=model_config.model,
+        served_model_names=names,
         fingerprint=engine_fingerprint(model_config),
-        tokenizer=AutoTokenizer.from_pretrained(model_config.tokenizer or model_config.model),
-        kv_bytes_per_token=kv_bytes_per_token(vllm_config), max_model_len=model_config.max_model_len,
-        layout=DEFAULT_LAYOUT, block_size=vllm_config.cache_config.block_size,
+        tokenizer=AutoTokenizer.from_pretrained(
+            model_config.tokenizer or model_config.model
+        ),
+        kv_bytes_per_token=kv_bytes_per_token(vllm_config),
+        max_model_len=model_config.max_model_len,
+        layout=DEFAULT_LAYOUT,
+        block_size=vllm_config.cache_config.block_size,
     )
     # vLLM checks bearer keys only when it has some (--api-key or VLLM_API_KEY); without them a
     # header is not a credential, and compactions must not be split by it
-    service.keyed_owners = bool(getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY"))
+    service.keyed_owners = bool(
+        getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY")
+    )
     host = getattr(args, "host", None)
     host = "127.0.0.1" if host in (None, "", "0.0.0.0", "::") else host
     scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
-    service.supervisor = Supervisor(service, f"{scheme}://{host}:{args.port}", config.local_workers)
+    service.supervisor = Supervisor(
+        service, f"{scheme}://{host}:{args.port}", config.local_workers
+    )
     service.supervisor.start()
-    logger.info("compaction service: store %s, %d local worker(s), auto-compaction %s", service.store.root,
-                config.local_workers,
-                f"above {config.auto_compact_threshold_tokens} tokens" if config.auto_compact_threshold_tokens
-                else "off")
+    logger.info(
+        "compaction service: store %s, %d local worker(s), auto-compaction %s",
+        service.store.root,
+        config.local_workers,
+        f"above {config.auto_compact_threshold_tokens} tokens"
+        if config.auto_compact_threshold_tokens
+        else "off",
+    )
     return service

@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["EngineKV", "SNAPSHOT_PARAM", "SnapshotPlan", "SnapshotRecorder", "identity_cache", "snapshot_kv"]
+__all__ = [
+    "EngineKV",
+    "SNAPSHOT_PARAM",
+    "SnapshotPlan",
+    "SnapshotRecorder",
+    "identity_cache",
+    "snapshot_kv",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +55,9 @@ def snapshot_name(params: dict[str, Any] | None) -> str | None:
     if name is None:
         return None
     if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise ValueError(f"snapshot name {name!r} must be 1-64 letters, digits, '_' or '-'")
+        raise ValueError(
+            f"snapshot name {name!r} must be 1-64 letters, digits, '_' or '-'"
+        )
     return name
 
 
@@ -77,8 +86,12 @@ class SnapshotRecorder:
     def __init__(self, directory: Path, num_layers: int) -> None:
         self.directory = directory
         self.num_layers = num_layers
-        self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> keys, values [L,H,T,d]
-        self._lookup: tuple[torch.Tensor, torch.Tensor] | None = None  # sorted slots, their positions
+        self._buffers: dict[
+            str, tuple[torch.Tensor, torch.Tensor]
+        ] = {}  # name -> keys, values [L,H,T,d]
+        self._lookup: tuple[torch.Tensor, torch.Tensor] | None = (
+            None  # sorted slots, their positions
+        )
 
     @property
     def pending(self) -> list[str]:
@@ -98,20 +111,35 @@ class SnapshotRecorder:
         slots, owners = [], []
         for index, plan in enumerate(plans):
             slots.append(torch.as_tensor(plan.slots, dtype=torch.long))
-            owners.append(torch.stack([torch.full((plan.end - plan.start,), index, dtype=torch.long),
-                                       torch.arange(plan.start, plan.end)], dim=1))
+            owners.append(
+                torch.stack(
+                    [
+                        torch.full((plan.end - plan.start,), index, dtype=torch.long),
+                        torch.arange(plan.start, plan.end),
+                    ],
+                    dim=1,
+                )
+            )
         slots_all, order = torch.cat(slots).sort()
         self._lookup = (slots_all, torch.cat(owners)[order])
         self._plans = plans
 
-    def record(self, layer_index: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def record(
+        self,
+        layer_index: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         """Copy the rows of ``key/value [N, H, d]`` whose slot is planned this step."""
         if self._lookup is None:
             return
         sorted_slots, owners = self._lookup
         n = min(key.shape[0], slot_mapping.shape[0])
         written = slot_mapping[:n].to("cpu", torch.long)
-        where = torch.searchsorted(sorted_slots, written).clamp_(max=sorted_slots.numel() - 1)
+        where = torch.searchsorted(sorted_slots, written).clamp_(
+            max=sorted_slots.numel() - 1
+        )
         hit = sorted_slots[where] == written
         if not bool(hit.any()):
             return
@@ -121,8 +149,12 @@ class SnapshotRecorder:
             if bool(mine.any()):
                 keys, values = self._buffer(plan, key, value)
                 positions = owner[mine, 1]
-                keys[layer_index, :, positions] = key[rows[mine]].to("cpu").transpose(0, 1).to(keys.dtype)
-                values[layer_index, :, positions] = value[rows[mine]].to("cpu").transpose(0, 1).to(values.dtype)
+                keys[layer_index, :, positions] = (
+                    key[rows[mine]].to("cpu").transpose(0, 1).to(keys.dtype)
+                )
+                values[layer_index, :, positions] = (
+                    value[rows[mine]].to("cpu").transpose(0, 1).to(values.dtype)
+                )
 
     def finish_step(self) -> None:
         """Write the snapshots whose prompt is complete after this step."""
@@ -138,20 +170,29 @@ class SnapshotRecorder:
         if plan.name not in self._buffers:
             heads, dim = key.shape[1], key.shape[2]
             shape = (self.num_layers, heads, plan.num_tokens, dim)
-            self._buffers[plan.name] = (torch.zeros(shape, dtype=key.dtype),
-                                        torch.zeros((*shape[:3], value.shape[2]), dtype=value.dtype))
+            self._buffers[plan.name] = (
+                torch.zeros(shape, dtype=key.dtype),
+                torch.zeros((*shape[:3], value.shape[2]), dtype=value.dtype),
+            )
         return self._buffers[plan.name]
 
-    def _write(self, plan: SnapshotPlan, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _write(
+        self, plan: SnapshotPlan, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         from safetensors.torch import save_file
 
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"{plan.name}.safetensors"
         partial = final.with_suffix(f".{os.getpid()}.partial")
-        save_file({"keys": keys.contiguous(), "values": values.contiguous()}, str(partial),
-                  metadata={"num_tokens": str(plan.num_tokens)})
+        save_file(
+            {"keys": keys.contiguous(), "values": values.contiguous()},
+            str(partial),
+            metadata={"num_tokens": str(plan.num_tokens)},
+        )
         os.replace(partial, final)  # readers see a whole file or none
-        logger.info("KV snapshot %s: %d tokens written to %s", plan.name, plan.num_tokens, final)
+        logger.info(
+            "KV snapshot %s: %d tokens written to %s", plan.name, plan.num_tokens, final
+        )
 
 
 # ---------------------------------------------------------------------------- offline entry point
@@ -172,18 +213,28 @@ def snapshot_kv(llm: Any, token_ids: list[int], *, keep_file: bool = False) -> E
 
     extra = _connector_extra(llm)
     if not extra.get("kv_snapshots"):
-        raise ValueError("this engine takes no KV snapshots; start it with engine_kwargs(..., kv_snapshots=True)")
+        raise ValueError(
+            "this engine takes no KV snapshots; start it with engine_kwargs(..., kv_snapshots=True)"
+        )
     from vllm_compaction.vllm.prompt import open_store
 
     name = uuid.uuid4().hex
     path = snapshot_dir(open_store(extra.get("store")).root) / f"{name}.safetensors"
-    params = SamplingParams(max_tokens=1, temperature=0.0,
-                            extra_args={"kv_transfer_params": {SNAPSHOT_PARAM: name}})
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        extra_args={"kv_transfer_params": {SNAPSHOT_PARAM: name}},
+    )
     # a salt of its own: no prefix-cache hit may skip computing (and so recording) a token
-    llm.generate([{"prompt_token_ids": list(token_ids), "cache_salt": f"kv-snapshot:{name}"}], params,
-                 use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": list(token_ids), "cache_salt": f"kv-snapshot:{name}"}],
+        params,
+        use_tqdm=False,
+    )
     if not path.is_file():
-        raise RuntimeError(f"the engine wrote no KV snapshot for the prompt ({path} is missing); its log says why")
+        raise RuntimeError(
+            f"the engine wrote no KV snapshot for the prompt ({path} is missing); its log says why"
+        )
     try:
         tensors = load_file(str(path))
     finally:
@@ -203,5 +254,9 @@ def identity_cache(llm: Any, kv: EngineKV):
     from vllm_compaction.cache import CompactedCache
     from vllm_compaction.vllm.engine import engine_fingerprint
 
-    return CompactedCache.identity(kv.keys, kv.values, kv.token_ids,
-                                   engine_fingerprint(llm.llm_engine.vllm_config.model_config))
+    return CompactedCache.identity(
+        kv.keys,
+        kv.values,
+        kv.token_ids,
+        engine_fingerprint(llm.llm_engine.vllm_config.model_config),
+    )

@@ -38,12 +38,24 @@ import torch
 
 from vllm_compaction.vllm.bias import VALUE_ONES_COORD
 
-__all__ = ["masked_attention", "merge_by_lse", "merge_two_calls", "merge_with_prefix", "prefixes_attention",
-           "sink_for"]
+__all__ = [
+    "masked_attention",
+    "merge_by_lse",
+    "merge_two_calls",
+    "merge_with_prefix",
+    "prefixes_attention",
+    "sink_for",
+]
 
 
-def prefixes_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tensor, values: torch.Tensor,
-                       cu_seqlens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def prefixes_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    beta: torch.Tensor,
+    values: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``R`` requests over ``R`` different varlen prefixes in one batched call.
 
     ``query [R, n, Hq, d]``; ``keys``/``values [R, N, d]`` and ``beta [R, N]``: request ``r``'s
@@ -67,41 +79,71 @@ def prefixes_attention(query: torch.Tensor, keys: torch.Tensor, beta: torch.Tens
     group = num_q_heads // num_kv_heads
     num_rows = keys.shape[1]
     if num_rows == 0:  # every prefix is empty in this layer
-        return (query.new_zeros(query.shape, dtype=torch.float32),
-                query.new_full(query.shape[:3], float("-inf"), dtype=torch.float32))
+        return (
+            query.new_zeros(query.shape, dtype=torch.float32),
+            query.new_full(query.shape[:3], float("-inf"), dtype=torch.float32),
+        )
     device = keys.device
     rows = torch.arange(num_rows, device=device).expand(num_reqs, -1).contiguous()
     # the head each row belongs to; padding rows get head H, a bin of their own that is dropped
-    head_of_row = torch.searchsorted(cu_seqlens[:, 1:].to(torch.int64).contiguous(), rows, right=True)  # [R, N]
+    head_of_row = torch.searchsorted(
+        cu_seqlens[:, 1:].to(torch.int64).contiguous(), rows, right=True
+    )  # [R, N]
     # every query head against every row (one GEMM), then each row keeps its own group's heads:
     # the softmax works on [n, group, N], not [n, Hq, N]
-    scores = torch.matmul(query.float(), keys.float().transpose(1, 2)[:, None])  # [R, n, Hq, N]
-    own = (head_of_row.clamp_max(num_kv_heads - 1)[:, None, :] * group
-           + torch.arange(group, device=device)[None, :, None])  # [R, group, N]
-    scores = scores.gather(2, own[:, None].expand(num_reqs, n, group, num_rows)) * scale + beta.float()[:, None, None, :]
+    scores = torch.matmul(
+        query.float(), keys.float().transpose(1, 2)[:, None]
+    )  # [R, n, Hq, N]
+    own = (
+        head_of_row.clamp_max(num_kv_heads - 1)[:, None, :] * group
+        + torch.arange(group, device=device)[None, :, None]
+    )  # [R, group, N]
+    scores = (
+        scores.gather(2, own[:, None].expand(num_reqs, n, group, num_rows)) * scale
+        + beta.float()[:, None, None, :]
+    )
     index = head_of_row[:, None, None, :].expand(num_reqs, n, group, num_rows)
-    top = torch.full((num_reqs, n, group, num_kv_heads + 1), float("-inf"), device=device)
+    top = torch.full(
+        (num_reqs, n, group, num_kv_heads + 1), float("-inf"), device=device
+    )
     top = top.scatter_reduce(3, index, scores, reduce="amax", include_self=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # empty heads: no rows anyway
+    top = torch.where(
+        torch.isfinite(top), top, torch.zeros_like(top)
+    )  # empty heads: no rows anyway
     weights = torch.exp(scores - top.gather(3, index))  # [R, n, group, N]
-    mass = torch.zeros_like(top).scatter_add(3, index, weights)[..., :num_kv_heads]  # [R, n, group, H]
+    mass = torch.zeros_like(top).scatter_add(3, index, weights)[
+        ..., :num_kv_heads
+    ]  # [R, n, group, H]
     # per head: the weights masked to its rows, times the values (one GEMM per request)
-    member = (head_of_row[:, None, :] == torch.arange(num_kv_heads, device=device)[None, :, None]).float()  # [R, H, N]
+    member = (
+        head_of_row[:, None, :]
+        == torch.arange(num_kv_heads, device=device)[None, :, None]
+    ).float()  # [R, H, N]
     per_head = weights[:, :, :, None, :] * member[:, None, None]  # [R, n, group, H, N]
-    out = torch.matmul(per_head.view(num_reqs, n * group * num_kv_heads, num_rows), values.float())
+    out = torch.matmul(
+        per_head.view(num_reqs, n * group * num_kv_heads, num_rows), values.float()
+    )
     out = out.view(num_reqs, n, group, num_kv_heads, d)
     tiny = torch.finfo(torch.float32).tiny
     out = out / mass.clamp_min(tiny)[..., None]
-    lse = torch.where(mass > 0, top[..., :num_kv_heads] + torch.log(mass.clamp_min(tiny)),
-                      torch.full_like(mass, float("-inf")))
+    lse = torch.where(
+        mass > 0,
+        top[..., :num_kv_heads] + torch.log(mass.clamp_min(tiny)),
+        torch.full_like(mass, float("-inf")),
+    )
     # [R, n, group, H, ...] -> query-head order h * group + g
     out = out.permute(0, 1, 3, 2, 4).reshape(num_reqs, n, num_q_heads, d)
     lse = lse.permute(0, 1, 3, 2).reshape(num_reqs, n, num_q_heads)
     return out, lse
 
 
-def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, last_key: torch.Tensor,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    last_key: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``R`` requests at once: ``query [R, n, Hq, d]`` over ``keys``/``values
     [R, S, H, d]`` (GQA: query head ``j`` reads KV head ``j // (Hq / H)``), row ``(r, i)`` seeing
     keys ``0..last_key[r, i]`` (causal prefill chunks, or decode steps over padded suffixes).
@@ -113,28 +155,49 @@ def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     group = num_q_heads // num_kv_heads
     q = query.float().view(num_reqs, n, num_kv_heads, group, d)
     scores = torch.einsum("rnhgd,rshd->rhgns", q, keys.float()) * scale
-    hidden = torch.arange(keys.shape[1], device=keys.device) > last_key.to(keys.device)[..., None]  # [R, n, S]
+    hidden = (
+        torch.arange(keys.shape[1], device=keys.device)
+        > last_key.to(keys.device)[..., None]
+    )  # [R, n, S]
     scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [R, H, group, n]
-    out = torch.einsum("rhgns,rshd->rnhgd", torch.exp(scores - lse[..., None]), values.float())
-    return out.reshape(num_reqs, n, num_q_heads, d), lse.permute(0, 3, 1, 2).reshape(num_reqs, n, num_q_heads)
+    out = torch.einsum(
+        "rhgns,rshd->rnhgd", torch.exp(scores - lse[..., None]), values.float()
+    )
+    return out.reshape(num_reqs, n, num_q_heads, d), lse.permute(0, 3, 1, 2).reshape(
+        num_reqs, n, num_q_heads
+    )
 
 
 def sink_for(prefix_lse: torch.Tensor) -> torch.Tensor:
     """Per query head sink logit ``[Hq]``: the largest finite ``lse_p`` over tokens (0 if none)."""
-    sink = prefix_lse.amax(dim=0) if prefix_lse.shape[0] else prefix_lse.new_zeros(prefix_lse.shape[1])
+    sink = (
+        prefix_lse.amax(dim=0)
+        if prefix_lse.shape[0]
+        else prefix_lse.new_zeros(prefix_lse.shape[1])
+    )
     return torch.where(torch.isfinite(sink), sink, torch.zeros_like(sink)).float()
 
 
-def merge_with_prefix(suffix_out: torch.Tensor, head_size: int, sink: torch.Tensor,
-                      prefix_out: torch.Tensor, prefix_lse: torch.Tensor) -> torch.Tensor:
+def merge_with_prefix(
+    suffix_out: torch.Tensor,
+    head_size: int,
+    sink: torch.Tensor,
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+) -> torch.Tensor:
     """Exact attention over prefix and suffix from the sink-kernel output (see the module doc).
 
     ``suffix_out [n, Hq, D]`` is the stock kernel's output with sink ``sink [Hq]`` over value rows
     whose coordinate ``head_size + VALUE_ONES_COORD`` is 1; returns fp32 ``[n, Hq, head_size]``.
     """
-    return _merge_shares(suffix_out[..., :head_size].float(), suffix_out[..., head_size + VALUE_ONES_COORD].float(),
-                         sink, prefix_out, prefix_lse)
+    return _merge_shares(
+        suffix_out[..., :head_size].float(),
+        suffix_out[..., head_size + VALUE_ONES_COORD].float(),
+        sink,
+        prefix_out,
+        prefix_lse,
+    )
 
 
 #: ``merge_two_calls`` trusts a share when the sink-free output is at least this fraction of the
@@ -143,8 +206,13 @@ def merge_with_prefix(suffix_out: torch.Tensor, head_size: int, sink: torch.Tens
 SHARE_MIN_NORM_RATIO = 1e-2
 
 
-def merge_two_calls(plain_out: torch.Tensor, sunk_out: torch.Tensor, sink: torch.Tensor,
-                    prefix_out: torch.Tensor, prefix_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_two_calls(
+    plain_out: torch.Tensor,
+    sunk_out: torch.Tensor,
+    sink: torch.Tensor,
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over prefix and suffix from two stock-kernel outputs over the suffix (module doc).
 
     ``plain_out`` / ``sunk_out [n, Hq, d]``: without and with the sink ``sink [Hq]``. Returns fp32
@@ -153,25 +221,44 @@ def merge_two_calls(plain_out: torch.Tensor, sunk_out: torch.Tensor, sink: torch
     """
     plain, sunk = plain_out.float(), sunk_out.float()
     norm = (plain * plain).sum(-1)
-    share = ((sunk * plain).sum(-1) / norm.clamp_min(torch.finfo(torch.float32).tiny)).clamp(0.0, 1.0)
+    share = (
+        (sunk * plain).sum(-1) / norm.clamp_min(torch.finfo(torch.float32).tiny)
+    ).clamp(0.0, 1.0)
     prefix_norm = (prefix_out.float() * prefix_out.float()).sum(-1)
-    has_prefix = torch.isfinite(prefix_lse)  # an empty prefix head needs no share: w = 0
-    trusted = (~has_prefix | ((norm > 0) & (norm >= SHARE_MIN_NORM_RATIO ** 2 * prefix_norm))).all(-1)
+    has_prefix = torch.isfinite(
+        prefix_lse
+    )  # an empty prefix head needs no share: w = 0
+    trusted = (
+        ~has_prefix | ((norm > 0) & (norm >= SHARE_MIN_NORM_RATIO**2 * prefix_norm))
+    ).all(-1)
     return _merge_shares(sunk, share, sink, prefix_out, prefix_lse), trusted
 
 
-def _merge_shares(suffix_out: torch.Tensor, suffix_share: torch.Tensor, sink: torch.Tensor,
-                  prefix_out: torch.Tensor, prefix_lse: torch.Tensor) -> torch.Tensor:
+def _merge_shares(
+    suffix_out: torch.Tensor,
+    suffix_share: torch.Tensor,
+    sink: torch.Tensor,
+    prefix_out: torch.Tensor,
+    prefix_lse: torch.Tensor,
+) -> torch.Tensor:
     """``(o + w (1 - o[d]) o_p) / (o[d] + w (1 - o[d]))`` with ``suffix_share = o[d]``."""
     sink_share = (1.0 - suffix_share).clamp_min(0.0)
-    prefix_weight = torch.exp(prefix_lse - sink[None, :]) * sink_share  # exp(-inf) = 0: empty prefix
-    return (suffix_out + prefix_weight[..., None] * prefix_out) / (suffix_share + prefix_weight)[..., None]
+    prefix_weight = (
+        torch.exp(prefix_lse - sink[None, :]) * sink_share
+    )  # exp(-inf) = 0: empty prefix
+    return (suffix_out + prefix_weight[..., None] * prefix_out) / (
+        suffix_share + prefix_weight
+    )[..., None]
 
 
-def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+def merge_by_lse(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
     """Attention over two disjoint key sets from each one's output ``[n, Hq, d]`` and ``lse [n, Hq]``."""
     top = torch.maximum(lse_a, lse_b)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     weight_a, weight_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
     total = (weight_a + weight_b).clamp_min(torch.finfo(torch.float32).tiny)
-    return (out_a.float() * weight_a[..., None] + out_b.float() * weight_b[..., None]) / total[..., None]
+    return (
+        out_a.float() * weight_a[..., None] + out_b.float() * weight_b[..., None]
+    ) / total[..., None]
