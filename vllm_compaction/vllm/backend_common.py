@@ -24,7 +24,6 @@ No vLLM import at module level, so importing this module stays cheap and side-ef
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -249,7 +248,7 @@ class CompactionImplMixin:
     head_sizes: ClassVar[AugmentedHeadSizes]
     """The backend's head-size record, read by its ``customize_spec``."""
 
-    augmented_size: ClassVar[Callable[[int], int]]
+    augmented_size: ClassVar[staticmethod[[int], int]]
     """Model head size -> widened page size on this backend (a staticmethod)."""
 
     compaction: bool = (
@@ -281,6 +280,12 @@ class CompactionImplMixin:
         """Raise (one sentence) if this layer has an option the backend cannot serve compacted
         prefixes with on pages of ``width``."""
         raise NotImplementedError
+
+    def _widened_size(self) -> int:
+        """:attr:`augmented`, on a layer whose pages are widened (the only ones written so)."""
+        if self.augmented is None:
+            raise RuntimeError("this layer's pages are stock width: nothing is widened")
+        return self.augmented
 
     def _write_widened(
         self,

@@ -122,31 +122,49 @@ class CompactionConnector(KVConnectorBase_V1):
             None  # this step's metadata (worker side), once bound
         )
 
+    @property
+    def _scheduler_side(self) -> _SchedulerSide:
+        if (
+            self._scheduler is None
+        ):  # vLLM calls each side's methods in its own process only
+            raise RuntimeError(
+                "a scheduler-side connector method was called on a worker"
+            )
+        return self._scheduler
+
+    @property
+    def _worker_side(self) -> _WorkerSide:
+        if self._worker is None:
+            raise RuntimeError(
+                "a worker-side connector method was called on the scheduler"
+            )
+        return self._worker
+
     # ---------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        return self._scheduler.num_new_matched(request, num_computed_tokens), False
+        return self._scheduler_side.num_new_matched(request, num_computed_tokens), False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ):
-        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_side.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
     ) -> KVConnectorMetadata:
-        return self._scheduler.take_metadata(scheduler_output)
+        return self._scheduler_side.take_metadata(scheduler_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler.forget(request.request_id)
+        self._scheduler_side.forget(request.request_id)
         return False, None
 
     # ---------------------------------------------------------------- worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        self._worker.register(kv_caches)
+        self._worker_side.register(kv_caches)
 
     def packed_prefixes(self) -> dict[int, int]:
         """This step's requests on packed prefixes: first block id -> prefix block count.
@@ -165,7 +183,7 @@ class CompactionConnector(KVConnectorBase_V1):
 
     def prefix_pages(self) -> PagedPrefixPages:
         """The engine's pages as packed-prefix rows (worker side)."""
-        return self._worker.pages()
+        return self._worker_side.pages()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -205,7 +223,7 @@ class CompactionConnector(KVConnectorBase_V1):
                 "start_load_kv before the step's connector metadata was bound"
             )
         for load in self._step.loads:
-            self._worker.load(load, forward_context)
+            self._worker_side.load(load, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous, done in start_load_kv
@@ -223,9 +241,7 @@ class CompactionConnector(KVConnectorBase_V1):
         return self._worker.take_failed_blocks() if self._worker is not None else set()
 
 
-def _block_size(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
-) -> int:
+def _block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:
     groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
     return (
         groups[0].kv_cache_spec.block_size
@@ -374,9 +390,7 @@ class _SchedulerSide:
         else:
             self._snapshot_of[request.request_id] = (name, request.num_prompt_tokens)
 
-    def _snapshot_plans(
-        self, scheduler_output: SchedulerOutput
-    ) -> list[SnapshotPlan]:
+    def _snapshot_plans(self, scheduler_output: SchedulerOutput) -> list[SnapshotPlan]:
         """The prompt positions of snapshot requests computed this step, and their slots."""
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -430,9 +444,7 @@ class _SchedulerSide:
 class _WorkerSide:
     _MAX_PREPARED = 8
 
-    def __init__(
-        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-    ) -> None:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self.store = open_store(extra.get("store"))
         self.vllm_config = vllm_config
@@ -551,6 +563,7 @@ class _WorkerSide:
                 f"the cache takes {slots} physical slots in the {ref.layout} layout, "
                 f"the prompt has {ref.num_slots} placeholders"
             )
+        prefix: PhysicalPrefix | PackedPrefix
         if ref.layout == "varlen":
             prefix = packed_prefix(
                 cache, self.hf_config, block_size=self.block_size, dtype=self.dtype

@@ -187,9 +187,7 @@ class CompactionCPUAttentionImpl(CompactionImplMixin, CPUAttentionBackendImpl):
             result.copy_(out[..., : self.head_size])
         return output
 
-    def _forward_packed_stock(
-        self, layer, query, kv_cache, split: _Split, out
-    ) -> None:
+    def _forward_packed_stock(self, layer, query, kv_cache, split: _Split, out) -> None:
         """Requests on packed prefixes, stock-width pages: prefix in torch; the tokens after it in
         the stock kernel twice, without and with a sink, merged exactly
         (:func:`.varlen_attention.merge_two_calls`). Tokens whose share is undetermined there are
@@ -338,7 +336,7 @@ class CompactionCPUAttentionImpl(CompactionImplMixin, CPUAttentionBackendImpl):
         value: torch.Tensor,
         beta: torch.Tensor | None,
     ) -> None:
-        key_aug, value_aug = augment_kv(key, value, self.augmented, beta)
+        key_aug, value_aug = augment_kv(key, value, self._widened_size(), beta)
         self._stock_kv_update(layer, key_aug, value_aug, kv_cache, slot_mapping)
 
 

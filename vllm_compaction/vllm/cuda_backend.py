@@ -198,6 +198,8 @@ def compacted_forward(
             max_keys=metadata.max_seq_len,
             **common,
         )
+    if pages is None:
+        raise ValueError("a step with packed prefixes needs the engine's prefix pages")
     inputs = split.kernel_inputs(
         metadata.block_table, metadata.seq_lens, metadata.max_seq_len, pages
     )
@@ -410,7 +412,7 @@ class CompactionTritonImpl(CompactionImplMixin, TritonAttentionImpl):
             key,
             value,
             beta,
-            augmented=self.augmented,
+            augmented=self._widened_size(),
             kv_cache_dtype=self.kv_cache_dtype,
             k_scale=k_scale,
             v_scale=v_scale,

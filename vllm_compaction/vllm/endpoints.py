@@ -190,7 +190,7 @@ def _with_usage(response: Any, plan: PrefixPlan | None) -> Any:
     if plan is None:
         return response
     if isinstance(response, JSONResponse) and response.status_code == 200:
-        payload = _patch_usage(json.loads(response.body), plan)
+        payload = _patch_usage(json.loads(bytes(response.body)), plan)
         headers = {
             k: v
             for k, v in response.headers.items()

@@ -136,10 +136,10 @@ class PagedPrefixPages:
             )
         if first_block == 0:
             header = packing.header().view(torch.uint8)
-            rows = self._header_rows(int(block_ids[0]), header.numel())
-            staged = torch.zeros(rows.shape, dtype=dtype)
+            header_rows = self._header_rows(int(block_ids[0]), header.numel())
+            staged = torch.zeros(header_rows.shape, dtype=dtype)
             staged.view(-1).view(torch.uint8)[: header.numel()] = header
-            rows.copy_(staged)
+            header_rows.copy_(staged)
 
     def _header_rows(self, first_block: int, nbytes: int) -> torch.Tensor:
         """The first key rows of lane 0 of ``first_block``: enough of them for ``nbytes``."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from vllm_compaction.cache import (
     CacheError,
@@ -103,7 +103,12 @@ def _entry_for(
 
 
 def _continuation_ids(continuation: Continuation, tokenizer) -> list[int]:
-    items = continuation if isinstance(continuation, str) else list(continuation)
+    # a one-shot iterable of ids or messages is read once, here
+    items = (
+        continuation
+        if isinstance(continuation, str)
+        else cast(Continuation, list(continuation))
+    )
     if tokenizer is None and (
         isinstance(items, str) or any(isinstance(m, dict) for m in items)
     ):

@@ -255,8 +255,8 @@ def identity_cache(llm: Any, kv: EngineKV):
     from vllm_compaction.vllm.engine import engine_fingerprint
 
     return CompactedCache.identity(
-        kv.keys,
-        kv.values,
+        list(kv.keys),  # [L, H, T, d] -> per-layer [H, T, d]
+        list(kv.values),
         kv.token_ids,
         engine_fingerprint(llm.llm_engine.vllm_config.model_config),
     )
