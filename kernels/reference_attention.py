@@ -106,6 +106,8 @@ def _pruner(kernel: str):
 
     def prune(configs: list[Any], named_args: dict, **kwargs: Any) -> list[Any]:
         d_pad = kwargs.get("D_PAD", named_args.get("D_PAD"))
+        if d_pad is None:
+            raise ValueError("the autotuner's pruner needs the kernel's D_PAD")
         fits = [c for c in configs if _smem_estimate(c, d_pad, kernel) <= SMEM_BUDGET]
         fits = fits or [min(configs, key=lambda c: _smem_estimate(c, d_pad, kernel))]
         return fits[:1] if os.environ.get("VLLM_COMPACTION_TUNE", "1") == "0" else fits

@@ -161,6 +161,7 @@ def _resolve_ratio(ratio: float | None, target_tokens: int | None, n: int) -> fl
         if target_tokens <= 0:
             raise ValueError(f"target_tokens must be positive, got {target_tokens}")
         return min(1.0, target_tokens / n)
+    assert ratio is not None  # exactly one of the two was given
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"ratio must be in (0, 1], got {ratio}")
     return float(ratio)
@@ -226,6 +227,10 @@ class PreparedPrefix:
                 self.collector.weights(layer) if aggregation == "weighted-max" else None
             )
             if weights is not None:
+                if weight_power is None:
+                    raise ValueError(
+                        "score_aggregation='weighted-max' needs a score weight power"
+                    )
                 weights = weights**weight_power
             return score_keys(
                 keys,
@@ -239,6 +244,10 @@ class PreparedPrefix:
         if static is not None:
             prefix_only = score_keys(keys, static, scale=scale, aggregation="max")
             return prefix_only if probe is None else torch.maximum(probe, prefix_only)
+        if probe is None:
+            raise ValueError(
+                f"layer {layer} has no reference queries to score its keys with"
+            )
         return probe
 
 
@@ -397,6 +406,9 @@ def _budget_stage(run: _Compaction) -> None:
             for i in range(adapter.num_layers)
         )
 
+    def chunk_scores(chunk: torch.Tensor) -> list[torch.Tensor | None]:
+        return [None if s is None else s[:, chunk] for s in prefix_scores()]
+
     run.budgets = [
         resolve_budgets(
             run.plan.recipe.budgets,
@@ -405,9 +417,7 @@ def _budget_stage(run: _Compaction) -> None:
             layers=run.layers,
             num_heads=adapter.num_kv_heads,
             model_name=adapter.name,
-            scores=lambda chunk=chunk: [
-                None if s is None else s[:, chunk] for s in prefix_scores()
-            ],
+            scores=functools.partial(chunk_scores, chunk),
             **run.plan.budget_options,
         )
         for chunk in run.chunks
@@ -441,9 +451,10 @@ def _fit_layer(
                 query_weights=query_weights,
             )
         )
-    run.compacted[layer] = CompactedHeads.concat_slots(parts)
+    heads = CompactedHeads.concat_slots(parts)
+    run.compacted[layer] = heads
     run.fit_s += time.perf_counter() - start
-    k, beta, v, idx = run.compacted[layer].padded()
+    k, beta, v, idx = heads.padded()
     return PrefixLayer(k, v, beta, idx)
 
 
@@ -484,8 +495,11 @@ def _record_stage(run: _Compaction) -> None:
     timings = {**prepared.timings, **run.timings, "fit_s": run.fit_s}
     timings["total_s"] = sum(v for k, v in timings.items() if k != "total_s")
     span = torch.nonzero(prepared.spec.compact_mask).flatten()
+    layers = [heads for heads in run.compacted if heads is not None]
+    if len(layers) != len(run.compacted):
+        raise RuntimeError("the layers stage left a layer without its slots")
     run.cache = CompactedCache(
-        layers=run.compacted,
+        layers=layers,
         logical_length=prepared.spec.length,
         token_ids=prepared.spec.token_ids.tolist(),
         compacted_span=(int(span[0]), int(span[-1]) + 1),
@@ -552,6 +566,7 @@ def compact_prepared(
     for stage in _STAGES:
         stage(run)
     cache = run.cache
+    assert cache is not None  # the record stage sets it
     logger.info(
         "compacted %d content tokens at %.3f with %s: %d -> %d slots in %.1fs",
         n,

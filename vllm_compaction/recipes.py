@@ -213,7 +213,11 @@ def resolve(
     name, overrides = parse_method(method)
     base = RECIPES[name]
     picked = {key: overrides.pop(key, None) for key in RECIPE_KEYS}
-    given = {"queries": queries, "budgets": budgets, "on_policy": on_policy}
+    given: dict[str, Any] = {
+        "queries": queries,
+        "budgets": budgets,
+        "on_policy": on_policy,
+    }
     chosen = {
         key: given[key] if given[key] is not None else picked[key]
         for key in RECIPE_KEYS

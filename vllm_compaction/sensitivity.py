@@ -202,6 +202,7 @@ class TargetLoss:
         logits = self.adapter.forward(
             self.ids, self.positions, prefix=prefix, logits_to_keep=self.rows
         ).logits
+        assert logits is not None  # logits_to_keep keeps the scored rows
         return float(F.cross_entropy(logits, self.labels))
 
     def baseline(self) -> float:
@@ -452,7 +453,7 @@ def head_sensitivity_curves(
     )
 
 
-def _rounded(t: torch.Tensor) -> list:
+def _rounded(t: torch.Tensor) -> list[Any] | float:
     return [_rounded(x) for x in t] if t.dim() else round(float(t), 5)
 
 

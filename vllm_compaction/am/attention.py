@@ -284,7 +284,8 @@ def reference_attention(
     # keys and values repeated once per row block: tiny next to the logits
     kt_rep = repeat_heads(kt, split)
     v_rep = repeat_heads(values, split) if values is not None else None
-    weighted = query_weights is not None and aggregation in ("rms", "mean")
+    # the rms and mean scores' weights (None: every query counts once)
+    mean_weights = query_weights if aggregation in ("rms", "mean") else None
     max_weights = None
     if query_weights is not None and aggregation == "weighted-max":
         max_weights = query_weights / query_weights.amax(-1, keepdim=True).clamp_min(
@@ -304,7 +305,7 @@ def reference_attention(
         ):  # key-major, so that OMP's correlation is a fast half GEMV
             features[:, :, sl] = p.transpose(1, 2)
         inv_m = m.reciprocal()  # [H, c, 1]
-        if output is not None:
+        if output is not None and v_rep is not None:  # both there with the values
             torch.mul(bmm_row_split(p, v_rep, split), inv_m, out=output[:, sl])
         if aggregation in ("max", "weighted-max"):
             p.mul_(inv_m if max_weights is None else inv_m * max_weights[:, sl, None])
@@ -313,8 +314,8 @@ def reference_attention(
             weight, p = (
                 (inv_m, p) if aggregation == "mean" else (inv_m.square(), p.square_())
             )
-            if weighted:
-                weight = weight * query_weights[:, sl, None]
+            if mean_weights is not None:
+                weight = weight * mean_weights[:, sl, None]
             blocks = (
                 split if c % split == 0 else 1
             )  # the per-block GEMVs are balanced too
@@ -325,8 +326,8 @@ def reference_attention(
             )
     scores = acc.sum(1)
     count = (
-        query_weights.sum(1, keepdim=True).float().clamp_min(TINY)
-        if weighted
+        mean_weights.sum(1, keepdim=True).float().clamp_min(TINY)
+        if mean_weights is not None
         else max(n, 1)
     )
     if aggregation == "rms":
@@ -397,7 +398,7 @@ def _fused_reference(
     if aggregation in ("rms", "mean"):
         count = (
             query_weights.sum(1, keepdim=True).float().clamp_min(TINY)
-            if weighted
+            if query_weights is not None  # weighted, under rms and mean
             else max(n, 1)
         )
         scores = scores.div_(count)

@@ -65,7 +65,7 @@ def _check_inputs(
 
 
 def _check_budgets(
-    budget: int | Sequence[int] | torch.Tensor, num_heads: int, total: int
+    budget: int | float | Sequence[int] | torch.Tensor, num_heads: int, total: int
 ) -> torch.Tensor:
     """``[H]`` int64 CPU budgets, each in ``[0, T]`` (host bookkeeping: they size the groups)."""
     if isinstance(budget, bool) or (
@@ -193,8 +193,9 @@ def _compact_group(
             keep_features=plan.selector.needs_features,
             query_weights=weights,
         )
-    row_scale = None if weights is None or ref is None else weights.sqrt()
-    if row_scale is not None:
+    row_scale: torch.Tensor | None = None
+    if weights is not None and ref is not None:
+        row_scale = weights.sqrt()
         ref = ref.weighted_rows(row_scale)
     clock["reference_s"] += (mark := now()) - start
     sel = plan.selector.select(
@@ -212,6 +213,8 @@ def _compact_group(
             queries, kept_keys, valid, ref.shift, scale=scale, budget_bytes=memory_limit
         )
     if plan.fit.beta == "nnls":
+        if ref is None or features is None:
+            raise ValueError(f"method {plan.name!r} fits beta without a reference pass")
         beta = fit_beta(
             features,
             ref.mass,
@@ -220,6 +223,8 @@ def _compact_group(
             iters=plan.fit.beta_iters,
         )
     elif plan.fit.beta == "selector":
+        if sel.beta is None:
+            raise ValueError(f"the selector of method {plan.name!r} fitted no beta")
         beta = sel.beta
     else:
         beta = torch.zeros(h, t_max, device=keys.device)
@@ -232,6 +237,10 @@ def _compact_group(
             1, sel.indices[..., None].expand(h, t_max, values.shape[-1])
         )
     if plan.fit.values == "lstsq":
+        if ref is None or ref.output is None or features is None:
+            raise ValueError(
+                f"method {plan.name!r} fits values without a reference pass"
+            )
         fitted = fit_values(
             features,
             beta,
@@ -242,8 +251,12 @@ def _compact_group(
             row_scale=row_scale,
         )
     elif plan.fit.values == "selector":
+        if sel.values is None:
+            raise ValueError(f"the selector of method {plan.name!r} built no values")
         fitted = sel.values
     else:
+        if original is None:
+            raise ValueError(f"method {plan.name!r} keeps no values")
         fitted = original
     clock["values_s"] += now() - mark
     return Selection(indices=sel.indices, lengths=sel.lengths, beta=beta, values=fitted)
@@ -275,6 +288,9 @@ def _pack(
     """Sort each head's slots by key index and pack them varlen (padding dropped)."""
     h, total, d = keys.shape
     t_max = padded.indices.shape[1]
+    assert (
+        padded.beta is not None and padded.values is not None
+    )  # compact_heads sets both
     valid = slot_mask(padded.lengths, t_max)
     order = torch.where(valid, padded.indices, total).argsort(
         dim=1
@@ -373,6 +389,8 @@ def compact_heads(
             lengths[group], plan, scale, memory_limit, clock, None if weights is None else weights[group],
         )  # fmt: skip
         width = fitted.indices.shape[1]
+        # _compact_group fits (or takes from its selector) both
+        assert fitted.beta is not None and fitted.values is not None
         idx[group, :width], beta[group, :width] = fitted.indices, fitted.beta
         vals[group, :width], lengths[group] = fitted.values, fitted.lengths
     heads = _pack(keys, Selection(idx, lengths, beta, vals.to(values.dtype)), pos)

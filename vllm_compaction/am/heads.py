@@ -184,7 +184,7 @@ class CompactedHeads:
         indices = torch.cat([p.indices for p in parts])
         # sort key (head, position): positions are < 2**40, so one int64 key orders both
         order = torch.argsort(head_ids * (1 << 40) + indices, stable=True)
-        lengths = sum(p.head_budgets for p in parts)
+        lengths = sum((p.head_budgets for p in parts[1:]), parts[0].head_budgets)
         return cls(
             keys=torch.cat([p.keys for p in parts])[order],
             beta=torch.cat([p.beta.float() for p in parts])[order],

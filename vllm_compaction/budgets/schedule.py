@@ -10,9 +10,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 __all__ = ["Schedule", "packaged_schedule", "load_schedule"]
 
@@ -48,9 +51,11 @@ class Schedule:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> Schedule:
+    def load(cls, path: str | Path | Traversable) -> Schedule:
+        """A schedule from a JSON file (a path, or a packaged resource)."""
+        source = Path(path) if isinstance(path, str) else path
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(source.read_text())
             return cls(**data)
         except (OSError, json.JSONDecodeError, TypeError) as exc:
             raise ValueError(

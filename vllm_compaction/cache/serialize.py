@@ -77,7 +77,7 @@ def _tensors_sha256(tensors: dict[str, torch.Tensor], names: list[str]) -> str:
         digest.update(
             f"{name}|{_dtype_name(t.dtype)}|{list(tensors[name].shape)}|".encode()
         )
-        digest.update(memoryview(t.view(torch.uint8).numpy()))
+        digest.update(t.view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
 

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 
@@ -23,6 +23,9 @@ from vllm_compaction.models import runtime
 from vllm_compaction.models.chat import ChatTemplateError, ChatTokenizer
 from vllm_compaction.models.fingerprint import checkpoint_fingerprint
 from vllm_compaction.models.runtime import AttentionRun, PrefixLayer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["ModelAdapter", "PrefixKV", "ForwardResult", "UnsupportedModelError"]
 
@@ -79,7 +82,7 @@ class ModelAdapter:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         tokenizer,
         path: Path | None = None,
         name: str = "",
@@ -146,7 +149,8 @@ class ModelAdapter:
 
     def layer_scales(self) -> list[float]:
         """Softmax scale of each layer's attention (what AM must fit with)."""
-        return [float(m.scaling) for m in self._attention_modules()]
+        # torch types a Module's attributes Tensor | Module; an HF attention's scaling is a float
+        return [float(m.scaling) for m in self._attention_modules()]  # type: ignore[arg-type]
 
     def _attention_modules(self) -> list[torch.nn.Module]:
         mods = [
@@ -178,7 +182,8 @@ class ModelAdapter:
                 for v in rope.values()
                 if isinstance(v, dict)
             }
-        bad = kinds - set(self.rebasable_rope)
+        # the config's RoPE type names (untyped config data)
+        bad = cast(set[str], kinds - set(self.rebasable_rope))
         if bad:
             raise UnsupportedModelError(
                 f"RoPE type(s) {sorted(bad)} cannot be re-based by a constant rotation; supported: "
@@ -273,7 +278,7 @@ class ModelAdapter:
         token_ids: Sequence[int] | torch.Tensor,
         positions: torch.Tensor,
         *,
-        prefix: list[PrefixLayer | None] | None = None,
+        prefix: Sequence[PrefixLayer | None] | None = None,
         segments: torch.Tensor | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         run: AttentionRun | None = None,
@@ -335,6 +340,9 @@ class ModelAdapter:
             hidden = self.forward(
                 ids, torch.arange(ids.numel(), device=self.device)
             ).hidden
+            assert (
+                hidden is not None
+            )  # a pass that keeps no logits returns the hidden states
         head = self.model.get_output_embeddings()
         softcap = getattr(self.config, "final_logit_softcapping", None)
         nll = torch.zeros(ids.numel(), dtype=torch.float32, device=self.device)
@@ -383,7 +391,7 @@ class ModelAdapter:
     @torch.inference_mode()
     def generate(
         self,
-        prefix: list[PrefixLayer | None],
+        prefix: Sequence[PrefixLayer | None],
         logical_length: int,
         continuation_ids: Sequence[int],
         *,
@@ -411,6 +419,7 @@ class ModelAdapter:
             logits_to_keep=1,
             keep_kv=True,
         )
+        assert res.logits is not None  # logits_to_keep=1
         first_logits, logits, run = res.logits[-1], res.logits[-1], res.run
         out: list[int] = []
         position = logical_length + n
@@ -429,6 +438,7 @@ class ModelAdapter:
                 logits_to_keep=1,
                 run=run,
             )
+            assert res.logits is not None  # logits_to_keep=1
             logits, position = res.logits[-1], position + 1
         return out, first_logits
 

@@ -93,12 +93,16 @@ class ChatTokenizer:
         if isinstance(continuation, str):
             return self.encode(continuation)
         items = list(continuation)
-        if items and all(isinstance(m, dict) for m in items):
-            return self.turn_ids(items, add_generation_prompt=True)
-        if items and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items
-        ):
-            return [int(t) for t in items]
+        messages = [m for m in items if isinstance(m, dict)]
+        if items and len(messages) == len(items):
+            return self.turn_ids(messages, add_generation_prompt=True)
+        ids = [
+            t
+            for t in items
+            if isinstance(t, int) and not isinstance(t, bool) and t >= 0
+        ]
+        if items and len(ids) == len(items):
+            return [int(t) for t in ids]
         raise ValueError(
             "the continuation must be text, a non-empty list of token ids, or chat messages"
         )

@@ -239,6 +239,7 @@ def _score_prefix(
     h_kv, p = q.shape[0], prefix.keys.shape[1]
     all_keys = torch.cat([prefix.keys.to(keys.dtype), keys], dim=1).float()
     scores = torch.zeros(h_kv, p, dtype=torch.float32, device=q.device)
+    assert run.score_rows is not None  # only a run with score_rows scores its prefix
     marked = run.score_rows.to(device=q.device, dtype=torch.bool)
     for rows in _query_blocks(
         q.shape[2], q.shape[0] * q.shape[1] * all_keys.shape[1] * 4, q.device

@@ -77,6 +77,8 @@ class QueryPlan:
             raise ValueError("weights needs one integer >= 1 per continuation")
 
     def merge(self, other: QueryPlan) -> QueryPlan:
+        # __post_init__ fills both plans' weights
+        assert self.weights is not None and other.weights is not None
         return QueryPlan(
             continuations=self.continuations + other.continuations,
             record_from=self.record_from + other.record_from,
@@ -92,12 +94,14 @@ class QueryPlan:
                 "a weight applies to sources that run continuations, not to "
                 "context-prefill or random-vectors"
             )
+        assert self.weights is not None  # __post_init__ fills it
         return dataclasses.replace(self, weights=[w * weight for w in self.weights])
 
 
 class QuerySource(Protocol):
     """One way of sampling reference queries (one file per source)."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def plan(self, adapter: ModelAdapter, prefix: PrefixSpec) -> QueryPlan: ...

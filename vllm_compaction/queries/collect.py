@@ -9,7 +9,7 @@ rest of the pass runs on it: that is on-policy compaction without re-running the
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -46,7 +46,11 @@ class QueryCollector:
             cap,
             seed,
         )
-        ids, positions, segments, token_weights = [], [], [], []
+        assert plan.weights is not None  # QueryPlan.__post_init__ fills it
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[int] = []
+        token_weights: list[int] = []
         for seg, (cont, start, weight) in enumerate(
             zip(plan.continuations, plan.record_from, plan.weights)
         ):
@@ -84,6 +88,8 @@ class QueryCollector:
             else None
         )
         if self.plan.prefix_queries:
+            if prefix_q is None:
+                raise ValueError("context-prefill needs the prefix's queries")
             parts.append(prefix_q.float())
         if self.plan.random_vectors:
             if prefix_q is None:
@@ -142,6 +148,8 @@ class QueryCollector:
             return None
         static = self.plan.random_vectors or 0
         if self.plan.prefix_queries:
+            if self.prefix.kv.queries is None:
+                raise ValueError("context-prefill needs the prefix's queries")
             static += self.prefix.kv.queries[layer].shape[1]
         group = self.adapter.num_q_heads // self.adapter.num_kv_heads
         recorded = self.token_weights[self.record].repeat(
@@ -154,13 +162,13 @@ class QueryCollector:
         return rows if keep is None else rows[keep]
 
     def run(
-        self, prefix: list[PrefixLayer | None], on_layer: OnLayer | None = None
+        self, prefix: Sequence[PrefixLayer | None], on_layer: OnLayer | None = None
     ) -> list[torch.Tensor]:
         """Each layer's reference queries; ``on_layer`` may swap in that layer's compacted prefix."""
         return self._run(prefix, on_layer, score_prefix=False)[0]
 
     def run_scored(
-        self, prefix: list[PrefixLayer | None]
+        self, prefix: Sequence[PrefixLayer | None]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """``run`` plus, per layer, ``[H_kv, P]`` prefix-slot scores from the recorded
         continuation rows: each slot's largest weight in the softmax of the real pass, whose
@@ -170,7 +178,7 @@ class QueryCollector:
 
     def _run(
         self,
-        prefix: list[PrefixLayer | None],
+        prefix: Sequence[PrefixLayer | None],
         on_layer: OnLayer | None,
         *,
         score_prefix: bool,

@@ -60,9 +60,12 @@ class ReferenceDecoder:
         ids = self.continuation_ids(continuation)
         prefix, length = self._prefix(source)
         positions = torch.arange(length, length + len(ids))
-        return self.adapter.forward(
+        logits = self.adapter.forward(
             ids, positions, prefix=prefix, logits_to_keep=len(ids)
         ).logits
+        if logits is None:
+            raise ValueError("the continuation is empty: there are no logits to score")
+        return logits
 
     def generate(
         self,

@@ -4,6 +4,7 @@ environment variables in a plain ``vllm serve`` deployment (the flags set the va
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -132,16 +133,16 @@ class ServiceConfig(BaseModel):
 
     @classmethod
     def from_env(
-        cls, environ: dict[str, str] | None = None, **defaults: Any
+        cls, environ: Mapping[str, str] | None = None, **defaults: Any
     ) -> ServiceConfig:
         """Settings from ``VLLM_COMPACTION_<FIELD>`` variables over ``defaults``.
 
         ValueError with one sentence naming the variable for a value that does not parse.
         """
-        environ = os.environ if environ is None else environ
+        env: Mapping[str, str] = os.environ if environ is None else environ
         values = dict(defaults)
         for name in cls.model_fields:
-            raw = environ.get(ENV_PREFIX + name.upper())
+            raw = env.get(ENV_PREFIX + name.upper())
             if raw not in (None, ""):
                 values[name] = raw
         try:

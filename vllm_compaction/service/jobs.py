@@ -19,6 +19,7 @@ Nothing here touches the engine or the cache store.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import secrets
 import threading
@@ -101,9 +102,9 @@ class JobRecord(Compaction):
 
     def token_matches(self, token: str) -> bool:
         """Whether ``token`` is this running job's claim secret (constant time)."""
-        return bool(self.claim_token) and secrets.compare_digest(
-            token.encode(), self.claim_token.encode()
-        )
+        if not self.claim_token:
+            return False
+        return secrets.compare_digest(token.encode(), self.claim_token.encode())
 
 
 class JobBook:
@@ -199,9 +200,7 @@ class JobBook:
         """Seconds until a place is likely free: the mean run time of recent jobs per job ahead
         of one in the queue, at least 1 s (10 s per job before any has finished)."""
         runs = [
-            r.timings.get("run_s")
-            for r in self._jobs.values()
-            if r.timings.get("run_s")
+            r.timings["run_s"] for r in self._jobs.values() if r.timings.get("run_s")
         ]
         mean = sum(runs[-20:]) / len(runs[-20:]) if runs else 10.0
         return max(1.0, round(mean))
@@ -224,7 +223,7 @@ class JobBook:
 
     def page(
         self, owner: str, *, after: str | None = None, limit: int | None = None
-    ) -> tuple[list[JobRecord], bool]:
+    ) -> tuple[builtins.list[JobRecord], bool]:
         """``owner``'s jobs from the one after ``after`` on, at most ``limit``, and whether more
         follow. An ``after`` that is not one of the owner's jobs is a 404."""
         records = self.list(owner)

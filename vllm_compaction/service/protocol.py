@@ -78,7 +78,9 @@ def check_queries(queries: str) -> str:
             f"{aliases[0]!r}; weight or space its parts ({_QUERY_ALIASES[aliases[0]]})"
         )
     # the library's own refusals (a weight on context-prefill); any ratio checks an '/auto'
-    parse_sources(resolve_spacing(expand_queries(queries), 0.1))
+    expanded = expand_queries(queries)
+    assert expanded is not None  # an empty spec names no source and was refused above
+    parse_sources(resolve_spacing(expanded, 0.1))
     return queries
 
 

@@ -8,6 +8,7 @@ and trigger automatic compaction. Worker side: ``claim``, ``heartbeat``, ``accep
 
 from __future__ import annotations
 
+import builtins
 import logging
 import secrets
 import threading
@@ -171,6 +172,8 @@ class CompactionService:
         elif request.prompt is not None:
             messages = [{"role": "user", "content": request.prompt}]
         else:
+            # CompactRequest asks for one of messages, prompt or conversation_id
+            assert request.conversation_id is not None
             conversation = self.conversations.get(owner, request.conversation_id)
             if conversation is None or not conversation.messages:
                 raise JobError(
@@ -237,7 +240,12 @@ class CompactionService:
                     else ""
                 ),
             )
-        average = ratio if ratio is not None else min(1.0, target_tokens / content)
+        if ratio is not None:
+            average = ratio
+        elif target_tokens is not None:
+            average = min(1.0, target_tokens / content)
+        else:
+            raise JobError(400, "give exactly one of ratio or target_tokens")
         if max_head_ratio is None:
             max_head_ratio = (
                 1.0 if self.layout == "varlen" else min(1.0, HEAD_CAP_FACTOR * average)
@@ -297,7 +305,7 @@ class CompactionService:
     def plan_chat(
         self,
         owner: str,
-        raw_messages: list[Any],
+        raw_messages: builtins.list[Any],
         *,
         compaction_id: str | None = None,
         conversation_id: str | None = None,
@@ -330,7 +338,7 @@ class CompactionService:
         plan = None
         if record is not None:
             plan = self._plan_from(record, messages, explicit=compaction_id is not None)
-        if conversation is not None:
+        if conversation_id is not None and conversation is not None:
             conversation.messages = messages
             self.conversations.save(conversation)
             self._maybe_auto_compact(owner, conversation_id, messages, plan)
@@ -338,7 +346,7 @@ class CompactionService:
         return plan
 
     def plan_text(
-        self, owner: str, compaction_id: str, continuation: str | list[int]
+        self, owner: str, compaction_id: str, continuation: str | builtins.list[int]
     ) -> PrefixPlan:
         """A completions request whose prompt (text or token ids) continues a compaction."""
         _check_id(compaction_id, "compaction_id")
@@ -358,7 +366,11 @@ class CompactionService:
         return self._plan(record, ids)
 
     def _plan_from(
-        self, record: JobRecord, messages: list[dict[str, str]], *, explicit: bool
+        self,
+        record: JobRecord,
+        messages: builtins.list[dict[str, str]],
+        *,
+        explicit: bool,
     ) -> PrefixPlan | None:
         covered = record.messages
         has_history = messages[: len(covered)] == covered
@@ -410,7 +422,9 @@ class CompactionService:
             f"until it succeeds, send the full conversation to be served without it.",
         )
 
-    def _plan(self, record: JobRecord, continuation_ids: list[int]) -> PrefixPlan:
+    def _plan(
+        self, record: JobRecord, continuation_ids: builtins.list[int]
+    ) -> PrefixPlan:
         self.store.touch_id(
             record.id
         )  # the engine reads the file itself: keep LRU order by use
@@ -430,7 +444,7 @@ class CompactionService:
         self,
         owner: str,
         conversation_id: str,
-        messages: list[dict[str, str]],
+        messages: builtins.list[dict[str, str]],
         plan: PrefixPlan | None,
     ) -> None:
         threshold = self.config.auto_compact_threshold_tokens
@@ -582,7 +596,7 @@ class CompactionService:
             raise
 
     # ------------------------------------------------------------------ internals
-    def _messages(self, raw: list[Any]) -> list[dict[str, str]]:
+    def _messages(self, raw: builtins.list[Any]) -> builtins.list[dict[str, str]]:
         try:
             return normalize_messages(
                 list(raw) if isinstance(raw, (list, tuple)) else raw

@@ -224,6 +224,8 @@ class _GreedyMassFit:
         h, n = self.mass.shape
         if counts is None:
             scores, counts, r = self.corr, self.per_round, self.max_per_round
+        elif scores is None:
+            raise ValueError("a seed round needs the keys' scores with its counts")
         else:
             r = int(counts.max())
         if r == 0:
