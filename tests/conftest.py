@@ -118,13 +118,32 @@ def niah_cases(smollm2):
 # end-to-end tests in server/ and the fault and abuse tests in faults/: started on first use.
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
+    """The store sits on a small tmpfs of its own (``server.disk``) where the machine allows a
+    mount (root), so the fault tests can fill the disk under the live server; ``server.disk``
+    is None where it does not."""
+    import subprocess
+
     from server.servers import compaction_server
 
     root = tmp_path_factory.mktemp("compaction-server")
-    process = compaction_server(root / "store", root / "server.log")
-    process.start()
-    yield process
-    process.stop()
+    disk = root / "disk"
+    disk.mkdir()
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(disk)],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
+    process = compaction_server(disk / "store", root / "server.log")
+    process.disk = disk if mounted else None
+    try:
+        process.start()
+        yield process
+    finally:
+        process.stop()
+        if mounted:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 
 
 def _client(server, key: str):

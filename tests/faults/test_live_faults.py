@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import json
 import os
 import signal
@@ -359,4 +360,64 @@ def test_a_stopped_worker_loses_its_lease_and_the_job_runs_again(server, client)
     assert done["status"] == "succeeded" and done["attempts"] == 2, done
     caches = list(_store(server).glob(f"{job['id']}*.safetensors"))
     assert len(caches) == 1, caches
+    assert not list(_store(server).glob(".upload-*.tmp"))
+
+
+def _fill(disk: Path) -> Path:
+    """A ballast file beside the store (so no eviction counts it) until the disk is full."""
+    ballast = disk / "ballast.bin"
+    chunk = b"\0" * (1 << 20)
+    with ballast.open("wb") as f:
+        try:
+            while True:
+                f.write(chunk)
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+    return ballast
+
+
+def test_a_full_disk_answers_clean_errors_and_serving_goes_on(server, client, owned):
+    """The store's disk fills up: a new compaction is refused with 503 and a retry hint (no
+    path in the message), a running job does not hang, compacted and plain chats are still
+    served; once space is back, new compactions succeed."""
+    if server.disk is None:
+        pytest.skip(
+            "filling a disk needs the store on a tmpfs mount (root), unavailable here"
+        )
+    job = _compact(client, prompt=NOTE * 2)
+    wait_status(client, job["id"], ("running",))
+    ballast = _fill(server.disk)
+    try:
+        refused = httpx.post(
+            f"{server.url}/v1/compact",
+            json={"model": MODEL, "prompt": NOTE, "ratio": 0.5, **METHOD},
+            headers=_headers(API_KEYS[0]),
+            timeout=60,
+        )
+        error = _assert_openai_error(refused, 503)
+        assert (
+            "disk space" in error["message"]
+            and int(refused.headers["Retry-After"]) >= 1
+        )
+        assert (
+            _chat(client, compaction_id=owned["id"]).choices[0].message.content
+            is not None
+        )
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+        # the running job meets the full disk when it uploads its cache
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            state = client.get(f"/compact/{job['id']}", cast_to=object)
+            if state["status"] != "running" or state.get("stage") == "uploading":
+                break
+            time.sleep(0.5)
+        time.sleep(3.0)
+    finally:
+        ballast.unlink()
+    # space is back: the job that met the full disk ends (succeeded, or failed with its reason)
+    ended = wait_finished(client, job["id"], timeout_s=300)
+    assert ended["status"] == "succeeded" or ended["error"], ended
+    after = wait_finished(client, _compact(client, prompt=NOTE)["id"], timeout_s=300)
+    assert after["status"] == "succeeded", after
     assert not list(_store(server).glob(".upload-*.tmp"))

@@ -8,9 +8,11 @@ only its own compactions. Workers present the worker token instead.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import hashlib
 import json
+import logging
 import secrets
 import time
 from pathlib import Path
@@ -51,6 +53,10 @@ MAX_COMPACT_BODY_BYTES = 64 << 20
 RESERVED_SALT = "vllm-compaction:"
 
 router = APIRouter()
+logger = logging.getLogger(__name__)
+
+#: A full store answers 503 with this hint: space comes back when caches expire or are deleted.
+STORE_FULL_RETRY_S = 30
 
 
 #: The error type of each status, as the ``openai`` client names its exceptions.
@@ -201,6 +207,18 @@ def _guard(func):
             )
         except ValueError as exc:
             return error_response(400, str(exc))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # the request changed nothing (every record is written before it counts); the
+            # message names no path, the log has the whole error
+            logger.error("compaction store full: %s", exc)
+            return error_response(
+                503,
+                "the compaction store is out of disk space; nothing was changed, try again "
+                "later (an operator can free space or lower --compaction-store-max-bytes)",
+                retry_after=STORE_FULL_RETRY_S,
+            )
 
     return wrapper
 

@@ -89,7 +89,8 @@ class ServiceMetrics:
         if record.status == JobStatus.succeeded:
             if record.ratio is not None:
                 self.collectors["ratio"].observe(record.ratio)
-            if record.bytes_saved:
+            # a short prompt's cache can outgrow it (block padding): nothing saved, not a loss
+            if record.bytes_saved and record.bytes_saved > 0:
                 self.collectors["bytes_saved"].inc(record.bytes_saved)
 
     def request(self, prefix: str) -> None:
