@@ -340,12 +340,7 @@ def test_a_stopped_worker_loses_its_lease_and_the_job_runs_again(server, client)
     nothing for it, and runs it afresh under a new claim. The store holds one cache."""
     job = _compact(client, prompt=NOTE * 2)
     wait_status(client, job["id"], ("running",))
-    deadline = time.monotonic() + 60
-    while not _job_record(server, job["id"])[
-        "acked"
-    ]:  # an unacked claim lapses as if never made
-        assert time.monotonic() < deadline, "the worker never acknowledged its claim"
-        time.sleep(0.1)
+    _wait_acked(server, job["id"])
     pid = _worker_pid(server, job["id"])
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -421,3 +416,35 @@ def test_a_full_disk_answers_clean_errors_and_serving_goes_on(server, client, ow
     after = wait_finished(client, _compact(client, prompt=NOTE)["id"], timeout_s=300)
     assert after["status"] == "succeeded", after
     assert not list(_store(server).glob(".upload-*.tmp"))
+
+
+def _wait_acked(server, compaction_id: str, timeout_s: float = 120.0) -> None:
+    """Until the claiming worker has acknowledged the job (an unacked claim lapses)."""
+    deadline = time.monotonic() + timeout_s
+    while not _job_record(server, compaction_id).get("acked"):
+        assert time.monotonic() < deadline, "the worker never acknowledged its claim"
+        time.sleep(0.1)
+
+
+def _compute_child(worker_pid: int) -> int:
+    """The worker's compute process (multiprocessing spawn child holding the model)."""
+    children = (
+        Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split()
+    )
+    for pid in map(int, children):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline:
+            return pid
+    raise AssertionError(f"worker {worker_pid} has no compute child among {children}")
+
+
+def test_a_killed_compute_process_is_restarted_and_the_job_runs_again(server, client):
+    """SIGKILL of the worker's compute child mid-job: the worker reports a retryable
+    failure, restarts the child, and the job runs again to success."""
+    job = _compact(client, prompt=NOTE * 30)
+    wait_status(client, job["id"], ("running",))
+    _wait_acked(server, job["id"])
+    os.kill(_compute_child(_worker_pid(server, job["id"])), signal.SIGKILL)
+    done = wait_finished(client, job["id"], timeout_s=600)
+    assert done["status"] == "succeeded" and done["attempts"] == 2, done
+    assert len(list(_store(server).glob(f"{job['id']}*.safetensors"))) == 1

@@ -507,3 +507,65 @@ def test_a_killed_server_restarts_with_its_jobs_and_a_separate_worker_runs_them(
         .choices[0]
         .message.content
     )
+
+
+def test_two_uploads_for_one_job_one_wins_and_its_cache_serves(
+    server, client, smollm2, tmp_path
+):
+    """Runs after the restart (no local worker): this test claims a job with the worker
+    token, computes its cache and sends it twice at once. One upload wins, the other is
+    refused with 409, and the winner's cache is the one stored and served."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm_compaction.pipeline import compact as compact_cache
+
+    store = Path(server.flags[server.flags.index("--compaction-store") + 1])
+    base = f"{server.url}/compaction/worker/v1"
+    auth = {"Authorization": f"Bearer {(store / 'worker-token').read_text().strip()}"}
+    job = compact(
+        client,
+        prompt="Two uploads race: the ferry leaves at six from pier 9.",
+        ratio=0.5,
+        **METHOD,
+    )
+    claimed = httpx.post(
+        f"{base}/claim", json={"worker_id": "racer"}, headers=auth, timeout=60
+    ).json()
+    assert claimed["id"] == job["id"], claimed
+    claim = {**auth, "X-Job-Token": claimed["token"], "X-Worker-Id": "racer"}
+    beat = httpx.post(
+        f"{base}/jobs/{job['id']}/heartbeat",
+        json={"worker_id": "racer"},
+        headers=claim,
+        timeout=60,
+    )
+    assert beat.json()["action"] == "continue"
+    cache = compact_cache(
+        smollm2,
+        claimed["messages"],
+        ratio=claimed["ratio"],
+        method=claimed["method"],
+        queries=claimed["queries"],
+        keep_last_tokens=claimed["keep_last_tokens"],
+    )
+    cache.save(tmp_path / "result.safetensors")
+    data = (tmp_path / "result.safetensors").read_bytes()
+
+    def upload(_: int) -> httpx.Response:
+        return httpx.put(
+            f"{base}/jobs/{job['id']}/result", content=data, headers=claim, timeout=120
+        )
+
+    with ThreadPoolExecutor(2) as pool:
+        codes = sorted(r.status_code for r in pool.map(upload, range(2)))
+    assert codes == [200, 409], codes
+    assert len(list(store.glob(f"{job['id']}*.safetensors"))) == 1
+    assert not list(store.glob(".upload-*.tmp"))
+    done = client.get(f"/compact/{job['id']}", cast_to=object)
+    assert done["status"] == "succeeded" and done["compacted_tokens"], done
+    reply = ask(
+        client,
+        [{"role": "user", "content": "When does the ferry leave?"}],
+        compaction_id=job["id"],
+    )
+    assert reply.choices[0].message.content
