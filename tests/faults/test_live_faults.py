@@ -440,11 +440,14 @@ def _compute_child(worker_pid: int) -> int:
 
 def test_a_killed_compute_process_is_restarted_and_the_job_runs_again(server, client):
     """SIGKILL of the worker's compute child mid-job: the worker reports a retryable
-    failure, restarts the child, and the job runs again to success."""
-    job = _compact(client, prompt=NOTE * 30)
+    failure, restarts the child, and the job runs again to success. The child is first
+    frozen (SIGSTOP) so the kill lands mid-job whatever the job's speed."""
+    job = _compact(client, prompt=NOTE * 6)
     wait_status(client, job["id"], ("running",))
-    _wait_acked(server, job["id"])
-    os.kill(_compute_child(_worker_pid(server, job["id"])), signal.SIGKILL)
+    compute = _compute_child(_worker_pid(server, job["id"]))
+    os.kill(compute, signal.SIGSTOP)
+    _wait_acked(server, job["id"])  # the worker's own loop still heartbeats
+    os.kill(compute, signal.SIGKILL)
     done = wait_finished(client, job["id"], timeout_s=600)
     assert done["status"] == "succeeded" and done["attempts"] == 2, done
     assert len(list(_store(server).glob(f"{job['id']}*.safetensors"))) == 1
