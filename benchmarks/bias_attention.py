@@ -139,11 +139,12 @@ def main() -> None:
         for r in range(args.batch):
             rows = block_table[r].long()[:, None] * bs + torch.arange(bs)
             rows = rows.flatten()[: args.seq_len]
+            # [H, T, d]
             k, v, b = (
                 flat_k[rows].transpose(0, 1),
                 flat_v[rows].transpose(0, 1),
                 flat_b[rows].T,
-            )  # [H, T, d]
+            )
             mask = b.repeat_interleave(hq // hkv, 0)[:, None, :]
             q = query[r][:, None, :]
             outs.append(

@@ -186,13 +186,14 @@ def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
     for backend in ("torch", "triton:tf32", "triton:tf32x3", "triton:ieee"):
         attention.REFERENCE_BACKEND = backend
         try:
+            # compile and tune this variant
             compact_heads(
                 layer["keys"][:, :4096],
                 layer["values"][:, :4096],
                 layer["fit"][:, :2048],
                 64,
                 method=RECIPES["am-highest-attn"].math,
-            )  # compile and tune this variant
+            )
             timings = {}
             heads = compact_heads(
                 layer["keys"],
@@ -492,12 +493,13 @@ def compact_section(args: argparse.Namespace, device: torch.device) -> dict:
     shape, layers, tokens = (LLAMA3_8B, 2, 32_768) if not args.smoke else (TINY, 2, 300)
     adapter = synthetic_llama(shape, layers=layers, device=device)
     messages = synthetic_messages(tokens, seed=0)
+    # warm up
     compact(
         adapter,
         synthetic_messages(256, seed=1),
         ratio=0.1,
         method="am-highest-attn-fast",
-    )  # warm up
+    )
     out: dict[str, Any] = {
         "model": f"random-weight Llama, Llama-3-8B layer shapes, {layers} layers"
         if not args.smoke

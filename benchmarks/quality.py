@@ -131,9 +131,8 @@ def run(
             digest = hashlib.sha256(
                 json.dumps([prompt.prefix_ids, prompt.continuation_ids]).encode()
             ).hexdigest()[:16]
-            assert (
-                prompt_hash.setdefault((task, seed), digest) == digest
-            )  # identical for every method
+            # identical for every method
+            assert prompt_hash.setdefault((task, seed), digest) == digest
             if (task, seed) in done:
                 kept = done[(task, seed)]
                 if kept["prompt"] != digest:
@@ -144,9 +143,8 @@ def run(
                 baselines += kept["baselines"]
                 rows += kept["rows"]
                 continue
-            answer_tokens = (
-                inst.answer_tokens or args.max_new_tokens
-            )  # free-form tasks answer at length
+            # free-form tasks answer at length
+            answer_tokens = inst.answer_tokens or args.max_new_tokens
             full_kv = adapter.prefill(prompt.prefix_ids, capture_queries=False)
             full = decoder.generate(
                 full_kv, prompt.continuation_ids, max_new_tokens=answer_tokens
@@ -181,9 +179,8 @@ def run(
                     kwargs.pop("queries", None) or RECIPES[variant.method].queries
                 )
                 for ratio in ratios:
-                    queries = resolve_spacing(
-                        requested, ratio
-                    )  # '/auto' plans per ratio
+                    # '/auto' plans per ratio
+                    queries = resolve_spacing(requested, ratio)
                     if queries not in prepared:
                         prepared[queries] = prepare_prefix(
                             adapter,
@@ -408,9 +405,8 @@ def plot(result: dict, path: Path) -> None:
             else (("full-context", "--"),)
         )
         for name, style in references:
-            level = (
-                _fraction(summary[name]) if scored else 1.0
-            )  # the full cache's own ratio is 1
+            # the full cache's own ratio is 1
+            level = _fraction(summary[name]) if scored else 1.0
             top.axhline(level, color="k", linestyle=style, label=name)
             bottom.axhline(level, color="k", linestyle=style)
         log_scale(top)

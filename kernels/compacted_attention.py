@@ -249,9 +249,8 @@ def _build() -> tuple[Any, Any]:
                     k_ptr + row + HEAD_DIM + 1, mask=in_suffix, other=0.0
                 ).to(tl.float32)
                 beta += hi_b + lo_b
-            if (
-                ROW_MULTIPLE > 1
-            ):  # every row starts on a multiple of this many elements: wide loads
+            # every row starts on a multiple of this many elements: wide loads
+            if ROW_MULTIPLE > 1:
                 row = tl.multiple_of(row, ROW_MULTIPLE)
             k_t = tl.load(
                 k_ptr + row[None, :] + d[:, None],
@@ -696,9 +695,8 @@ def compacted_attention_reference(
             else torch.zeros(seq_len, num_kv_heads, dtype=dtype, device=query.device)
         )
         q_pos = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device)
-        visible = (
-            torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-        )  # [q, S]
+        # [q, S]
+        visible = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
         q = query[q0:q1, :, :head_dim].to(dtype)
         for h in range(num_q_heads):
             kv = h // group

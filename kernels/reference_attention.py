@@ -76,9 +76,8 @@ SMEM_SLACK = 1.3
 def _configs(
     triton: Any, interpret: bool, pairs: list[tuple[int, int, int, int]]
 ) -> list[Any]:
-    if (
-        interpret
-    ):  # one small configuration: the interpreter runs every program in Python
+    # one small configuration: the interpreter runs every program in Python
+    if interpret:
         return [
             triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)
         ]
@@ -202,11 +201,12 @@ def _build() -> tuple[Any, Any]:
         for start in range(0, t, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < t
+            # [D_PAD, BLOCK_N]
             k_t = tl.load(
                 k_ptr + head * s_kh + cols[None, :].to(tl.int64) * s_kt + d[:, None],
                 mask=col_ok[None, :] & d_ok[:, None],
                 other=0.0,
-            )  # [D_PAD, BLOCK_N]
+            )
             logits = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale  # log2 units
             logits = tl.where(col_ok[None, :], logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 1))
@@ -270,11 +270,12 @@ def _build() -> tuple[Any, Any]:
         col_ok = cols < t
         d = tl.arange(0, D_PAD)
         d_ok = d < D
+        # [D_PAD, BLOCK_N]
         k_t = tl.load(
             k_ptr + head * s_kh + cols[None, :].to(tl.int64) * s_kt + d[:, None],
             mask=col_ok[None, :] & d_ok[:, None],
             other=0.0,
-        )  # [D_PAD, BLOCK_N]
+        )
         acc = tl.zeros([BLOCK_N], tl.float32)
         for start in range(0, n, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
@@ -287,9 +288,8 @@ def _build() -> tuple[Any, Any]:
             shift = tl.load(shift_ptr + head * n + rows, mask=row_ok, other=0.0)
             logits = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
             ok = row_ok[:, None] & col_ok[None, :]
-            p = tl.where(
-                ok, tl.exp2(logits - shift[:, None]), 0.0
-            )  # shifted features exp(l - s)
+            # shifted features exp(l - s)
+            p = tl.where(ok, tl.exp2(logits - shift[:, None]), 0.0)
             if FEATURES:  # key-major [T, n]: store the transposed tile, so threads write along queries
                 tl.store(
                     feat_ptr

@@ -120,9 +120,8 @@ def test_probe_softmax_without_probes_scores_over_the_prefix(tiny_llama):
     )
     assert torch.equal(by_prefix.head_lengths, by_probe.head_lengths)
     assert by_probe.options["score_softmax"] == "probe"
-    assert (
-        by_probe.options["score_aggregation"] == "max"
-    )  # the probe pass's scores take no weight
+    # the probe pass's scores take no weight
+    assert by_probe.options["score_aggregation"] == "max"
 
 
 def _prepared_with_weights(adapter, weights):
@@ -263,9 +262,8 @@ def test_empty_mask_is_refused(tiny_llama):
 def test_content_chunks():
     from vllm_compaction.pipeline import content_chunks
 
-    chunks = content_chunks(
-        MASK, 22
-    )  # 50 content tokens: 22 + 28 (a last 6 joins the one before)
+    # 50 content tokens: 22 + 28 (a last 6 joins the one before)
+    chunks = content_chunks(MASK, 22)
     assert [int(c.sum()) for c in chunks] == [22, 28]
     assert torch.equal(sum(c.int() for c in chunks).bool(), MASK)
     assert torch.nonzero(chunks[0]).max() < torch.nonzero(chunks[1]).min()

@@ -133,11 +133,12 @@ def test_resume_refuses_other_settings_and_keeps_only_complete_instances():
         ]
 
     rows, baselines = [], []
+    # 6 unfinished, 9 outside the range
     for seed, ratios in (
         (5, (0.1, 0.05)),
         (6, (0.1,)),
         (9, (0.1, 0.05)),
-    ):  # 6 unfinished, 9 outside the range
+    ):
         r, b = instance(seed, ratios)
         rows += r
         baselines += b
@@ -253,7 +254,6 @@ def test_free_form_task_is_not_scored_and_is_drawn_by_its_reconstruction(
     assert summary["kvzip"]["0.1"]["score"] is None and summary["kvzip"]["0.1"][
         "log_ppl_ratio"
     ] == pytest.approx(1.5)
-    plot(
-        merged, tmp_path / "free_form.png"
-    )  # the reconstruction panels draw without a score
+    # the reconstruction panels draw without a score
+    plot(merged, tmp_path / "free_form.png")
     assert (tmp_path / "free_form.png").stat().st_size > 0

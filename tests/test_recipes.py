@@ -106,9 +106,8 @@ def test_the_default_is_the_recommended_configuration():
     assert DEFAULT_METHOD == "am"
     short, long = resolve_recipe("am"), resolve_recipe(LONG_FORM)
     assert short == long
-    assert (
-        resolve_recipe("am", budgets="uniform")[1] == {}
-    )  # the layer floor belongs to global budgets
+    # the layer floor belongs to global budgets
+    assert resolve_recipe("am", budgets="uniform")[1] == {}
     assert (
         resolve_recipe("am:queries=repeat-prefill", queries="context-prefill")[
             0

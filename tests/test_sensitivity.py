@@ -169,6 +169,5 @@ def test_a_curve_point_is_the_loss_change_of_compacting_that_head_alone(tiny_lla
                 nll(dropped) - baseline, abs=1e-5
             )
     assert (curves.curves[:, 1] == 0).all()
-    assert (
-        curves.curves[:, 0].abs().max() > 1e-3
-    )  # the heads matter: the check above is not 0 == 0
+    # the heads matter: the check above is not 0 == 0
+    assert curves.curves[:, 0].abs().max() > 1e-3

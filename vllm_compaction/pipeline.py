@@ -324,9 +324,8 @@ def compact_prefix(
         query_cap=query_cap,
         seed=seed,
     )
-    return compact_prepared(
-        prepared, method=method, **kwargs
-    )  # the prepared plan fixes the queries
+    # the prepared plan fixes the queries
+    return compact_prepared(prepared, method=method, **kwargs)
 
 
 #: The arguments of ``compact_prepared`` that are not options of the method.
@@ -372,9 +371,8 @@ class _Compaction:
 
     def __post_init__(self) -> None:
         adapter = self.prepared.adapter
-        self.layers = torch.tensor(
-            adapter.compactable_layers, device="cpu"
-        )  # host bookkeeping, as the masks
+        # host bookkeeping, as the masks
+        self.layers = torch.tensor(adapter.compactable_layers, device="cpu")
         self.compacted = [None] * adapter.num_layers
         mask = self.prepared.spec.compact_mask
         # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets,

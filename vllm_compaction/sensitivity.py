@@ -47,13 +47,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# x base ratio, clipped to [0, 1]: 0, .05, .1, .25, 1 at .05
 _GRID_FACTORS = (
     0.0,
     1.0,
     2.0,
     5.0,
     20.0,
-)  # x base ratio, clipped to [0, 1]: 0, .05, .1, .25, 1 at .05
+)
 DEFAULT_TARGET_TOKENS = 64
 CONTEXT_SEED_OFFSET = (
     10_000  # haystack seeds stay clear of the small seeds of NIAH instances
@@ -190,9 +191,8 @@ class TargetLoss:
         length, m = len(ctx.prefix_ids), len(ctx.target_ids)
         self.ids = torch.tensor(ctx.target_ids, dtype=torch.long)
         self.positions = torch.arange(length, length + m)
-        self.rows = torch.arange(
-            ctx.score_from - 1, m - 1
-        )  # logits row i predicts token i + 1
+        # logits row i predicts token i + 1
+        self.rows = torch.arange(ctx.score_from - 1, m - 1)
         self.labels = self.ids[ctx.score_from :]
         self._layers = _decoder_layers(adapter)
         self._outputs: list[Any] | None = None

@@ -91,9 +91,8 @@ def test_weighted_max_scales_each_querys_weights_by_its_share_of_the_largest_wei
     want = (a * (w.double() / w.double().amax(1, keepdim=True))[..., None]).amax(1)
     got = score_keys(k, q, aggregation="weighted-max", query_weights=w)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
-    assert not torch.allclose(
-        got.double(), a.amax(1)
-    )  # the weights changed the ranking scores
+    # the weights changed the ranking scores
+    assert not torch.allclose(got.double(), a.amax(1))
     # a common weight, or none, is KVzip's max; a plain max ignores weights (a repeat changes no max)
     plain = score_keys(k, q, aggregation="max")
     torch.testing.assert_close(
@@ -193,9 +192,8 @@ def test_reference_pass_is_the_same_when_rows_are_split_for_threads(threads):
             and row_split(4, 256) == 1
             and row_split(3, 100) == 1
         )
-        assert (
-            row_split(3, 256, "cuda") == 1
-        )  # GPUs are not split (no CUDA needed to ask)
+        # GPUs are not split (no CUDA needed to ask)
+        assert row_split(3, 256, "cuda") == 1
         for aggregation in ("rms", "mean", "max"):
             ref = reference_attention(
                 k, v, q, scale=0.3, aggregation=aggregation, keep_features=True

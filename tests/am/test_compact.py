@@ -187,9 +187,8 @@ def test_beta_bounds_box_the_fitted_beta_and_parse_from_text():
     )
     tight = compact_heads(keys, values, queries, 3, method=am, beta_bounds="-1:0.5")
     assert tight.beta.min() >= -1 - 1e-6 and tight.beta.max() <= 0.5 + 1e-6
-    assert (
-        wide.beta.max() > 0.5
-    )  # 3 slots of 48 keys carry the others' mass: beta > 0.5
+    # 3 slots of 48 keys carry the others' mass: beta > 0.5
+    assert wide.beta.max() > 0.5
 
 
 def test_value_anchor_interpolates_between_lstsq_and_direct_values():
@@ -339,9 +338,8 @@ def test_timings_are_the_stages_within_the_total():
         == {"reference_s", "select_s", "beta_s", "values_s", "total_s"}
     )
     assert all(v >= 0 for v in timings.values())
-    assert (
-        timings["select_s"] > 0 and timings["values_s"] > 0
-    )  # OMP and the value fit did work
+    # OMP and the value fit did work
+    assert timings["select_s"] > 0 and timings["values_s"] > 0
     assert sum(v for k, v in timings.items() if k != "total_s") <= timings["total_s"]
 
 

@@ -25,9 +25,8 @@ def _features(seed: int, b: int = 3, n: int = 200, p: int = 12) -> torch.Tensor:
 @pytest.mark.parametrize("iters", [0, 2, 50])
 def test_nnls_respects_bounds(iters):
     m = _features(0)
-    y = (
-        torch.randn(3, 200, generator=torch.Generator().manual_seed(1)) * 10
-    )  # infeasible target
+    # infeasible target
+    y = torch.randn(3, 200, generator=torch.Generator().manual_seed(1)) * 10
     lo, hi = math.exp(-3), math.exp(3)
     w = nnls_pgd(m, y, lower=lo, upper=hi, iters=iters)
     assert w.shape == (3, 12)
@@ -83,16 +82,14 @@ def test_lstsq_values_satisfy_the_normal_equations():
 def test_singular_normal_equations_fall_back():
     gram = torch.zeros(2, 3, 3, dtype=torch.float64)
     gram[0] = torch.eye(3)
-    gram[1] = torch.diag(
-        torch.tensor([2.0, -1.0, 0.0], dtype=torch.float64)
-    )  # indefinite: no Cholesky
+    # indefinite: no Cholesky
+    gram[1] = torch.diag(torch.tensor([2.0, -1.0, 0.0], dtype=torch.float64))
     x = solve_normal_equations(gram, torch.ones(2, 3, 1))
     torch.testing.assert_close(
         x[0, :, 0], torch.ones(3, dtype=torch.float64), rtol=1e-6, atol=1e-6
     )
-    assert (
-        torch.isfinite(x[1]).all() and abs(float(x[1, 0, 0]) - 0.5) < 1e-6
-    )  # pseudo-inverse
+    # pseudo-inverse
+    assert torch.isfinite(x[1]).all() and abs(float(x[1, 0, 0]) - 0.5) < 1e-6
 
 
 def test_bad_bounds_and_shapes_raise():
@@ -186,8 +183,7 @@ def test_value_fit_is_the_softmax_least_squares_and_drops_rows_without_features(
     logits = torch.where(
         valid[:, None], 0.4 * q.double() @ kept.double().transpose(1, 2), float("-inf")
     )
-    x = torch.softmax(
-        logits[:, 5:] + beta.double()[:, None], -1
-    )  # the rows that have features
+    # the rows that have features
+    x = torch.softmax(logits[:, 5:] + beta.double()[:, None], -1)
     expected = lstsq_values(x, targets[:, 5:].double(), valid)
     torch.testing.assert_close(fitted.double(), expected, rtol=1e-3, atol=1e-4)

@@ -105,9 +105,10 @@ def test_omp_ranks_with_half_features_but_fits_exact_columns():
     residual), within fp16 rounding of the fp32 product; the kept columns the fits use are
     the exact fp32 features, recomputed from the keys."""
     p = _problem(5, budget=24, features=True)
+    # [H, n, T]
     phi = torch.exp(
         p.scale * p.queries @ p.keys.transpose(1, 2) - p.reference.shift[..., None]
-    )  # [H, n, T]
+    )
     state = _GreedyMassFit(p, per_round=4)
     gen = torch.Generator().manual_seed(0)
     for resid in (
@@ -213,9 +214,8 @@ def test_highest_attention_keeps_the_top_scored_keys(method, aggregation):
 def test_omp_round_bound_only_changes_large_heads():
     p = _problem(3, budget=16, features=True)
     plain = OMPSelector(keys_per_step=2, refit_interval=1).select(p)
-    bounded = OMPSelector(keys_per_step=2, refit_interval=1, max_rounds=8).select(
-        p
-    )  # 16 <= 8 * 2
+    # 16 <= 8 * 2
+    bounded = OMPSelector(keys_per_step=2, refit_interval=1, max_rounds=8).select(p)
     assert torch.equal(plain.indices, bounded.indices)
     big = SelectionProblem(
         p.keys, p.values, p.queries, p.scale, torch.tensor([4, 60, 16]), p.reference
@@ -235,12 +235,10 @@ def test_omp_seed_share_keeps_the_sharpest_keys_then_fits_the_mass():
         OMPSelector(seed_share=0.25).score_aggregation == "max"
         and OMPSelector().score_aggregation is None
     )
-    p = _problem(
-        4, budget=20, features=True, aggregation="max"
-    )  # what compact_heads builds for it
-    sharpest = torch.softmax(p.scale * p.queries @ p.keys.transpose(1, 2), -1).amax(
-        1
-    )  # [H, T]
+    # what compact_heads builds for it
+    p = _problem(4, budget=20, features=True, aggregation="max")
+    # [H, T]
+    sharpest = torch.softmax(p.scale * p.queries @ p.keys.transpose(1, 2), -1).amax(1)
     seeded = OMPSelector(
         keys_per_step=2, refit_interval=1, seed_share=0.25, min_beta=-50.0
     ).select(p)
@@ -248,9 +246,8 @@ def test_omp_seed_share_keeps_the_sharpest_keys_then_fits_the_mass():
     for h in range(3):
         kept = set(seeded.indices[h].tolist())
         assert len(kept) == 20
-        assert (
-            set(torch.topk(sharpest[h], 5).indices.tolist()) <= kept
-        )  # ceil(0.25 * 20) seeds
+        # ceil(0.25 * 20) seeds
+        assert set(torch.topk(sharpest[h], 5).indices.tolist()) <= kept
     plain = OMPSelector(keys_per_step=2, refit_interval=1, seed_share=0.0).select(p)
     assert torch.equal(
         plain.indices, OMPSelector(keys_per_step=2, refit_interval=1).select(p).indices

@@ -48,9 +48,8 @@ def test_layer_floor_gives_every_layer_its_share_then_ranks_globally():
         global_budgets(scores, 0.2, 100, min_layer_share=0.0),
         global_budgets(scores, 0.2, 100),
     )
-    b = global_budgets(
-        scores, 0.2, 100, min_layer_share=0.5
-    )  # total 180, floor 30 per layer
+    # total 180, floor 30 per layer
+    b = global_budgets(scores, 0.2, 100, min_layer_share=0.5)
     assert int(b.sum()) == 180 and (b[1] == 0).all()
     assert (
         int(b[3].sum()) == 30

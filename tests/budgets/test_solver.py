@@ -58,9 +58,8 @@ def test_linear_curves_order_shares_by_sensitivity():
 
 def test_insensitive_heads_lose_share():
     curves = _exp_curves([20.0, 20.0, 20.0])
-    curves = torch.cat(
-        [curves, torch.zeros(2, RATIOS.numel(), dtype=torch.float64)]
-    )  # flat heads
+    # flat heads
+    curves = torch.cat([curves, torch.zeros(2, RATIOS.numel(), dtype=torch.float64)])
     shares = greedy_swap_shares(curves, RATIOS, 0.05, 0.01 / 5)
     assert (shares[3:] == 0).all() and (shares[:3] > 1 / 5).all()
 
@@ -76,9 +75,8 @@ def test_constraints_on_random_curves(seed):
     assert shares.shape == (n,) and (shares >= 0).all()
     assert float(shares.sum()) == pytest.approx(1.0, abs=1e-12)
     assert float((shares * n * base).max()) <= 1.0 + 1e-9  # no head beyond ratio 1
-    assert torch.equal(
-        shares, greedy_swap_shares(curves, RATIOS, base, 0.1 / n)
-    )  # deterministic
+    # deterministic
+    assert torch.equal(shares, greedy_swap_shares(curves, RATIOS, base, 0.1 / n))
 
 
 def test_ratio_one_cap_binds():

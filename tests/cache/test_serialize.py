@@ -70,9 +70,8 @@ def test_round_trip_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
     assert_same(cache, loaded)
     assert loaded.summary() == cache.summary()
     assert loaded.fingerprint_key() == cache.fingerprint_key()
-    assert [p.name for p in tmp_path.iterdir()] == [
-        "c.safetensors"
-    ]  # no temp files left
+    # no temp files left
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
 
 
 def test_round_trip_shared_storage_and_zero_length(tmp_path: Path) -> None:

@@ -136,9 +136,8 @@ def test_lru_eviction_order(tmp_path: Path) -> None:
     reopened = LocalDiskStore(tmp_path / "lru", max_bytes=3 * size)
     reopened.put_id("f", make_cache())
     assert reopened.keys() == ["c", "e", "f"]  # use order was d, c, e
-    assert reopened.touch_id("c") and not reopened.touch_id(
-        "gone"
-    )  # served without a read
+    # served without a read
+    assert reopened.touch_id("c") and not reopened.touch_id("gone")
     reopened.put_id("g", make_cache())
     assert reopened.keys() == ["c", "f", "g"]
 

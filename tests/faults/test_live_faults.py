@@ -126,12 +126,13 @@ def test_every_compact_route_and_compacted_chat_need_a_valid_key(server, owned, 
             response.status_code,
             response.text[:300],
         )
+    # untouched
     assert (
         httpx.get(
             f"{url}/v1/compact/{owned['id']}", headers=_headers(API_KEYS[0]), timeout=30
         ).json()["status"]
         == "succeeded"
-    )  # untouched
+    )
 
 
 def test_another_key_finds_nothing_and_changes_nothing(
@@ -169,11 +170,12 @@ def test_worker_routes_need_the_worker_credential(server, owned):
         ("PUT", f"/jobs/{owned['id']}/result", None),
         ("POST", f"/jobs/{owned['id']}/fail", {"worker_id": "intruder", "error": "x"}),
     ]
+    # a client's API key is not a worker's
     for key in (
         None,
         API_KEYS[0],
         "not-the-token-at-all",
-    ):  # a client's API key is not a worker's
+    ):
         for method, path, payload in routes:
             kwargs = {"content": b"poison"} if method == "PUT" else {"json": payload}
             response = httpx.request(
@@ -305,9 +307,8 @@ def test_a_burst_of_1000_posts_from_one_key_is_bounded_and_fair(
     accepted = [r.json()["id"] for r in responses if r.status_code == 202]
     limited = [r for r in responses if r.status_code == 429]
     assert set(codes) <= {202, 429}, sorted(set(codes))
-    assert 0 < len(accepted) <= 32 and len(limited) == 1000 - len(
-        accepted
-    )  # the per-key queue limit
+    # the per-key queue limit
+    assert 0 < len(accepted) <= 32 and len(limited) == 1000 - len(accepted)
     assert all(
         int(r.headers["Retry-After"]) >= 1
         and r.json()["error"]["type"] == "RateLimitError"
@@ -346,9 +347,8 @@ def test_a_stopped_worker_loses_its_lease_and_the_job_runs_again(server, client)
     try:
         requeued = wait_status(client, job["id"], ("queued",), timeout_s=90)
         assert requeued["attempts"] == 1 and requeued["error"], requeued
-        assert (
-            _chat(client).choices[0].message.content is not None
-        )  # serving goes on meanwhile
+        # serving goes on meanwhile
+        assert _chat(client).choices[0].message.content is not None
     finally:
         os.kill(pid, signal.SIGCONT)
     done = wait_finished(client, job["id"], timeout_s=300)

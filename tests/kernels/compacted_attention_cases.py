@@ -106,9 +106,8 @@ def build(
             vrow[:, :head_dim] = torch.randn(num_kv_heads, head_dim, generator=gen)
             if suffix_bias:
                 beta = 2.0 * torch.randn(num_kv_heads, generator=gen)
-                if (
-                    masked and pos % 3 == 1
-                ):  # padding slots of a head shorter than the padded prefix
+                # padding slots of a head shorter than the padded prefix
+                if masked and pos % 3 == 1:
                     beta[0], vrow[0, :head_dim] = MASKED_BETA, 1e4
                 row[:, head_dim : head_dim + 2] = encode_beta(beta, dtype).float()
             keys[layer][blk, :, slot] = row.to(device=DEVICE, dtype=dtype)

@@ -44,11 +44,12 @@ def run_cases(
 ) -> subprocess.CompletedProcess:
     """Run the cases of ``path`` (or only ``node_ids`` of it) in a fresh interpreter; with
     ``report``, each phase's outcome is written there as JSON lines."""
+    # one tile configuration: fewer compiles
     env = {
         **os.environ,
         "VLLM_COMPACTION_TUNE": "0",
         INLINE_ENV: "1",
-    }  # one tile configuration: fewer compiles
+    }
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     else:
@@ -115,9 +116,8 @@ class CaseRuns:
             lines = report.read_text().splitlines() if report.exists() else []
         for entry in map(json.loads, lines):
             seen = self.outcomes.get(entry["nodeid"])
-            if (
-                seen is None or seen.outcome == "passed"
-            ):  # a failure or a skip in any phase stands
+            # a failure or a skip in any phase stands
+            if seen is None or seen.outcome == "passed":
                 self.outcomes[entry["nodeid"]] = Outcome(
                     entry["outcome"], entry["text"]
                 )

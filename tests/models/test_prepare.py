@@ -98,9 +98,8 @@ def test_verify_detects_corruption(smol_dir: Path, tmp_home: Path) -> None:
         if path.name != "config.json":
             (fake / path.name).symlink_to(path)
     text = (smol_dir / "config.json").read_text()
-    (fake / "config.json").write_text(
-        text.replace("silu", "SILU")
-    )  # same size, other bytes
+    # same size, other bytes
+    (fake / "config.json").write_text(text.replace("silu", "SILU"))
     assert prep.prepare(SMOL) == fake  # fast path checks sizes only
     assert not prep.verify(SMOL)
     (fake / "config.json").write_text(text)
@@ -183,9 +182,8 @@ def test_gemma3_config() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    assert (
-        tokenizer("Hello").input_ids[0] == tokenizer.bos_token_id
-    )  # Gemma needs <bos>
+    # Gemma needs <bos>
+    assert tokenizer("Hello").input_ids[0] == tokenizer.bos_token_id
 
 
 @pytest.mark.slow

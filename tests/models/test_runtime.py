@@ -173,9 +173,8 @@ def test_runtime_attention_and_prefix_scores_equal_the_float_reference(window):
     scores = _score_prefix(
         q, prefix, keys, run.positions, run.segments, run, scale, window
     )
-    weights = torch.exp(prefix_logits - log_mass[..., None])[
-        :, :, run.score_rows
-    ]  # [H, G, marked, P]
+    # [H, G, marked, P]
+    weights = torch.exp(prefix_logits - log_mass[..., None])[:, :, run.score_rows]
     torch.testing.assert_close(
         scores.double(), weights.amax(dim=(1, 2)), rtol=1e-5, atol=1e-6
     )

@@ -109,9 +109,8 @@ def test_a_weight_counts_a_continuations_rows_as_if_it_ran_that_many_times(tiny_
             assert (
                 getattr(a, field) - getattr(b, field)
             ).abs().max() <= 2 * noise + 1e-4
-    scored = weighted.run_scored(spec.kv.exact_prefix())[
-        1
-    ]  # a max: weights change nothing
+    # a max: weights change nothing
+    scored = weighted.run_scored(spec.kv.exact_prefix())[1]
     for a, b in zip(scored, plain.run_scored(spec.kv.exact_prefix())[1]):
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="weights"):
@@ -200,9 +199,8 @@ def test_parse_sources_mixture_and_errors():
         "surprise-quote*4",
     ] and weighted[1].weight == 4
     assert parse_sources("surprise-quote*1")[0].name == "surprise-quote"
-    spaced = parse_sources("repeat-prefill+surprise-quote/80*4")[
-        1
-    ]  # one probe per 80 tokens, weighted 4
+    # one probe per 80 tokens, weighted 4
+    spaced = parse_sources("repeat-prefill+surprise-quote/80*4")[1]
     assert spaced.weight == 4 and spaced.source.tokens_per_span == 80
     assert parse_sources("surprise-quote/80")[0].tokens_per_span == 80
     assert (
@@ -234,10 +232,11 @@ def test_parse_sources_mixture_and_errors():
     ):
         with pytest.raises(ValueError, match="weight is an integer"):
             parse_sources(bad)
+    # refused when parsed
     for static in (
         "context-prefill*2",
         "repeat-prefill+random-vectors*3",
-    ):  # refused when parsed
+    ):
         with pytest.raises(ValueError, match="sources that run probes"):
             parse_sources(static)
 
@@ -299,9 +298,8 @@ def test_real_auto_spacing_is_resolved_by_compact(smollm2):
         torch.equal(a.indices, b.indices) for a, b in zip(auto.layers, dense.layers)
     )
     assert run("surprise-quote/auto", ratio=0.02).query_source == "surprise-quote/160"
-    target = round(
-        0.03 * content
-    )  # a ratio between the two spacings: 4 / ratio tokens per probe
+    # a ratio between the two spacings: 4 / ratio tokens per probe
+    target = round(0.03 * content)
     assert 80 < auto_spacing(target / content) < 160
     assert (
         run("surprise-quote/auto", target_tokens=target).query_source
@@ -349,9 +347,8 @@ def test_real_quote_prefill_answers_every_token_after_the_first_lead_once(smollm
         turn = smollm2.turn_ids(
             [{"role": "user", "content": source.instruction.format(lead=lead)}]
         )
-        assert (
-            cont[: len(turn)] == turn
-        )  # a one-line quote of the window's lead, then the answer
+        # a one-line quote of the window's lead, then the answer
+        assert cont[: len(turn)] == turn
         answered += cont[len(turn) :]
     assert answered == content[3:]
 
@@ -412,9 +409,8 @@ def test_real_surprise_quote_probes_the_needle(smollm2):
     assert len(plan.continuations) == round(len(content) / source.tokens_per_span)
     turns = [smollm2.tokenizer.decode(c) for c in plan.continuations]
     assert all(t.count(source.instruction.split('"')[0]) == 1 for t in turns)
-    assert any(
-        inst.value in t.split("assistant")[-1] for t in turns
-    )  # answered, not only quoted
+    # answered, not only quoted
+    assert any(inst.value in t.split("assistant")[-1] for t in turns)
     # '/80' probes twice as densely, and the greedy span choice keeps every sparser probe
     dense = parse_sources("surprise-quote/80")[0].plan(smollm2, spec).continuations
     assert len(dense) == round(len(content) / 80) > len(plan.continuations)

@@ -97,9 +97,8 @@ def test_planted_fact_from_compaction_id(client, fact_compaction):
     assert {"queued_s", "fit_s", "total_s"} <= job["timings"].keys()
     question = messages + [{"role": "user", "content": QUESTION}]
     full = ask(client, question)
-    assert (
-        ANSWER in full.choices[0].message.content
-    )  # the model knows it with the whole context
+    # the model knows it with the whole context
+    assert ANSWER in full.choices[0].message.content
 
     served = ask(client, question, compaction_id=job["id"])
     assert ANSWER in served.choices[0].message.content
@@ -189,9 +188,8 @@ def test_auto_compaction_by_conversation_id(client, tokenizer):
         messages + [{"role": "user", "content": "Thanks. Say OK."}],
         conversation_id=conversation,
     )
-    assert (
-        "logical_prompt_tokens" not in first.usage.model_dump()
-    )  # served as sent; compaction queued
+    # served as sent; compaction queued
+    assert "logical_prompt_tokens" not in first.usage.model_dump()
     jobs = [
         j
         for j in client.get("/compact", cast_to=object)["data"]
@@ -395,9 +393,10 @@ def test_corrupt_cache_fails_its_request_with_a_reason_and_is_quarantined(
         and "could not be loaded" in info.value.response.text
     )
     assert not path.exists() and any((store / "quarantine").iterdir())
+    # still serving
     assert (
         ask(client, [{"role": "user", "content": "Say hi."}]).choices[0].message.content
-    )  # still serving
+    )
     with pytest.raises(openai.APIStatusError) as info:
         ask(client, [{"role": "user", "content": QUESTION}], compaction_id=job["id"])
     assert info.value.status_code == 410
@@ -446,10 +445,11 @@ def test_a_killed_server_restarts_with_its_jobs_and_a_separate_worker_runs_them(
     )
     os.killpg(server.process.pid, signal.SIGKILL)
     server.process.wait()
+    # jobs now wait for a worker started by hand
     server.flags += [
         "--compaction-workers",
         "0",
-    ]  # jobs now wait for a worker started by hand
+    ]
     server.start()
     found = client.get(f"/compact/{job['id']}", cast_to=object)
     assert (
@@ -464,10 +464,11 @@ def test_a_killed_server_restarts_with_its_jobs_and_a_separate_worker_runs_them(
         j["id"] for j in client.get("/compact", cast_to=object)["data"]
     }
     time.sleep(3.0)
+    # the server's death is not the job's: no attempt counted
     for pending in (
         running,
         queued,
-    ):  # the server's death is not the job's: no attempt counted
+    ):
         record = client.get(f"/compact/{pending['id']}", cast_to=object)
         assert record["status"] == "queued" and record["attempts"] == 0, record
 
@@ -487,9 +488,8 @@ def test_a_killed_server_restarts_with_its_jobs_and_a_separate_worker_runs_them(
     )
     assert refused.returncode == 2 and "refused the worker token" in refused.stderr
     store = Path(server.flags[server.flags.index("--compaction-store") + 1])
-    worker = subprocess.Popen(
-        worker_cmd + ["--store", str(store)]
-    )  # reads <store>/worker-token
+    # reads <store>/worker-token
+    worker = subprocess.Popen(worker_cmd + ["--store", str(store)])
     try:
         for pending in (queued, running):
             done = wait_finished(client, pending["id"], timeout_s=600)

@@ -56,11 +56,12 @@ def test_workers_take_keys_in_turn(tmp_path):
     flood = [book.submit(record("a")) for _ in range(5)]
     single = book.submit(record("b"))
     order = [book.claim(f"w{i}").id for i in range(3)]
+    # b's one job does not wait for a's five
     assert order == [
         flood[0].id,
         single.id,
         flood[1].id,
-    ]  # b's one job does not wait for a's five
+    ]
 
 
 def test_an_idempotency_key_returns_the_first_job(tmp_path):
@@ -70,10 +71,11 @@ def test_an_idempotency_key_returns_the_first_job(tmp_path):
         book.submit(record("a", idempotency_key="k1", request_digest="x")).id
         == first.id
     )
+    # keys are per owner
     assert (
         book.submit(record("b", idempotency_key="k1", request_digest="x")).id
         != first.id
-    )  # keys are per owner
+    )
     with pytest.raises(JobError) as info:
         book.submit(record("a", idempotency_key="k1", request_digest="y"))
     assert info.value.status == 409 and info.value.param == "Idempotency-Key"
@@ -96,9 +98,8 @@ def test_unreadable_records_are_quarantined_and_reported(tmp_path):
     kept = book.submit(record("a"))
     broken = book.submit(record("a"))
     path = tmp_path / "jobs" / f"{broken.id}.json"
-    path.write_text(
-        path.read_text()[:40]
-    )  # truncated, as a crash without fsync could leave it
+    # truncated, as a crash without fsync could leave it
+    path.write_text(path.read_text()[:40])
     again = JobBook(tmp_path / "jobs")
     assert [r.id for r in again.list()] == [kept.id]
     assert again.quarantined == [broken.id]
@@ -280,9 +281,8 @@ def test_bodies_over_the_limit_and_reserved_salts_are_refused(app):
     )
     assert salted.status_code == 400 and salted.json()["error"]["param"] == "cache_salt"
     plain = client.post("/v1/responses", json={"input": "hi", "cache_salt": "mine"})
-    assert (
-        plain.status_code == 200 and plain.json()["echo"]["cache_salt"] == "mine"
-    )  # passed on unchanged
+    # passed on unchanged
+    assert plain.status_code == 200 and plain.json()["echo"]["cache_salt"] == "mine"
 
 
 def test_eviction_spares_held_entries_and_counts_every_file(tmp_path):
@@ -300,11 +300,12 @@ def test_eviction_spares_held_entries_and_counts_every_file(tmp_path):
     (store.root / "incoming.safetensors").write_bytes(b"n" * 1000)
     store._evict(keep=store.path_for("incoming"))
     left = sorted(p.stem for p in store.root.glob("*.safetensors"))
+    # quarantine, then the oldest unheld entry went
     assert left == [
         "held",
         "incoming",
         "newer",
-    ]  # quarantine, then the oldest unheld entry went
+    ]
     assert not list((store.root / "quarantine").iterdir())
 
 

@@ -80,18 +80,16 @@ def test_cancel_stops_the_worker_and_a_late_result_is_refused(tmp_path):
 def test_a_claim_no_worker_acknowledges_goes_back_to_the_queue(tmp_path):
     book = JobBook(tmp_path, lease_s=0.05)
     job = book.submit(record())
-    assert (
-        book.claim("w1").attempts == 1
-    )  # handed out, but w1 never heartbeats (it had gone)
+    # handed out, but w1 never heartbeats (it had gone)
+    assert book.claim("w1").attempts == 1
     time.sleep(0.1)
     book.expire_leases()
     again = book.get(job.id)
     assert (
         again.status == JobStatus.queued and again.attempts == 0 and again.error is None
     )
-    assert (
-        book.claim("w2").id == job.id
-    )  # at once: a claim that never reached a worker costs nothing
+    # at once: a claim that never reached a worker costs nothing
+    assert book.claim("w2").id == job.id
 
 
 def test_lapsed_lease_and_lost_worker_fail_the_job_after_its_attempts(tmp_path):
@@ -149,9 +147,8 @@ def test_a_job_past_its_deadline_fails_and_its_worker_is_told_to_stop(tmp_path):
         book.get(job.id).status == JobStatus.failed
         and "deadline" in book.get(job.id).error
     )
-    assert not book.heartbeat(
-        job.id, "w1", 0.6, None
-    )  # the worker's next heartbeat: stop (kill the computation)
+    # the worker's next heartbeat: stop (kill the computation)
+    assert not book.heartbeat(job.id, "w1", 0.6, None)
 
 
 def test_restart_keeps_finished_jobs_and_requeues_running_ones(tmp_path):

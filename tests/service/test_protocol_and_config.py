@@ -164,9 +164,8 @@ def test_compact_request_defaults_and_query_names():
             "queries": "repeat-prefill+surprise-quote*4",
         }
     )
-    assert (
-        weighted.query_source() == "repeat-prefill+surprise-quote*4"
-    )  # the pipeline parses the weight
+    # the pipeline parses the weight
+    assert weighted.query_source() == "repeat-prefill+surprise-quote*4"
     spaced = CompactRequest.model_validate(
         {
             "model": "m",
@@ -175,9 +174,8 @@ def test_compact_request_defaults_and_query_names():
             "queries": "repeat-prefill+surprise-quote/80*4",
         }
     )
-    assert (
-        spaced.query_source() == "repeat-prefill+surprise-quote/80*4"
-    )  # and the spacing
+    # and the spacing
+    assert spaced.query_source() == "repeat-prefill+surprise-quote/80*4"
     auto = CompactRequest.model_validate(
         {
             "model": "m",
@@ -186,9 +184,8 @@ def test_compact_request_defaults_and_query_names():
             "queries": "repeat-prefill+surprise-quote/auto*4",
         }
     )
-    assert (
-        auto.query_source() == "repeat-prefill+surprise-quote/auto*4"
-    )  # compact() resolves it by the ratio
+    # compact() resolves it by the ratio
+    assert auto.query_source() == "repeat-prefill+surprise-quote/auto*4"
 
 
 def test_normalize_messages():
@@ -287,9 +284,8 @@ def test_serve_arguments(tmp_path):
     assert transfer["kv_connector"] == "CompactionConnector"
     assert transfer["kv_connector_extra_config"]["store"] == str(tmp_path)
     assert env["VLLM_PLUGINS"] == "other,vllm_compaction,vllm_compaction_api"
-    assert (
-        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
-    )  # the connector needs no extra core
+    # the connector needs no extra core
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
     assert env["VLLM_COMPACTION_AUTO_COMPACT_THRESHOLD_TOKENS"] == "800"
     assert not any(
         a.startswith("--compaction") or a.startswith("--auto-compact") for a in args

@@ -82,9 +82,8 @@ def test_submit_checks(service):
         )
         == 400
     )
-    assert (
-        status_of(lambda: service.submit(request(prompt="x " * 5000), "a")) == 400
-    )  # over the window
+    # over the window
+    assert status_of(lambda: service.submit(request(prompt="x " * 5000), "a")) == 400
     assert (
         status_of(
             lambda: service.submit(request(prompt="x y z", max_head_ratio=0.1), "a")
@@ -117,9 +116,8 @@ def test_plans_follow_the_job(service):
     stored = service.store.path_for(job.id)
     before = stored.stat().st_mtime_ns
     with_history = service.plan_chat("a", HISTORY + QUESTION, compaction_id=job.id)
-    assert (
-        stored.stat().st_mtime_ns > before
-    )  # serving counts as use for the store's LRU
+    # serving counts as use for the store's LRU
+    assert stored.stat().st_mtime_ns > before
     new_only = service.plan_chat("a", QUESTION, compaction_id=job.id)
     assert with_history == new_only
     assert (
@@ -132,9 +130,10 @@ def test_plans_follow_the_job(service):
     assert (
         status_of(lambda: service.plan_chat("b", QUESTION, compaction_id=job.id)) == 404
     )
+    # nothing follows
     assert (
         status_of(lambda: service.plan_chat("a", HISTORY, compaction_id=job.id)) == 400
-    )  # nothing follows
+    )
     assert (
         status_of(
             lambda: service.plan_chat(
@@ -171,9 +170,8 @@ def test_auto_compaction_by_conversation(service):
     assert service.plan_chat("a", short, conversation_id="c") is None
     assert service.book.list("a") == []  # under the threshold
     long = HISTORY + QUESTION
-    assert (
-        service.plan_chat("a", long, conversation_id="c") is None
-    )  # served as sent, job queued
+    # served as sent, job queued
+    assert service.plan_chat("a", long, conversation_id="c") is None
     (job,) = service.book.list("a")
     assert (
         job.conversation_id == "c"
@@ -220,9 +218,8 @@ def test_auto_compaction_to_a_target_size(tmp_path, checkpoint):
     assert service.plan_chat("a", long, conversation_id="c") is None
     (job,) = service.book.list("a")
     assert job.target_tokens == 16 and job.ratio_requested is None
-    assert (
-        job.worker_job().min_layer_share == 0.3
-    )  # the configured floor reaches the worker
+    # the configured floor reaches the worker
+    assert job.worker_job().min_layer_share == 0.3
     # content no longer than the target: nothing to gain, so no job
     config.auto_compact_target_tokens = 10_000
     assert service.plan_chat("a", long, conversation_id="d") is None
@@ -248,9 +245,8 @@ def test_a_corrupt_cache_is_diagnosed_and_quarantined(service):
     problem = service.diagnose(job.id)
     assert problem and "quarantine" in problem
     assert not service.store.contains_id(job.id)
-    assert (
-        service.plan_chat("a", HISTORY + QUESTION, compaction_id=job.id) is None
-    )  # served as sent
+    # served as sent
+    assert service.plan_chat("a", HISTORY + QUESTION, compaction_id=job.id) is None
     assert (
         status_of(lambda: service.plan_chat("a", QUESTION, compaction_id=job.id)) == 410
     )

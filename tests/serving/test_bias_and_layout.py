@@ -72,9 +72,8 @@ def test_cpu_kernel_adds_beta_and_masks_padding(dtype, tol):
     cache = torch.zeros(3, hkv, bs, 2 * aug, dtype=dtype)
     key_cache, value_cache = cache.view(3, hkv, 2 * bs, aug).chunk(2, dim=2)
     key_aug, value_aug = augment_kv(k.to(dtype), v.to(dtype), aug, beta)
-    slots = torch.cat(
-        [torch.arange(128) + 2 * bs, torch.arange(t - 128)]
-    )  # blocks 2 then 0
+    # blocks 2 then 0
+    slots = torch.cat([torch.arange(128) + 2 * bs, torch.arange(t - 128)])
     compat.cpu_attn_reshape_and_cache(
         key_aug, value_aug, key_cache, value_cache, slots, isa
     )

@@ -39,10 +39,12 @@ from vllm_compaction.vllm import backend_common, cuda_backend  # noqa: E402
 from vllm_compaction.vllm.backend_api import CompactionAttentionImpl, compaction_impl  # noqa: E402
 from vllm_compaction.vllm.backend_common import AugmentedHeadSizes  # noqa: E402
 from vllm_compaction.vllm.bias import MASKED_BETA, decode_beta, encode_beta  # noqa: E402
+
+# noqa: E402
 from vllm_compaction.vllm.cpu_backend import (
     CompactionCPUAttentionBackend,
     CompactionCPUAttentionImpl,
-)  # noqa: E402
+)
 from vllm_compaction.vllm.cuda_backend import (  # noqa: E402
     CompactionTritonBackend,
     CompactionTritonImpl,
@@ -162,15 +164,12 @@ def _impl(config: VllmConfig, **kwargs) -> CompactionTritonImpl:
 class Step:
     """One engine step: what the cache holds before it, the step's tokens and the expected output."""
 
-    compacted: tuple[
-        torch.Tensor, ...
-    ]  # slot_mapping, keys, values, beta (connector writes)
-    context: tuple[
-        torch.Tensor, ...
-    ]  # slot_mapping, keys, values (earlier steps, beta 0)
-    new: tuple[
-        torch.Tensor, ...
-    ]  # slot_mapping (padded with -1), keys, values (padded rows)
+    # slot_mapping, keys, values, beta (connector writes)
+    compacted: tuple[torch.Tensor, ...]
+    # slot_mapping, keys, values (earlier steps, beta 0)
+    context: tuple[torch.Tensor, ...]
+    # slot_mapping (padded with -1), keys, values (padded rows)
+    new: tuple[torch.Tensor, ...]
     query: torch.Tensor  # [T + padding, Hq, d]
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
@@ -453,9 +452,8 @@ def test_an_engine_built_after_a_widened_one_gets_stock_pages(
     )
     _impl(compaction_config)
     assert CompactionTritonBackend.customize_spec(spec).head_size == AUG
-    assert (
-        _impl(VllmConfig()).augmented is None
-    )  # an engine without the connector, next
+    # an engine without the connector, next
+    assert _impl(VllmConfig()).augmented is None
     assert CompactionTritonBackend.customize_spec(spec) == spec
 
     def cpu_impl(pages: str | None) -> CompactionCPUAttentionImpl:
@@ -558,9 +556,8 @@ def test_encoder_only_layers_keep_the_stock_path(compaction_config):
 def test_unsupported_layers_are_refused(compaction_config, kwargs, what):
     with pytest.raises(NotImplementedError, match=what):
         _impl(compaction_config, **kwargs)
-    assert (
-        CompactionTritonImpl.head_sizes.get(D) is None
-    )  # a refused layer widens nothing
+    # a refused layer widens nothing
+    assert CompactionTritonImpl.head_sizes.get(D) is None
 
 
 def test_stock_width_pages_keep_the_model_head_size(tmp_path, monkeypatch):
@@ -629,9 +626,8 @@ def test_plugin_registers_the_backend_as_custom_on_cuda(monkeypatch):
         assert (
             registry.AttentionBackendEnum[CompactionTritonBackend.get_name()] is custom
         )
-        assert [b for b in backends if b.is_overridden()] == [
-            custom
-        ]  # the CPU override is CPU-only
+        # the CPU override is CPU-only
+        assert [b for b in backends if b.is_overridden()] == [custom]
     finally:
         custom.clear_override()
         for backend, path in before.items():

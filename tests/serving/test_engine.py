@@ -130,9 +130,8 @@ def test_engine_kv_snapshot_is_what_the_model_computes(llm, smollm2, essay, stor
     llm.generate([asking], params)  # computes the prefix: a snapshot is written
     assert path.is_file()
     path.unlink()
-    again = llm.generate([asking], params)[0].outputs[
-        0
-    ]  # prefix from the prefix cache: refused
+    # prefix from the prefix cache: refused
+    again = llm.generate([asking], params)[0].outputs[0]
     assert not path.exists() and again.finish_reason == "length"
 
 
@@ -143,10 +142,11 @@ def test_stock_width_pages_cost_no_kv_memory(llm, vanilla):
     assert kv_bytes_per_token(llm.llm_engine.vllm_config) == layers_heads_fp32 * 64
     assert kv_bytes_per_token(vanilla.llm_engine.vllm_config) == layers_heads_fp32 * 64
     spec = llm.llm_engine.vllm_config.cache_config
+    # same pages
     assert (
         spec.num_gpu_blocks
         == vanilla.llm_engine.vllm_config.cache_config.num_gpu_blocks
-    )  # same pages
+    )
 
 
 def test_padded_prefixes_are_refused_on_stock_pages(

@@ -52,12 +52,13 @@ def test_compacted_ref_round_trip_and_malformed_salts():
     ref = CompactedRef("abc-1", 137, "0123456789abcdef0123456789abcdef")
     assert CompactedRef.parse(ref.salt) == ref
     assert CompactedRef.parse(None) is None and CompactedRef.parse("user-salt") is None
+    # an older packing version
     for bad in (
         "vllm-compaction:1:a/b:3:" + "0" * 32,
         "vllm-compaction:2:a:3:" + "0" * 32,
         "vllm-compaction:1:a:x:" + "0" * 32,
         "vllm-compaction:2:varlen:a:3:" + "0" * 32,
-    ):  # an older packing version
+    ):
         with pytest.raises(ValueError, match="malformed"):
             CompactedRef.parse(bad)
 

@@ -51,9 +51,8 @@ def _step(new=(), cached=(), scheduled=None) -> SimpleNamespace:
 
 def test_chunked_prefill_is_planned_step_by_step_with_its_slots():
     scheduler = _SchedulerSide(BLOCK, snapshots=True)
-    assert (
-        scheduler.num_new_matched(_request("a", 10, "snap-a"), 0) == 0
-    )  # nothing claimed
+    # nothing claimed
+    assert scheduler.num_new_matched(_request("a", 10, "snap-a"), 0) == 0
     first = scheduler.take_metadata(
         _step(new=[("a", [7, 3], 0)], scheduled={"a": 6})
     ).snapshots
@@ -107,9 +106,8 @@ def test_snapshots_are_refused_when_off_misnamed_or_partly_cached(caplog):
 
     on = _SchedulerSide(BLOCK, snapshots=True)
     on.num_new_matched(_request("b", 8, "../../etc/passwd"), 0)
-    on.num_new_matched(
-        _request("c", 8, "snap-c"), 4
-    )  # half the prompt came from the prefix cache
+    # half the prompt came from the prefix cache
+    on.num_new_matched(_request("c", 8, "snap-c"), 4)
     assert (
         on.take_metadata(
             _step(new=[("b", [1, 2], 0), ("c", [3, 4], 4)], scheduled={"b": 8, "c": 4})

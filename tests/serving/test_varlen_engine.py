@@ -39,9 +39,8 @@ def llm(store_dir):
 def test_widened_pages_cost_a_quarter_more_kv_memory(llm):
     from vllm_compaction.vllm.engine import kv_bytes_per_token
 
-    assert (
-        kv_bytes_per_token(llm.llm_engine.vllm_config) == 30 * 3 * 2 * 4 * 80
-    )  # d = 64 -> 80
+    # d = 64 -> 80
+    assert kv_bytes_per_token(llm.llm_engine.vllm_config) == 30 * 3 * 2 * 4 * 80
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +121,8 @@ def test_engine_reserves_the_packed_size_and_reuses_it(llm, niah_cases, store_di
         prompt.continuation_ids
     )
     layers, heads = cache.num_layers, cache.model.num_kv_heads
-    exact_rows = cache.physical_slots / (
-        layers * heads
-    )  # token slots' worth of the kept rows
+    # token slots' worth of the kept rows
+    exact_rows = cache.physical_slots / (layers * heads)
     assert (
         placeholders % block_size == 0
         and exact_rows <= placeholders < exact_rows + block_size + 8
@@ -132,9 +130,8 @@ def test_engine_reserves_the_packed_size_and_reuses_it(llm, niah_cases, store_di
     assert placeholders < 0.3 * CompactedRef.parse(padded["cache_salt"]).num_slots
     first, second = (llm.generate([packed], greedy(8))[0] for _ in range(2))
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
-    assert (
-        second.num_cached_tokens >= placeholders
-    )  # the packed blocks are prefix-cache hits
+    # the packed blocks are prefix-cache hits
+    assert second.num_cached_tokens >= placeholders
 
 
 def test_batch_mixing_plain_padded_and_varlen(llm, smollm2, niah_cases, store_dir):

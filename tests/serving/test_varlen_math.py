@@ -32,9 +32,8 @@ from vllm_compaction.vllm.varlen_attention import (
 
 from serving.reference_ops import full_reference, masked_reference, prefix_reference
 
-LENGTHS = torch.tensor(
-    [[0, 5, 300], [129, 1, 0], [40, 40, 40]]
-)  # includes empty and long heads
+# includes empty and long heads
+LENGTHS = torch.tensor([[0, 5, 300], [129, 1, 0], [40, 40, 40]])
 
 
 def cpu_pages(pages: list[torch.Tensor], head_size: int) -> PagedPrefixPages:
@@ -48,9 +47,8 @@ def test_geometry_counts_only_real_slots():
     packing = PagedPacking(LENGTHS, head_dim=64, block_size=32)
     assert packing.rows_per_block == 3 * 3 * 32
     assert packing.header_rows == -(-4 * (5 + 9) // 128)
-    assert packing.beta_rows == -(
-        -int(LENGTHS.sum()) // 32
-    )  # fp32 betas in rows of 2 * 64 bytes
+    # fp32 betas in rows of 2 * 64 bytes
+    assert packing.beta_rows == -(-int(LENGTHS.sum()) // 32)
     assert packing.num_rows == packing.header_rows + packing.beta_rows + int(
         LENGTHS.sum()
     )
@@ -185,9 +183,8 @@ def prefix_attention(query, keys, beta, values, cu_seqlens, scale):
 
 def assert_close_to_reference(out, lse, want_out, want_lse):
     assert torch.allclose(out, want_out, atol=1e-5, rtol=1e-5)
-    assert torch.equal(
-        torch.isinf(lse), torch.isinf(want_lse)
-    )  # -inf exactly where a head is empty
+    # -inf exactly where a head is empty
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
     assert torch.allclose(
         lse[torch.isfinite(lse)], want_lse[torch.isfinite(want_lse)], atol=1e-5
     )
@@ -250,9 +247,8 @@ def test_prefixes_attention_equals_one_prefix_at_a_time(dtype):
             lse[r],
             *prefix_reference(query[r], keys, beta, values, cu[r], scale),
         )
-    assert bool((out[2] == 0).all()) and bool(
-        torch.isinf(lse[2]).all()
-    )  # no rows: no mass
+    # no rows: no mass
+    assert bool((out[2] == 0).all()) and bool(torch.isinf(lse[2]).all())
     # every prefix empty in a layer
     empty = torch.zeros(2, 0, d)
     out, lse = prefixes_attention(
@@ -280,12 +276,13 @@ def test_attend_prefixes_batches_decode_rows_over_different_prefixes():
         torch.tensor([[3, 0, 9], [1, 1, 1], [0, 0, 0]]),
         LENGTHS // 2,
     ]
+    # query rows per request, per prefix
     requests_rows = [
         [1],
         [1],
         [1, 1],
         [BATCHED_PREFIX_QUERY_ROWS + 4],
-    ]  # query rows per request, per prefix
+    ]
     requests, offset, next_block = [], 0, 0
     for lengths, counts in zip(geometries, requests_rows):
         prefix, _ = _packed(lengths, d, block_size)
@@ -419,10 +416,11 @@ def test_prefix_plus_sink_kernel_equals_full_attention(dtype):
     num_kv, group, d, width, block_size = 3, 3, 64, 80, 32
     heads = uneven_heads(d)
     heads.keys[:5] *= 0  # some flat scores too
+    # four query tokens at the end of a 70-token suffix (a prefill chunk)
     suffix_len, n = (
         70,
         4,
-    )  # four query tokens at the end of a 70-token suffix (a prefill chunk)
+    )
     suffix_k, suffix_v = (
         torch.randn(suffix_len, num_kv, d),
         torch.randn(suffix_len, num_kv, d),
@@ -690,6 +688,5 @@ def test_two_call_merge_flags_a_vanishing_suffix_output():
     )
     assert trusted.tolist() == [True, False, True]
     assert torch.isfinite(merged[trusted]).all()
-    assert torch.allclose(
-        merged[2, 0], plain[2, 0]
-    )  # no prefix: the suffix's own output
+    # no prefix: the suffix's own output
+    assert torch.allclose(merged[2, 0], plain[2, 0])

@@ -300,9 +300,8 @@ def reference_attention(
         )
         m = p.sum(-1, keepdim=True)  # [H, c, 1] shifted mass
         shift[:, sl], mass[:, sl] = s[..., 0] * LN_2, m[..., 0]
-        if (
-            features is not None
-        ):  # key-major, so that OMP's correlation is a fast half GEMV
+        # key-major, so that OMP's correlation is a fast half GEMV
+        if features is not None:
             features[:, :, sl] = p.transpose(1, 2)
         inv_m = m.reciprocal()  # [H, c, 1]
         if output is not None and v_rep is not None:  # both there with the values
@@ -316,9 +315,8 @@ def reference_attention(
             )
             if mean_weights is not None:
                 weight = weight * mean_weights[:, sl, None]
-            blocks = (
-                split if c % split == 0 else 1
-            )  # the per-block GEMVs are balanced too
+            # the per-block GEMVs are balanced too
+            blocks = split if c % split == 0 else 1
             acc_view = acc.view(h * split, 1, t) if blocks > 1 else acc[:, :1]
             acc_view.baddbmm_(
                 weight.reshape(h * blocks, 1, c // blocks),

@@ -288,13 +288,11 @@ def _pack(
     """Sort each head's slots by key index and pack them varlen (padding dropped)."""
     h, total, d = keys.shape
     t_max = padded.indices.shape[1]
-    assert (
-        padded.beta is not None and padded.values is not None
-    )  # compact_heads sets both
+    # compact_heads sets both
+    assert padded.beta is not None and padded.values is not None
     valid = slot_mask(padded.lengths, t_max)
-    order = torch.where(valid, padded.indices, total).argsort(
-        dim=1
-    )  # real slots first, by index
+    # real slots first, by index
+    order = torch.where(valid, padded.indices, total).argsort(dim=1)
     idx, beta = padded.indices.gather(1, order), padded.beta.gather(1, order)
     vals = padded.values.gather(1, order[..., None].expand(h, t_max, d))
     kept = keys.gather(1, idx[..., None].expand(h, t_max, d))
@@ -374,9 +372,8 @@ def compact_heads(
     start = time.perf_counter()
     dev, t_max = keys.device, int(budgets.max()) if h else 0
     lengths = budgets.to(dev)
-    idx = (
-        torch.arange(t_max, device=dev).expand(h, t_max).clone()
-    )  # exact heads: all keys
+    # exact heads: all keys
+    idx = torch.arange(t_max, device=dev).expand(h, t_max).clone()
     beta = torch.zeros(h, t_max, device=dev)
     vals = values[:, :t_max].float().clone()
     n, per_head = queries.shape[1], 0
@@ -384,10 +381,18 @@ def compact_heads(
         # features [T, n] and kept fp32 columns [t + 1, n]
         per_head = n * (total * FEATURE_DTYPE.itemsize + 4 * (t_max + 1))
     for group in _head_groups(work.to(dev), budgets, per_head, memory_limit):
+        # fmt: skip
         fitted = _compact_group(
-            keys[group].float(), values[group].float(), queries[group].float(),
-            lengths[group], plan, scale, memory_limit, clock, None if weights is None else weights[group],
-        )  # fmt: skip
+            keys[group].float(),
+            values[group].float(),
+            queries[group].float(),
+            lengths[group],
+            plan,
+            scale,
+            memory_limit,
+            clock,
+            None if weights is None else weights[group],
+        )
         width = fitted.indices.shape[1]
         # _compact_group fits (or takes from its selector) both
         assert fitted.beta is not None and fitted.values is not None

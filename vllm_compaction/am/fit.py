@@ -248,9 +248,8 @@ class SelectedFeatures:
         self.chunks, self.split = block_chunks(n, rows, h, queries.device)
         self._q = queries * (scale * LOG2_E)  # [H, n, d], logits in log2 units
         self._shift = shift[..., None] * LOG2_E  # [H, n, 1]
-        self._kt = repeat_heads(
-            kept_keys.transpose(1, 2), self.split
-        )  # [H * split, d, t]
+        # [H * split, d, t]
+        self._kt = repeat_heads(kept_keys.transpose(1, 2), self.split)
         self._mask = (
             None
             if bool(valid.all())
@@ -375,13 +374,11 @@ def fit_values(
     h, t = valid.shape
     sums = _NormalEquations(h, t, targets.shape[-1], features.split, targets.device)
     # e^beta up to a per-head constant, which the row normalisation cancels (no overflow)
-    weight = (
-        (beta - beta.amax(-1, keepdim=True)).exp()[:, None, :].to(GRAM_DTYPE)
-    )  # [H, 1, t]
+    # [H, 1, t]
+    weight = (beta - beta.amax(-1, keepdim=True)).exp()[:, None, :].to(GRAM_DTYPE)
     for sl, phi in features:
-        x = torch.mul(
-            phi.to(GRAM_DTYPE), weight
-        )  # [H, c, t]: softmax(l + beta) up to each row's sum
+        # [H, c, t]: softmax(l + beta) up to each row's sum
+        x = torch.mul(phi.to(GRAM_DTYPE), weight)
         total = x.sum(-1, keepdim=True)
         # a row with no feature left (every kept key > ~100 nats below the max) weighs nothing
         x.div_(torch.where(total > 0, total, torch.inf))

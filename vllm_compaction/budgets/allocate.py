@@ -98,9 +98,8 @@ def global_budgets(
     layers = torch.tensor([s is not None for s in scores], device="cpu")
     num_heads = next(s.shape[0] for s in scores if s is not None)
     total = total_budget(ratio, n, layers, num_heads)
-    per_layer = torch.stack(
-        [s.flatten() for s in scores if s is not None]
-    )  # [L_c, H n]
+    # [L_c, H n]
+    per_layer = torch.stack([s.flatten() for s in scores if s is not None])
     keep = torch.zeros_like(per_layer, dtype=torch.bool)
     floor = min(per_layer.shape[1], int(min_layer_share * total / per_layer.shape[0]))
     if floor:
@@ -162,9 +161,8 @@ def cap_and_fill(
     out = torch.where(mask, budgets, torch.zeros_like(budgets))
     total = min(int(out.sum()), cap * int(mask.sum()))
     out = torch.where(mask, out.clamp(min_head_slots, cap), out)
-    for _ in range(
-        64
-    ):  # each round saturates at least one head, so this converges quickly
+    # each round saturates at least one head, so this converges quickly
+    for _ in range(64):
         missing = total - int(out.sum())
         room = torch.where(mask, cap - out, torch.zeros_like(out))
         if missing <= 0 or int(room.sum()) == 0:

@@ -122,9 +122,8 @@ def save_cache(cache: CompactedCache, path: str | Path) -> Path:
     try:
         os.close(fd)
         safetensors.torch.save_file(tensors, tmp, metadata=metadata)
-        os.chmod(
-            tmp, 0o644
-        )  # mkstemp makes it 0600; a cache is readable like other files
+        # mkstemp makes it 0600; a cache is readable like other files
+        os.chmod(tmp, 0o644)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -207,9 +207,8 @@ def _common_words(tokenizer, n_tokens: int, seed: int, top: int = 10) -> TaskIns
     words: list[str] = []
     text = ""
     rare_left = iter(rare)
-    while (
-        True
-    ):  # rounds of every common word once plus two rare words, until n_tokens is full
+    # rounds of every common word once plus two rare words, until n_tokens is full
+    while True:
         batch = common + [next(rare_left, rng.choice(rare)) for _ in range(2)]
         rng.shuffle(batch)
         candidate = words + batch

@@ -340,9 +340,8 @@ class ModelAdapter:
             hidden = self.forward(
                 ids, torch.arange(ids.numel(), device=self.device)
             ).hidden
-            assert (
-                hidden is not None
-            )  # a pass that keeps no logits returns the hidden states
+            # a pass that keeps no logits returns the hidden states
+            assert hidden is not None
         head = self.model.get_output_embeddings()
         softcap = getattr(self.config, "final_logit_softcapping", None)
         nll = torch.zeros(ids.numel(), dtype=torch.float32, device=self.device)

@@ -247,9 +247,8 @@ def _convert(
         tok.model_max_length = model.config.max_position_embeddings
         model.save_pretrained(out_dir)
         tok.save_pretrained(out_dir)
-        for path in (
-            out_dir.iterdir()
-        ):  # some writers create 0600 temp files; make them readable
+        # some writers create 0600 temp files; make them readable
+        for path in out_dir.iterdir():
             path.chmod(0o644)
     except Exception as exc:  # transformers raises many types; report one sentence
         raise ModelPrepareError(

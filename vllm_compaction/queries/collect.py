@@ -152,9 +152,8 @@ class QueryCollector:
                 raise ValueError("context-prefill needs the prefix's queries")
             static += self.prefix.kv.queries[layer].shape[1]
         group = self.adapter.num_q_heads // self.adapter.num_kv_heads
-        recorded = self.token_weights[self.record].repeat(
-            group
-        )  # the rows' order in _recorded
+        # the rows' order in _recorded
+        recorded = self.token_weights[self.record].repeat(group)
         rows = torch.cat(
             [torch.ones(static, dtype=torch.long, device=self.device), recorded]
         ).float()

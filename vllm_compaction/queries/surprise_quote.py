@@ -72,9 +72,8 @@ class SurpriseQuote:
 
     def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
         content = prefix.content_ids
-        hidden = (
-            prefix.kv.last_hidden if prefix.kv is not None else None
-        )  # the prefill's, when kept
+        # the prefill's, when kept
+        hidden = prefix.kv.last_hidden if prefix.kv is not None else None
         # span picking is host bookkeeping, as the prefix's mask
         surprisal = adapter.token_surprisal(prefix.token_ids, hidden=hidden).cpu()[
             prefix.compact_mask

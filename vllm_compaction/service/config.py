@@ -116,18 +116,16 @@ class ServiceConfig(BaseModel):
     def _device_exists(cls, device: str) -> str:
         from vllm_compaction.models.loader import resolve_device
 
-        return str(
-            resolve_device(device)
-        )  # ValueError with a sentence for a device not here
+        # ValueError with a sentence for a device not here
+        return str(resolve_device(device))
 
     @field_validator("auto_compact_min_layer_share")
     @classmethod
     def _layer_share_needs_global_budgets(
         cls, share: float | None, info: ValidationInfo
     ) -> float | None:
-        if (
-            "auto_compact_method" in info.data
-        ):  # else the method itself failed, and says so
+        # else the method itself failed, and says so
+        if "auto_compact_method" in info.data:
             check_layer_share(info.data["auto_compact_method"], share)
         return share
 

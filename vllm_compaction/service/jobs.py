@@ -363,10 +363,11 @@ class JobBook:
                 )
             for key, value in result.items():
                 setattr(record, key, value)
+            # a retried job's earlier death is history now
             record.progress, record.error = (
                 1.0,
                 None,
-            )  # a retried job's earlier death is history now
+            )
             self._finish(record, JobStatus.succeeded)
         self._changed(record)
         return record
@@ -501,12 +502,10 @@ class JobBook:
                 quarantine(path, self.quarantine_root, str(exc)[:200])
                 self.quarantined.append(path.stem)
                 continue
-            if (
-                record.status == JobStatus.running
-            ):  # the server stopped under it: run it again
-                record.attempts = max(
-                    0, record.attempts - 1
-                )  # the stop was the server's, not the job's
+            # the server stopped under it: run it again
+            if record.status == JobStatus.running:
+                # the stop was the server's, not the job's
+                record.attempts = max(0, record.attempts - 1)
                 record.status, record.worker_id, record.lease_expires = (
                     JobStatus.queued,
                     None,

@@ -48,9 +48,10 @@ _QUERY_ALIASES = {"mix": "self-study+repeat-prefill"}
 
 def check_method(method: str) -> str:
     """``method`` unchanged if it is a method spec ``compact()`` takes (``vllm_compaction.recipes``)."""
+    # torch only once a method is checked
     from vllm_compaction.recipes import (
         check_method as check,
-    )  # torch only once a method is checked
+    )
 
     return check(method)
 
@@ -60,9 +61,8 @@ def check_queries(queries: str) -> str:
     each optionally weighted as ``name*k`` (its queries count k times in the fits)."""
     from vllm_compaction.queries import parse_sources, resolve_spacing, split_source
 
-    parts = [
-        split_source(p) for p in queries.split("+")
-    ]  # ValueError for a bad weight or spacing
+    # ValueError for a bad weight or spacing
+    parts = [split_source(p) for p in queries.split("+")]
     names = [name for name, _, _ in parts]
     if any(n not in QUERY_SOURCES for n in names) or len(set(names)) != len(names):
         raise ValueError(
@@ -114,9 +114,8 @@ def expand_queries(queries: str | None) -> str | None:
     if not queries:
         return None
     expanded = "+".join(_QUERY_ALIASES.get(p, p) for p in queries.split("+")).split("+")
-    return "+".join(
-        dict.fromkeys(expanded)
-    )  # "mix+repeat-prefill" names repeat-prefill once
+    # "mix+repeat-prefill" names repeat-prefill once
+    return "+".join(dict.fromkeys(expanded))
 
 
 class JobStatus(str, Enum):

@@ -114,23 +114,22 @@ class CompactionService:
         self.chat = ChatTokenizer(tokenizer)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
+        # how the engine holds prefixes
         self.layout, self.block_size = (
             layout,
             block_size,
-        )  # how the engine holds prefixes
+        )
         self.store = LocalDiskStore(config.store, max_bytes=config.store_max_bytes)
-        if (
-            self.store.max_bytes is None
-        ):  # unbounded by default would fill the disk in the end
+        # unbounded by default would fill the disk in the end
+        if self.store.max_bytes is None:
             self.store.max_bytes = default_store_limit(self.store.root)
         self.metrics = ServiceMetrics()
         self.conversations = ConversationBook(
             self.store.root / "conversations",
             quarantine_root=self.store.root / "quarantine" / "conversations",
         )
-        self.lock = StoreLock(
-            self.store.root
-        )  # a second server on this store refuses to start
+        # a second server on this store refuses to start
+        self.lock = StoreLock(self.store.root)
         self._remove_leftovers()
         self.book = JobBook(
             self.store.root / "jobs",
@@ -425,12 +424,10 @@ class CompactionService:
     def _plan(
         self, record: JobRecord, continuation_ids: builtins.list[int]
     ) -> PrefixPlan:
-        self.store.touch_id(
-            record.id
-        )  # the engine reads the file itself: keep LRU order by use
-        self.store.hold(
-            record.id, SERVING_HOLD_S
-        )  # not evicted while the engine loads it
+        # the engine reads the file itself: keep LRU order by use
+        self.store.touch_id(record.id)
+        # not evicted while the engine loads it
+        self.store.hold(record.id, SERVING_HOLD_S)
         return PrefixPlan(
             record.id,
             int(record.compacted_tokens or 0),
@@ -506,9 +503,8 @@ class CompactionService:
             logger.error(
                 "compacted cache of %s is unusable: %s", compaction_id, problem
             )
-            problem = problem.replace(
-                str(self.store.root), "the store"
-            )  # clients see no server paths
+            # clients see no server paths
+            problem = problem.replace(str(self.store.root), "the store")
         return problem
 
     # ------------------------------------------------------------------ worker protocol
@@ -590,9 +586,8 @@ class CompactionService:
         try:
             return self.book.succeed(compaction_id, worker_id, result)
         except JobError:
-            self.store.delete_id(
-                compaction_id
-            )  # cancelled while uploading: keep nothing
+            # cancelled while uploading: keep nothing
+            self.store.delete_id(compaction_id)
             raise
 
     # ------------------------------------------------------------------ internals
@@ -607,9 +602,8 @@ class CompactionService:
     def _job_changed(self, record: JobRecord) -> None:
         self.metrics.job_changed(self.book, record)
         if record.status == JobStatus.succeeded:
-            self.store.hold(
-                record.id, FRESH_HOLD_S
-            )  # made for a client who has not read it yet
+            # made for a client who has not read it yet
+            self.store.hold(record.id, FRESH_HOLD_S)
         if record.auto and record.conversation_id and record.status.finished:
             key = (record.owner, record.conversation_id)
             if record.status == JobStatus.failed:

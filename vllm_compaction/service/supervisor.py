@@ -53,9 +53,8 @@ class Supervisor:
             self.service.config.device,
             "--die-with-parent",
         ]
-        if self.server_url.startswith(
-            "https://127.0.0.1"
-        ):  # its own server, on loopback: no certificate names it
+        # its own server, on loopback: no certificate names it
+        if self.server_url.startswith("https://127.0.0.1"):
             cmd.append("--no-verify-tls")
         process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         logger.info(
@@ -68,9 +67,8 @@ class Supervisor:
             await asyncio.sleep(0.5)
             try:
                 self._check()
-            except (
-                Exception
-            ):  # a full disk, say: log it and keep watching, never end the task
+            # a full disk, say: log it and keep watching, never end the task
+            except Exception:
                 logger.exception(
                     "compaction supervisor: checking leases and workers failed"
                 )

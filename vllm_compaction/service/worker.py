@@ -69,12 +69,10 @@ def _die_with_parent() -> None:
         import ctypes
         import signal
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(
-            1, signal.SIGKILL
-        )  # PR_SET_PDEATHSIG
-    except (
-        Exception
-    ):  # not Linux: the supervisor's atexit still terminates its workers on shutdown
+        # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    # not Linux: the supervisor's atexit still terminates its workers on shutdown
+    except Exception:
         pass
 
 
@@ -84,9 +82,8 @@ def _compute_main(
 ) -> None:
     _die_with_parent()
     if nice:
-        os.nice(
-            nice
-        )  # requests in the engine come first; compaction takes the idle cycles
+        # requests in the engine come first; compaction takes the idle cycles
+        os.nice(nice)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s compute %(levelname)s %(message)s"
     )
@@ -482,9 +479,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=600.0,
         help="seconds to wait for the server to come up (default 600)",
     )
-    parser.add_argument(
-        "--no-verify-tls", action="store_true", help=argparse.SUPPRESS
-    )  # local workers only
+    # local workers only
+    parser.add_argument("--no-verify-tls", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--max-jobs", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
         "--die-with-parent", action="store_true", help=argparse.SUPPRESS

@@ -87,13 +87,11 @@ class PrefixLoad:
 @dataclass
 class CompactionMetadata(KVConnectorMetadata):
     loads: list[PrefixLoad] = field(default_factory=list)
-    packed: dict[int, int] = field(
-        default_factory=dict
-    )  # first block id -> prefix blocks
+    # first block id -> prefix blocks
+    packed: dict[int, int] = field(default_factory=dict)
     snapshots: list[SnapshotPlan] = field(default_factory=list)
-    abandoned_snapshots: list[str] = field(
-        default_factory=list
-    )  # requests that ended before their prompt did
+    # requests that ended before their prompt did
+    abandoned_snapshots: list[str] = field(default_factory=list)
 
 
 class CompactionConnector(KVConnectorBase_V1):
@@ -124,9 +122,8 @@ class CompactionConnector(KVConnectorBase_V1):
 
     @property
     def _scheduler_side(self) -> _SchedulerSide:
-        if (
-            self._scheduler is None
-        ):  # vLLM calls each side's methods in its own process only
+        # vLLM calls each side's methods in its own process only
+        if self._scheduler is None:
             raise RuntimeError(
                 "a scheduler-side connector method was called on a worker"
             )
@@ -351,9 +348,8 @@ class _SchedulerSide:
                     and blocks
                     and blocks[0]
                 ):
-                    self._first_block[req_id] = blocks[0][
-                        0
-                    ]  # resumed: a new block table
+                    # resumed: a new block table
+                    self._first_block[req_id] = blocks[0][0]
         packed = {
             self._first_block[r]: self._packed_blocks[r]
             for r in scheduler_output.num_scheduled_tokens
@@ -431,9 +427,8 @@ class _SchedulerSide:
         self._snapshot_blocks.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
-        if (
-            request_id in self._snapshot_of
-        ):  # aborted (or failed) before its prompt was computed
+        # aborted (or failed) before its prompt was computed
+        if request_id in self._snapshot_of:
             self._abandoned.append(self._snapshot_of[request_id][0])
         self._forget_snapshot(request_id)
         self._pending.pop(request_id, None)

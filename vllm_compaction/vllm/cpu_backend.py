@@ -134,9 +134,8 @@ class CompactionCPUAttentionImpl(CompactionImplMixin, CPUAttentionBackendImpl):
             if self.compaction and attn_metadata is not None
             else None
         )
-        if (
-            self.augmented is None and split is None
-        ):  # no compaction, warm-up, or a plain step
+        # no compaction, warm-up, or a plain step
+        if self.augmented is None and split is None:
             return super().forward(
                 layer,
                 query,
@@ -151,9 +150,8 @@ class CompactionCPUAttentionImpl(CompactionImplMixin, CPUAttentionBackendImpl):
         n = attn_metadata.num_actual_tokens
         plain_query = query[:n].view(n, self.num_heads, self.head_size)
         result = output[:n].view(n, self.num_heads, self.head_size)
-        if (
-            self.augmented is None
-        ):  # stock width: the parts are written into the output directly
+        # stock width: the parts are written into the output directly
+        if self.augmented is None:
             q, out = plain_query, result
         else:
             q = augment_query(plain_query, self.augmented, self.scale)

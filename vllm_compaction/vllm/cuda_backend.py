@@ -321,9 +321,8 @@ class CompactionTritonImpl(CompactionImplMixin, TritonAttentionImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if (
-            not self.compaction or attn_metadata is None
-        ):  # stock path, or the profiling run
+        # stock path, or the profiling run
+        if not self.compaction or attn_metadata is None:
             return super().forward(
                 layer,
                 query,
@@ -336,9 +335,8 @@ class CompactionTritonImpl(CompactionImplMixin, TritonAttentionImpl):
                 output_block_scale,
             )
         found = packed_batch(attn_metadata)
-        if (
-            found is None and self.augmented is None
-        ):  # stock pages, no compacted prefix: vLLM's kernel
+        # stock pages, no compacted prefix: vLLM's kernel
+        if found is None and self.augmented is None:
             return super().forward(
                 layer,
                 query,
@@ -355,9 +353,8 @@ class CompactionTritonImpl(CompactionImplMixin, TritonAttentionImpl):
                 "fused output quantization with the compaction Triton backend"
             )
         causal = attn_metadata.causal
-        if (
-            isinstance(causal, torch.Tensor) or not causal
-        ):  # a tensor: per-request flags
+        # a tensor: per-request flags
+        if isinstance(causal, torch.Tensor) or not causal:
             raise NotImplementedError(
                 "non-causal attention with the compaction Triton backend"
             )

@@ -236,9 +236,8 @@ class CompactionEndpoints:
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(service_router)
         app.include_router(_build_router())
-        app.add_middleware(
-            RequestGuard
-        )  # reserved salts on every route, body limits on /v1/compact
+        # reserved salts on every route, body limits on /v1/compact
+        app.add_middleware(RequestGuard)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         state.compaction_service = None

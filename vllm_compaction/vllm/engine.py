@@ -102,9 +102,8 @@ def kv_bytes_per_token(vllm_config) -> int:
 
     model = vllm_config.model_config
     head = model.get_head_size()
-    if (
-        page_width(vllm_config) == "widened"
-    ):  # the same test the backends use to widen their pages
+    # the same test the backends use to widen their pages
+    if page_width(vllm_config) == "widened":
         from vllm.platforms import current_platform
 
         if current_platform.is_cuda():

@@ -92,9 +92,8 @@ def physical_prefix(
     shift = slots - cache.logical_length  # <= 0: keys move back by T - P positions
     keys_out, values_out, beta_out = [], [], []
     for layer in cache.layers:
-        keys, beta, values, _ = (
-            layer.padded()
-        )  # [H, t_l, d], [H, t_l] with -inf padding
+        # [H, t_l, d], [H, t_l] with -inf padding
+        keys, beta, values, _ = layer.padded()
         pad = slots - keys.shape[1]
         keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
         values = torch.nn.functional.pad(values, (0, 0, 0, pad))

@@ -63,10 +63,11 @@ class PagedPrefixPages:
             raise ValueError(
                 f"pages of head size {self.width} cannot hold rows of {head_size}"
             )
+        # views: writes land in the engine's pages
         self._keys, self._values = (
             list(keys),
             list(values),
-        )  # views: writes land in the engine's pages
+        )
 
     @property
     def num_layers(self) -> int:

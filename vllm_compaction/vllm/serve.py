@@ -41,9 +41,8 @@ def vllm_serve_argv(argv: Sequence[str], environ: dict[str, str]) -> list[str]:
             environ[ENV_PREFIX + field.upper()] = value
     from vllm_compaction.service.config import ServiceConfig
 
-    ServiceConfig.from_env(
-        environ
-    )  # a bad value fails here, with the flag's name, not in the server
+    # a bad value fails here, with the flag's name, not in the server
+    ServiceConfig.from_env(environ)
     if not rest or rest[0].startswith("-"):
         raise ValueError(
             "give the model first: vllm-compaction serve MODEL [vllm serve flags]"

@@ -25,9 +25,8 @@ async def start_service(vllm_config, args: Namespace) -> CompactionService:
 
     ValueError (one sentence) when the engine was not started with the compaction connector.
     """
-    if not compaction_enabled(
-        vllm_config
-    ):  # the test the backends use to take the compaction path
+    # the test the backends use to take the compaction path
+    if not compaction_enabled(vllm_config):
         raise ValueError(
             f"the engine runs without the {CONNECTOR_NAME} KV connector: start it with "
             f"`vllm-compaction serve` or pass --kv-transfer-config (see docs/serving.md)"

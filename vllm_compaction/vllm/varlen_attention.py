@@ -86,18 +86,19 @@ def prefixes_attention(
     device = keys.device
     rows = torch.arange(num_rows, device=device).expand(num_reqs, -1).contiguous()
     # the head each row belongs to; padding rows get head H, a bin of their own that is dropped
+    # [R, N]
     head_of_row = torch.searchsorted(
         cu_seqlens[:, 1:].to(torch.int64).contiguous(), rows, right=True
-    )  # [R, N]
+    )
     # every query head against every row (one GEMM), then each row keeps its own group's heads:
     # the softmax works on [n, group, N], not [n, Hq, N]
-    scores = torch.matmul(
-        query.float(), keys.float().transpose(1, 2)[:, None]
-    )  # [R, n, Hq, N]
+    # [R, n, Hq, N]
+    scores = torch.matmul(query.float(), keys.float().transpose(1, 2)[:, None])
+    # [R, group, N]
     own = (
         head_of_row.clamp_max(num_kv_heads - 1)[:, None, :] * group
         + torch.arange(group, device=device)[None, :, None]
-    )  # [R, group, N]
+    )
     scores = (
         scores.gather(2, own[:, None].expand(num_reqs, n, group, num_rows)) * scale
         + beta.float()[:, None, None, :]
@@ -107,13 +108,11 @@ def prefixes_attention(
         (num_reqs, n, group, num_kv_heads + 1), float("-inf"), device=device
     )
     top = top.scatter_reduce(3, index, scores, reduce="amax", include_self=True)
-    top = torch.where(
-        torch.isfinite(top), top, torch.zeros_like(top)
-    )  # empty heads: no rows anyway
+    # empty heads: no rows anyway
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     weights = torch.exp(scores - top.gather(3, index))  # [R, n, group, N]
-    mass = torch.zeros_like(top).scatter_add(3, index, weights)[
-        ..., :num_kv_heads
-    ]  # [R, n, group, H]
+    # [R, n, group, H]
+    mass = torch.zeros_like(top).scatter_add(3, index, weights)[..., :num_kv_heads]
     # per head: the weights masked to its rows, times the values (one GEMM per request)
     member = (
         head_of_row[:, None, :]
@@ -155,10 +154,11 @@ def masked_attention(
     group = num_q_heads // num_kv_heads
     q = query.float().view(num_reqs, n, num_kv_heads, group, d)
     scores = torch.einsum("rnhgd,rshd->rhgns", q, keys.float()) * scale
+    # [R, n, S]
     hidden = (
         torch.arange(keys.shape[1], device=keys.device)
         > last_key.to(keys.device)[..., None]
-    )  # [R, n, S]
+    )
     scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [R, H, group, n]
     out = torch.einsum(
@@ -225,9 +225,8 @@ def merge_two_calls(
         (sunk * plain).sum(-1) / norm.clamp_min(torch.finfo(torch.float32).tiny)
     ).clamp(0.0, 1.0)
     prefix_norm = (prefix_out.float() * prefix_out.float()).sum(-1)
-    has_prefix = torch.isfinite(
-        prefix_lse
-    )  # an empty prefix head needs no share: w = 0
+    # an empty prefix head needs no share: w = 0
+    has_prefix = torch.isfinite(prefix_lse)
     trusted = (
         ~has_prefix | ((norm > 0) & (norm >= SHARE_MIN_NORM_RATIO**2 * prefix_norm))
     ).all(-1)
@@ -243,9 +242,8 @@ def _merge_shares(
 ) -> torch.Tensor:
     """``(o + w (1 - o[d]) o_p) / (o[d] + w (1 - o[d]))`` with ``suffix_share = o[d]``."""
     sink_share = (1.0 - suffix_share).clamp_min(0.0)
-    prefix_weight = (
-        torch.exp(prefix_lse - sink[None, :]) * sink_share
-    )  # exp(-inf) = 0: empty prefix
+    # exp(-inf) = 0: empty prefix
+    prefix_weight = torch.exp(prefix_lse - sink[None, :]) * sink_share
     return (suffix_out + prefix_weight[..., None] * prefix_out) / (
         suffix_share + prefix_weight
     )[..., None]

@@ -62,19 +62,16 @@ class KVMergerSelector(ScoredSelector):
         unit = F.normalize(keys, dim=-1)
         sims = (unit[:, 1:] * unit[:, :-1]).sum(-1)  # [H, T-1] cosine of neighbours
         rank = sims.argsort(dim=-1, stable=True).argsort(dim=-1)
-        cuts = (
-            rank < (budgets - 1)[:, None]
-        )  # the t_h - 1 least similar neighbour pairs
+        # the t_h - 1 least similar neighbour pairs
+        cuts = rank < (budgets - 1)[:, None]
         cluster = F.pad(cuts.long().cumsum(-1), (1, 0))  # [H, T] cluster id in [0, t_h)
-        anchors = _cluster_argmax(
-            problem.reference.scores, cluster, t_max
-        )  # [H, t_max]
+        # [H, t_max]
+        anchors = _cluster_argmax(problem.reference.scores, cluster, t_max)
         anchor_of = unit.gather(
             1, anchors.gather(1, cluster)[..., None].expand(h, total, d)
         )
-        weight = torch.exp(
-            -(unit - anchor_of).square().sum(-1) / (2 * self.sigma**2)
-        )  # [H, T]
+        # [H, T]
+        weight = torch.exp(-(unit - anchor_of).square().sum(-1) / (2 * self.sigma**2))
         num = values.new_zeros(h, t_max, d).scatter_add_(
             1, cluster[..., None].expand(h, total, d), weight[..., None] * values
         )

@@ -123,9 +123,8 @@ class OMPSelector(SelectorBase):
             per_round = torch.maximum(per_round, -(-problem.budgets // self.max_rounds))
         state = _GreedyMassFit(problem, per_round)
         lower, upper = math.exp(self.min_beta), math.exp(self.max_beta)
-        if (
-            self.seed_share > 0
-        ):  # one first round on the max-attention scores of the reference pass
+        # one first round on the max-attention scores of the reference pass
+        if self.seed_share > 0:
             seeds = (
                 torch.ceil(problem.budgets.double() * self.seed_share)
                 .long()
@@ -165,26 +164,25 @@ class _GreedyMassFit:
         assert ref is not None and ref.features is not None
         phi_t, budgets = ref.features, problem.budgets
         h, total, n = phi_t.shape
+        # [H, T, n], [H, n] x2
         self.phi_t, self.mass, self.shift, self.budgets = (
             phi_t,
             ref.mass,
             ref.shift,
             budgets,
-        )  # [H, T, n], [H, n] x2
+        )
         self.keys, self.queries_scaled = problem.keys, problem.queries * problem.scale
         self.t_max = int(budgets.max())
         per_round = torch.as_tensor(per_round, device=budgets.device).expand(h)
-        self.per_round = per_round.clamp(
-            1, max(1, min(total, self.t_max))
-        )  # [H] keys per round
+        # [H] keys per round
+        self.per_round = per_round.clamp(1, max(1, min(total, self.t_max)))
         self.max_per_round = int(self.per_round.max())  # host copy: no sync per round
         dev, slots = phi_t.device, self.t_max + 1
         self.idx = torch.zeros(h, slots, dtype=torch.long, device=dev)
         self.occupied = torch.zeros(h, slots, dtype=torch.bool, device=dev)
         self.excluded = torch.zeros(h, total, dtype=torch.bool, device=dev)
-        self.phi_s = torch.zeros(
-            h, slots, n, dtype=torch.float32, device=dev
-        )  # kept columns, as rows
+        # kept columns, as rows
+        self.phi_s = torch.zeros(h, slots, n, dtype=torch.float32, device=dev)
         self.gram = torch.zeros(h, slots, slots, dtype=torch.float64, device=dev)
         self.rhs = torch.zeros(h, slots, dtype=torch.float64, device=dev)
         self.final_w = torch.zeros(h, self.t_max, dtype=torch.float64, device=dev)
@@ -196,9 +194,10 @@ class _GreedyMassFit:
         """``[H, T]`` fp32 ``Phi^T r`` for ``resid [H, n]``, from the half-precision features.
         ``r`` is scaled so that ``sum |r| = CORRELATION_RANGE``: since ``0 <= Phi <= 1`` every
         product then fits the half range, and most entries stay normal numbers."""
+        # [H, 1]
         norm = (
             resid.abs().sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        )  # [H, 1]
+        )
         scaled = (resid * (CORRELATION_RANGE / norm)).to(self.phi_t.dtype)
         # r^T Phi as a row vector times Phi^T: CPU torch runs this layout as a half-precision GEMV
         # (fp32 accumulation); Phi^T @ r[..., None] takes a generic GEMM path 5x slower
@@ -237,36 +236,33 @@ class _GreedyMassFit:
         ok = (torch.arange(r, device=take.device) < take[:, None]) & (
             top.values > float("-inf")
         )
-        free = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)[
-            :, :r
-        ]  # first free slots
-        slots = torch.where(
-            ok, free, self.t_max
-        )  # discarded picks go to the scratch slot
+        # first free slots
+        free = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)[:, :r]
+        # discarded picks go to the scratch slot
+        slots = torch.where(ok, free, self.t_max)
         heads = torch.arange(h, device=slots.device)[:, None]
         self.idx[heads, slots] = top.indices
         self.occupied[heads, slots] = ok
         self.occupied[:, self.t_max] = False
         self.excluded[heads, top.indices] |= ok
+        # [H, r, d]
         picked = self.keys.gather(
             1, top.indices[..., None].expand(h, r, self.keys.shape[-1])
-        )  # [H, r, d]
+        )
         new = (
             torch.bmm(picked, self.queries_scaled.transpose(1, 2))
             .sub_(self.shift[:, None, :])
             .exp_()
         )
-        new.mul_(
-            ok[..., None]
-        )  # [H, r, n] exact fp32 columns of the kept keys, as rows
+        # [H, r, n] exact fp32 columns of the kept keys, as rows
+        new.mul_(ok[..., None])
         self.phi_s[heads, slots] = new
         # the first r free slots lie below high + r (every slot from high on is free): a bound
         # kept on the host instead of reading the largest slot back; rows past the real ones are 0
         self.high = min(self.t_max + 1, self.high + r)
         used = self.high
-        cols = torch.bmm(self.phi_s[:, :used], new.transpose(1, 2)).to(
-            torch.float64
-        )  # [H, used, r]
+        # [H, used, r]
+        cols = torch.bmm(self.phi_s[:, :used], new.transpose(1, 2)).to(torch.float64)
         self.gram[:, :used].scatter_(2, slots[:, None, :].expand(h, used, r), cols)
         self.gram[:, :, :used].scatter_(
             1, slots[:, :, None].expand(h, r, used), cols.transpose(1, 2)
@@ -288,9 +284,8 @@ class _GreedyMassFit:
         for _ in range(4):
             drop = self.valid & (w < lower) & ~self.done[:, None]
             remaining = (~self.excluded).sum(1)
-            drop &= (drop.sum(1) <= remaining)[
-                :, None
-            ]  # only if enough keys can replace them
+            # only if enough keys can replace them
+            drop &= (drop.sum(1) <= remaining)[:, None]
             if not drop.any():
                 break
             logger.debug("OMP drops %d keys with beta below the floor", int(drop.sum()))
@@ -303,9 +298,8 @@ class _GreedyMassFit:
         self.final_w = torch.where(self.done[:, None], self.final_w, w)
         self.done = self.done | (self.count >= self.budgets)
         t = self.t_max
-        resid = (
-            self.mass - torch.bmm(w.float()[:, None, :], self.phi_s[:, :t])[:, 0]
-        )  # [H, n]
+        # [H, n]
+        resid = self.mass - torch.bmm(w.float()[:, None, :], self.phi_s[:, :t])[:, 0]
         self.corr = self._correlation(resid)
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -32,9 +32,8 @@ class RandomSelector(SelectorBase):
         h, total = problem.keys.shape[:2]
         device = problem.keys.device
         gen = torch.Generator(device=device).manual_seed(self.seed)
-        perm = torch.rand(h, total, generator=gen, device=device).argsort(
-            dim=-1
-        )  # [H, T]
+        # [H, T]
+        perm = torch.rand(h, total, generator=gen, device=device).argsort(dim=-1)
         t_max = int(problem.budgets.max())
         return Selection(
             indices=perm[:, :t_max].to(problem.budgets.device),
