@@ -66,3 +66,15 @@ def wait_finished(client, compaction_id: str, timeout_s: float = 600.0) -> dict:
     return wait_status(
         client, compaction_id, ("succeeded", "failed", "cancelled"), timeout_s
     )
+
+
+def all_compactions(client) -> list[dict]:
+    """Every compaction the client's key sees, page after page (the list is paginated)."""
+    jobs: list[dict] = []
+    query = "limit=100"
+    while True:
+        page = client.get(f"/compact?{query}", cast_to=object)
+        jobs += page["data"]
+        if not page["has_more"]:
+            return jobs
+        query = f"limit=100&after={page['last_id']}"

@@ -18,7 +18,13 @@ import httpx
 import openai
 import pytest
 
-from server.servers import AUTO_THRESHOLD_TOKENS, MODEL, wait_finished, wait_status
+from server.servers import (
+    AUTO_THRESHOLD_TOKENS,
+    MODEL,
+    all_compactions,
+    wait_finished,
+    wait_status,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -190,11 +196,7 @@ def test_auto_compaction_by_conversation_id(client, tokenizer):
     )
     # served as sent; compaction queued
     assert "logical_prompt_tokens" not in first.usage.model_dump()
-    jobs = [
-        j
-        for j in client.get("/compact", cast_to=object)["data"]
-        if j["conversation_id"] == conversation
-    ]
+    jobs = [j for j in all_compactions(client) if j["conversation_id"] == conversation]
     assert len(jobs) == 1 and jobs[0]["messages_covered"] == 3
     job = wait_finished(client, jobs[0]["id"])
     assert job["status"] == "succeeded", job
@@ -460,9 +462,7 @@ def test_a_killed_server_restarts_with_its_jobs_and_a_separate_worker_runs_them(
         client, [{"role": "user", "content": QUESTION}], compaction_id=job["id"]
     )
     assert ANSWER in reply.choices[0].message.content
-    assert job["id"] in {
-        j["id"] for j in client.get("/compact", cast_to=object)["data"]
-    }
+    assert job["id"] in {j["id"] for j in all_compactions(client)}
     time.sleep(3.0)
     # the server's death is not the job's: no attempt counted
     for pending in (
