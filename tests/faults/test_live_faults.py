@@ -21,7 +21,16 @@ import httpx
 import openai
 import pytest
 
-from server.servers import API_KEYS, MODEL, all_compactions, wait_finished, wait_status
+from server.servers import (
+    API_KEYS,
+    MODEL,
+    all_compactions,
+    job_record,
+    store_of,
+    wait_finished,
+    wait_status,
+    worker_pid,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +44,6 @@ METHOD = {"method": "am-highest-attn", "queries": "repeat-prefill"}
 
 def _headers(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def _store(server) -> Path:
-    return Path(server.flags[server.flags.index("--compaction-store") + 1])
-
-
-def _job_record(server, compaction_id: str) -> dict:
-    return json.loads((_store(server) / "jobs" / f"{compaction_id}.json").read_text())
 
 
 def _assert_openai_error(response: httpx.Response, *statuses: int) -> dict:
@@ -82,14 +83,11 @@ def owned(client) -> dict:
 
 
 @pytest.fixture(autouse=True)
-def still_serving(server):
+def still_serving(server, client):
     """After every case the server is healthy and answers a plain chat."""
     yield
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
-    plain = openai.OpenAI(
-        base_url=f"{server.url}/v1", api_key=API_KEYS[0], max_retries=0, timeout=120
-    )
-    assert _chat(plain).choices[0].message.content is not None
+    assert _chat(client).choices[0].message.content is not None
 
 
 @pytest.mark.parametrize("key", [None, "not-a-key"], ids=["no-key", "bad-key"])
@@ -156,7 +154,7 @@ def test_another_key_finds_nothing_and_changes_nothing(
     assert cid not in [job["id"] for job in all_compactions(other_client)]
     mine = client.get(f"/compact/{cid}", cast_to=object)
     assert mine == owned  # the record is exactly as before
-    assert (_store(server) / f"{cid}.safetensors").exists()
+    assert (store_of(server) / f"{cid}.safetensors").exists()
     assert _chat(client, compaction_id=cid).choices[0].message.content is not None
 
 
@@ -187,7 +185,7 @@ def test_worker_routes_need_the_worker_credential(server, owned):
                 response.status_code,
                 response.text[:300],
             )
-    assert _job_record(server, owned["id"])["status"] == "succeeded"
+    assert job_record(server, owned["id"])["status"] == "succeeded"
 
 
 MESSAGES = [
@@ -332,10 +330,6 @@ def test_a_burst_of_1000_posts_from_one_key_is_bounded_and_fair(
     assert statuses <= {"cancelled", "succeeded"}, statuses
 
 
-def _worker_pid(server, compaction_id: str) -> int:
-    return int(_job_record(server, compaction_id)["worker_id"].rsplit(":", 1)[1])
-
-
 def test_a_stopped_worker_loses_its_lease_and_the_job_runs_again(server, client):
     """SIGSTOP: the worker is alive but silent. Its lease (20 s here) lapses, the job goes back
     to the queue; when the worker wakes up it learns the job is no longer its own, uploads
@@ -343,7 +337,7 @@ def test_a_stopped_worker_loses_its_lease_and_the_job_runs_again(server, client)
     job = _compact(client, prompt=NOTE * 2)
     wait_status(client, job["id"], ("running",))
     _wait_acked(server, job["id"])
-    pid = _worker_pid(server, job["id"])
+    pid = worker_pid(server, job["id"])
     os.kill(pid, signal.SIGSTOP)
     try:
         requeued = wait_status(client, job["id"], ("queued",), timeout_s=90)
@@ -354,9 +348,9 @@ def test_a_stopped_worker_loses_its_lease_and_the_job_runs_again(server, client)
         os.kill(pid, signal.SIGCONT)
     done = wait_finished(client, job["id"], timeout_s=300)
     assert done["status"] == "succeeded" and done["attempts"] == 2, done
-    caches = list(_store(server).glob(f"{job['id']}*.safetensors"))
+    caches = list(store_of(server).glob(f"{job['id']}*.safetensors"))
     assert len(caches) == 1, caches
-    assert not list(_store(server).glob(".upload-*.tmp"))
+    assert not list(store_of(server).glob(".upload-*.tmp"))
 
 
 def _fill(disk: Path) -> Path:
@@ -416,13 +410,13 @@ def test_a_full_disk_answers_clean_errors_and_serving_goes_on(server, client, ow
     assert ended["status"] == "succeeded" or ended["error"], ended
     after = wait_finished(client, _compact(client, prompt=NOTE)["id"], timeout_s=300)
     assert after["status"] == "succeeded", after
-    assert not list(_store(server).glob(".upload-*.tmp"))
+    assert not list(store_of(server).glob(".upload-*.tmp"))
 
 
 def _wait_acked(server, compaction_id: str, timeout_s: float = 120.0) -> None:
     """Until the claiming worker has acknowledged the job (an unacked claim lapses)."""
     deadline = time.monotonic() + timeout_s
-    while not _job_record(server, compaction_id).get("acked"):
+    while not job_record(server, compaction_id).get("acked"):
         assert time.monotonic() < deadline, "the worker never acknowledged its claim"
         time.sleep(0.1)
 
@@ -445,10 +439,10 @@ def test_a_killed_compute_process_is_restarted_and_the_job_runs_again(server, cl
     frozen (SIGSTOP) so the kill lands mid-job whatever the job's speed."""
     job = _compact(client, prompt=NOTE * 6)
     wait_status(client, job["id"], ("running",))
-    compute = _compute_child(_worker_pid(server, job["id"]))
+    compute = _compute_child(worker_pid(server, job["id"]))
     os.kill(compute, signal.SIGSTOP)
     _wait_acked(server, job["id"])  # the worker's own loop still heartbeats
     os.kill(compute, signal.SIGKILL)
     done = wait_finished(client, job["id"], timeout_s=600)
     assert done["status"] == "succeeded" and done["attempts"] == 2, done
-    assert len(list(_store(server).glob(f"{job['id']}*.safetensors"))) == 1
+    assert len(list(store_of(server).glob(f"{job['id']}*.safetensors"))) == 1

@@ -78,3 +78,20 @@ def all_compactions(client) -> list[dict]:
         if not page["has_more"]:
             return jobs
         query = f"limit=100&after={page['last_id']}"
+
+
+def store_of(server: ServerProcess) -> Path:
+    """The server's compaction store (its ``--compaction-store`` flag)."""
+    return Path(server.flags[server.flags.index("--compaction-store") + 1])
+
+
+def job_record(server: ServerProcess, compaction_id: str) -> dict:
+    """The server's own record of a job, as stored (clients are not told its worker)."""
+    import json
+
+    return json.loads((store_of(server) / "jobs" / f"{compaction_id}.json").read_text())
+
+
+def worker_pid(server: ServerProcess, compaction_id: str) -> int:
+    """The pid of the local worker running the job (its id ends in ``:<pid>``)."""
+    return int(job_record(server, compaction_id)["worker_id"].rsplit(":", 1)[1])

@@ -12,7 +12,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -22,8 +21,11 @@ from server.servers import (
     AUTO_THRESHOLD_TOKENS,
     MODEL,
     all_compactions,
+    job_record,
+    store_of,
     wait_finished,
     wait_status,
+    worker_pid,
 )
 
 pytestmark = pytest.mark.slow
@@ -297,18 +299,6 @@ def test_invalid_input_gets_4xx_with_a_message(
     )
 
 
-def _worker_id(server, job: dict) -> str:
-    """The worker running ``job``: clients are not told, the server's job record in the store says."""
-    import json
-
-    store = Path(server.flags[server.flags.index("--compaction-store") + 1])
-    return json.loads((store / "jobs" / f"{job['id']}.json").read_text())["worker_id"]
-
-
-def _worker_pid(server, job: dict) -> int:
-    return int(_worker_id(server, job).rsplit(":", 1)[1])
-
-
 def test_a_killed_worker_s_job_runs_again_and_serving_goes_on(
     server, client, tokenizer, fact_compaction
 ):
@@ -321,7 +311,7 @@ def test_a_killed_worker_s_job_runs_again_and_serving_goes_on(
     )
     running = wait_status(client, job["id"], ("running",))
     time.sleep(2.0)
-    os.kill(_worker_pid(server, running), signal.SIGKILL)
+    os.kill(worker_pid(server, running["id"]), signal.SIGKILL)
     # the supervisor queues the job again (after a backoff) and the restarted worker runs it
     retried = wait_status(client, job["id"], ("queued",), timeout_s=60)
     assert retried["attempts"] == 1 and "signal 9" in retried["error"], retried
@@ -383,7 +373,7 @@ def test_corrupt_cache_fails_its_request_with_a_reason_and_is_quarantined(
             "id"
         ],
     )
-    store = Path(server.flags[server.flags.index("--compaction-store") + 1])
+    store = store_of(server)
     path = store / f"{job['id']}.safetensors"
     data = bytearray(path.read_bytes())
     data[-64:] = bytes(64)
@@ -487,14 +477,16 @@ def test_a_killed_server_restarts_with_its_jobs_and_a_separate_worker_runs_them(
         timeout=120,
     )
     assert refused.returncode == 2 and "refused the worker token" in refused.stderr
-    store = Path(server.flags[server.flags.index("--compaction-store") + 1])
+    store = store_of(server)
     # reads <store>/worker-token
     worker = subprocess.Popen(worker_cmd + ["--store", str(store)])
     try:
         for pending in (queued, running):
             done = wait_finished(client, pending["id"], timeout_s=600)
             assert done["status"] == "succeeded" and done.get("worker_id") is None, done
-            assert _worker_id(server, done).endswith(f":{worker.pid}")
+            assert job_record(server, done["id"])["worker_id"].endswith(
+                f":{worker.pid}"
+            )
     finally:
         worker.terminate()
         worker.wait(timeout=30)
@@ -519,7 +511,7 @@ def test_two_uploads_for_one_job_one_wins_and_its_cache_serves(
 
     from vllm_compaction.pipeline import compact as compact_cache
 
-    store = Path(server.flags[server.flags.index("--compaction-store") + 1])
+    store = store_of(server)
     base = f"{server.url}/compaction/worker/v1"
     auth = {"Authorization": f"Bearer {(store / 'worker-token').read_text().strip()}"}
     job = compact(
