@@ -300,18 +300,24 @@ def test_a_burst_of_1000_posts_from_one_key_is_bounded_and_fair(
         while not flood.done():
             busy.append(_chat_latency(other_client, n=1))
         responses = flood.result()
-    codes = [r.status_code for r in responses]
     accepted = [r.json()["id"] for r in responses if r.status_code == 202]
-    limited = [r for r in responses if r.status_code == 429]
-    assert set(codes) <= {202, 429}, sorted(set(codes))
-    # the per-key queue limit
-    assert 0 < len(accepted) <= 32 and len(limited) == 1000 - len(accepted)
-    assert all(
-        int(r.headers["Retry-After"]) >= 1
-        and r.json()["error"]["type"] == "RateLimitError"
-        for r in limited
-    )
     try:
+        codes = [r.status_code for r in responses]
+        limited = [r for r in responses if r.status_code == 429]
+        assert set(codes) <= {202, 429}, sorted(set(codes))
+        assert accepted and len(limited) == 1000 - len(accepted)
+        # the per-key queue limit bounds what waits, not what was accepted: the worker
+        # claims jobs during the burst, each claim making room for one more
+        left_queue = sum(
+            client.get(f"/compact/{cid}", cast_to=object)["status"] != "queued"
+            for cid in accepted
+        )
+        assert len(accepted) - left_queue <= 32, (len(accepted), left_queue)
+        assert all(
+            int(r.headers["Retry-After"]) >= 1
+            and r.json()["error"]["type"] == "RateLimitError"
+            for r in limited
+        )
         # the other key's job is not stuck behind the flood: keys take turns
         done = wait_finished(other_client, theirs["id"], timeout_s=300)
         assert done["status"] == "succeeded", done
@@ -322,6 +328,7 @@ def test_a_burst_of_1000_posts_from_one_key_is_bounded_and_fair(
             f"plain chat {during:.3f} s under the burst, {idle:.3f} s idle"
         )
     finally:
+        # whatever failed above, the flood's jobs leave the queue: later tests share the key
         for cid in accepted:
             client.delete(f"/compact/{cid}", cast_to=object)
     statuses = {
