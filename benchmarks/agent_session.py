@@ -1,13 +1,18 @@
 """A long agent-style session with auto-compaction through the OpenAI API.
 
-Run ``python -m benchmarks.agent_session [--threshold 512] [--ratio 0.1 | --target-tokens N] [--target-multiple 4]``.
+Run ``python -m benchmarks.agent_session [--threshold 512] [--ratio 0.1 | --target-tokens N]
+[--rounds 8 | --target-multiple 4]``.
 A ``vllm-compaction serve`` process (SmolLM2-135M, CPU) runs with auto-compaction above
 ``--threshold`` physical prompt tokens (the KV cap of the session). Turn 0 plants three facts;
 every later turn adds an essay excerpt (a tool output) and the model's one-line reply. After every
 turn the benchmark asks each fact question on the current state: compacted (the conversation's
 newest compaction + the turns after it) and, while it fits the model window, with the full history.
-It waits for a pending compaction before the next turn, and stops when the logical length reaches
-``--target-multiple`` times the threshold. Writes ``benchmarks/results/agent_session.json`` + PNG.
+It waits for a pending compaction before the next turn, and stops after ``--rounds`` compactions
+(each one compacting the previous compacted prefix plus the turns since: repeated compaction),
+or when the logical length reaches ``--target-multiple`` times the threshold. Each probe records
+its round (how many compactions the conversation has been through); ``by_round`` reports how
+the facts of turn 0 survive each round, and ``retention`` the share of the full history's right
+answers the compacted state keeps. Writes ``benchmarks/results/agent_session.json`` + PNG.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.output import pyplot, save_result
+from vllm_compaction.recipes import DEFAULT_METHOD
 
 logger = logging.getLogger("benchmarks.agent_session")
 
@@ -54,12 +60,22 @@ def main() -> None:
         default=None,
         help="compact to this many content slots per head instead of --ratio",
     )
-    parser.add_argument("--method", default="am-highest-attn")
-    parser.add_argument("--queries", default="repeat-prefill")
+    parser.add_argument("--method", default=DEFAULT_METHOD)
+    parser.add_argument(
+        "--queries", default=None, help="query source (default: the method's own)"
+    )
     parser.add_argument(
         "--turn-tokens", type=int, default=150, help="essay tokens added per turn"
     )
-    parser.add_argument("--target-multiple", type=float, default=4.0)
+    parser.add_argument(
+        "--rounds", type=int, default=8, help="stop after this many compactions"
+    )
+    parser.add_argument(
+        "--target-multiple",
+        type=float,
+        default=None,
+        help="stop instead when the logical length reaches this multiple of the threshold",
+    )
     parser.add_argument("--max-turns", type=int, default=40)
     parser.add_argument("--out", default=str(RESULTS / "agent_session.json"))
     args = parser.parse_args()
@@ -98,8 +114,7 @@ def main() -> None:
             str(args.ratio),
             "--auto-compact-method",
             args.method,
-            "--auto-compact-queries",
-            args.queries,
+            *(["--auto-compact-queries", args.queries] if args.queries else []),
             *(
                 ["--auto-compact-target-tokens", str(args.target_tokens)]
                 if args.target_tokens
@@ -132,8 +147,9 @@ def main() -> None:
                     "content": reply.choices[0].message.content or "OK.",
                 }
             )
-            compaction_id, waited = _wait_for_compaction(client, conversation)
+            compaction_id, waited, rounds = _wait_for_compaction(client, conversation)
             record = {
+                "round": rounds,
                 "turn": turn,
                 "logical_tokens": usage.get(
                     "logical_prompt_tokens", usage["prompt_tokens"]
@@ -154,7 +170,10 @@ def main() -> None:
                 [p["compacted"] for p in record["probes"]],
                 [p["full"] for p in record["probes"]],
             )
-            if record["logical_tokens"] >= args.target_multiple * args.threshold:
+            if (
+                args.target_multiple is not None
+                and record["logical_tokens"] >= args.target_multiple * args.threshold
+            ) or (args.target_multiple is None and rounds >= args.rounds):
                 break
             history.append(
                 {
@@ -199,12 +218,15 @@ def main() -> None:
         "compacted_probe_accuracy": _accuracy(turns, "compacted"),
         "history": history,
         "full_probe_accuracy": _accuracy(turns, "full"),
+        "retention": _retention(turns),
+        "by_round": _by_round(turns),
     }
     out = save_result(result, args.out, plot=_plot)
     print(
         f"wrote {out}: logical {turns[-1]['logical_tokens']} tokens = "
         f"{result['final_logical_over_threshold']:.1f} x the {args.threshold}-token cap; fact answers "
-        f"compacted {result['compacted_probe_accuracy']}, full history {result['full_probe_accuracy']}"
+        f"compacted {result['compacted_probe_accuracy']}, full history {result['full_probe_accuracy']}; "
+        f"retention {result['retention']}"
     )
 
 
@@ -226,8 +248,9 @@ def _chat(client, messages, max_tokens: int = 32, **extra):
     )
 
 
-def _wait_for_compaction(client, conversation: str) -> tuple[str | None, float]:
-    """Wait until no compaction of the conversation is pending; the newest succeeded one's id."""
+def _wait_for_compaction(client, conversation: str) -> tuple[str | None, float, int]:
+    """Wait until no compaction of the conversation is pending; the newest succeeded one's id,
+    the seconds waited and how many compactions have succeeded (the round)."""
     start = time.perf_counter()
     while True:
         jobs = [
@@ -240,7 +263,7 @@ def _wait_for_compaction(client, conversation: str) -> tuple[str | None, float]:
             newest = (
                 max(done, key=lambda j: j["messages_covered"])["id"] if done else None
             )
-            return newest, time.perf_counter() - start
+            return newest, time.perf_counter() - start, len(done)
         time.sleep(1.0)
 
 
@@ -276,6 +299,27 @@ def _probe(client, history, compaction_id: str | None) -> list[dict]:
 def _says(text: str, answer: str) -> bool:
     """``answer`` as a whole word (room 423 is not room 42)."""
     return re.search(rf"\b{re.escape(answer)}\b", text) is not None
+
+
+def _retention(turns: list[dict]) -> float | None:
+    """Of the probes the full history answers right, the share the compacted state answers."""
+    kept = [p["compacted"] for t in turns for p in t["probes"] if p["full"]]
+    return sum(kept) / len(kept) if kept else None
+
+
+def _by_round(turns: list[dict]) -> dict[str, dict]:
+    """Per round (compactions so far): the facts right from the compacted state and from the
+    full history, over every probe of the turns in that round."""
+    out: dict[str, dict] = {}
+    for round_ in sorted({t["round"] for t in turns}):
+        these = [t for t in turns if t["round"] == round_]
+        out[str(round_)] = {
+            "turns": len(these),
+            "compacted": _accuracy(these, "compacted"),
+            "full": _accuracy(these, "full"),
+            "retention": _retention(these),
+        }
+    return out
 
 
 def _accuracy(turns: list[dict], key: str) -> str:

@@ -14,6 +14,13 @@ stopped (the JSON at ``--out``, saved after every instance): instances it comple
 after checking that the same settings produced them and that their prompts hash the same.
 ``--combine A.json B.json --out C.json`` merges runs of other methods over the same instances
 into one result and plot.
+
+``--vllm`` answers every prompt a second time through a vLLM engine with the plugin (the
+full context as plain tokens, each compacted prefix loaded from a store), as the product
+serves it: each row and baseline gains ``vllm_answer`` and ``vllm_score`` beside the reference
+decoder's, and the summary scores and plots vLLM's answers. The summary's ``retention`` is the
+share of the instances the full context answers right that the compacted prefix still does;
+tasks scored exactly (identifiers) count answers ``cut_short``, a prefix of the expected value.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import hashlib
 import json
 import logging
 import statistics
+import tempfile
 import textwrap
 import time
 from collections import defaultdict
@@ -43,6 +51,52 @@ class SweepError(ValueError):
     or combine that was made with other settings or instances, a JSON that is not a result."""
 
 
+class EngineAnswers:
+    """Greedy answers from an in-process vLLM engine with the compaction plugin: plain token
+    prompts for the full context, compacted prefixes through a store in a temporary folder."""
+
+    def __init__(self, model: str, max_model_len: int = 4096) -> None:
+        from vllm import LLM
+
+        from vllm_compaction.models import resolve
+        from vllm_compaction.vllm import engine_kwargs
+
+        self._folder = tempfile.TemporaryDirectory(prefix="quality-store-")
+        self.llm = LLM(
+            str(resolve(model)),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=2 << 30,
+            seed=0,
+            **engine_kwargs(store=self._folder.name),
+        )
+
+    def answer(self, prefixes: list, continuation: list[int], tokens: int) -> list[str]:
+        """One answer per prefix: token ids (answered as they are) or a CompactedCache."""
+        from vllm import SamplingParams
+
+        from vllm_compaction.vllm import compacted_prompt
+
+        prompts = [
+            {"prompt_token_ids": list(p) + continuation}
+            if isinstance(p, list)
+            else compacted_prompt(
+                p, continuation, llm=self.llm, store=self._folder.name
+            )
+            for p in prefixes
+        ]
+        params = SamplingParams(max_tokens=tokens, temperature=0.0)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [out.outputs[0].text for out in outputs]
+
+    def close(self) -> None:
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()  # its engine-core process would outlive the run otherwise
+        self._folder.cleanup()
+
+
 def completed_instances(
     previous: dict, args: argparse.Namespace
 ) -> dict[tuple[str, int], dict]:
@@ -57,11 +111,16 @@ def completed_instances(
         tokens=args.tokens,
         methods=methods,
         ratios=[float(r) for r in args.ratios.split(",")],
+        answered_by=_answered_by(args),
     )
     done: dict[tuple[str, int], dict] = {}
     try:
         for key, value in wanted.items():
-            if previous.get(key) != value:
+            # results from before --vllm existed were answered by the reference decoder
+            if (
+                previous.get(key, "reference" if key == "answered_by" else None)
+                != value
+            ):
                 raise SweepError(
                     f"cannot resume: the earlier result has {key}={previous.get(key)!r}, "
                     f"this run {value!r}"
@@ -98,6 +157,7 @@ def run(
     ``"partial": true``) after each instance, so a long sweep that stops keeps what it measured.
     Given ``previous`` (such a result), its completed instances are kept, not recomputed. The
     methods and ``previous`` are checked (SweepError) before the model is loaded."""
+    from vllm_compaction.eval.conversations import cut_short
     from vllm_compaction.eval.reconstruction import reconstruction
     from vllm_compaction.eval.tasks import make_task, task_prompt
     from vllm_compaction.eval.variants import parse_variants
@@ -115,6 +175,7 @@ def run(
         logger.warning("resuming: %d instance(s) already complete", len(done))
     adapter = load_adapter(args.model)
     decoder = ReferenceDecoder(adapter)
+    engine = EngineAnswers(args.model) if getattr(args, "vllm", False) else None
     tasks = args.tasks.split(",")
     ratios = [float(r) for r in args.ratios.split(",")]
     seeds = range(args.seed, args.seed + args.instances)
@@ -159,6 +220,7 @@ def run(
                 prompt.continuation_ids,
                 max_new_tokens=answer_tokens,
             )
+            about = _about(inst, cut_short)
             for name, gen in (("full-context", full), ("no-context", none)):
                 baselines.append(
                     dict(
@@ -169,9 +231,12 @@ def run(
                         score=inst.score(gen.text),
                         prompt=digest,
                         prefix_tokens=len(prompt.prefix_ids),
+                        **about(gen.text),
                     )
                 )
                 bar.update(1)
+            instance_baselines, instance_rows = baselines[-2:], []
+            prefixes: list = [prompt.prefix_ids, template_only]
             prepared = {}  # one prefill + query plan per query source, shared by methods and ratios
             for variant in variants:
                 kwargs = variant.kwargs()
@@ -216,9 +281,22 @@ def run(
                             log_ppl_full=recon.log_ppl_full,
                             log_ppl_compacted=recon.log_ppl_compacted,
                             kl=recon.kl,
+                            **about(gen.text),
                         )
                     )
+                    instance_rows.append(rows[-1])
+                    prefixes.append(cache)
                     bar.update(1)
+            if engine is not None:
+                # the same prompts served by vLLM: full context, no context, every cache
+                answers = engine.answer(
+                    prefixes, prompt.continuation_ids, answer_tokens
+                )
+                for record, text in zip(instance_baselines + instance_rows, answers):
+                    record["vllm_answer"] = text
+                    record["vllm_score"] = inst.score(text)
+                    if inst.exact:
+                        record["vllm_cut_short"] = cut_short(text, inst.answers)
             if on_instance is not None:
                 on_instance(
                     {
@@ -229,7 +307,26 @@ def run(
                     }
                 )
     bar.close()
+    if engine is not None:
+        engine.close()
     return _result(args, tasks, ratios, variants, rows, baselines)
+
+
+def _answered_by(args: argparse.Namespace) -> str:
+    return "reference+vllm" if getattr(args, "vllm", False) else "reference"
+
+
+def _about(inst, cut_short) -> Callable[[str], dict]:
+    """What each record of an instance carries besides its score: how the instance was built
+    (where its fact sits) and, for identifiers, whether the answer named only a prefix."""
+
+    def about(text: str) -> dict:
+        out: dict = {"details": dict(inst.details)} if inst.details else {}
+        if inst.exact:
+            out["cut_short"] = cut_short(text, inst.answers)
+        return out
+
+    return about
 
 
 def _result(
@@ -243,6 +340,7 @@ def _result(
         tasks=tasks,
         ratios=ratios,
         methods=[v.label for v in variants],
+        answered_by=_answered_by(args),
         summary=summarize(rows, baselines),
         baselines=baselines,
         rows=rows,
@@ -324,10 +422,23 @@ def _total(scores: list[float | None]) -> str | None:
 
 def summarize(rows: list[dict], baselines: list[dict]) -> dict:
     """Per task: baselines' and each method x ratio's total score ("hits/n"; None where the task
-    scores nothing), mean compaction time, log-perplexity ratio (compacted / full) and KL."""
+    scores nothing), mean compaction time, log-perplexity ratio (compacted / full) and KL.
+
+    Where vLLM answered too (``--vllm``), each cell adds ``vllm_score``; ``retention`` (the
+    share of the instances the full context answers right that the method keeps, vLLM's
+    answers where present) and, per value of each instance detail (the fact's turn and
+    position, ...), the hits among those instances (``by``); exact tasks count ``cut_short``."""
     out: dict = defaultdict(dict)
+    engine = "vllm_score" if rows and all("vllm_score" in r for r in rows) else "score"
+    full_right: dict[tuple[str, int], bool] = {}
     for b in baselines:
         out[b["task"]].setdefault(b["method"], []).append(b["score"])
+        if engine == "vllm_score":
+            out[b["task"]].setdefault(f"vllm:{b['method']}", []).append(
+                b.get("vllm_score")
+            )
+        if b["method"] == "full-context" and b.get(engine) is not None:
+            full_right[(b["task"], b["seed"])] = b[engine] == 1
     for methods in out.values():
         for name in list(methods):
             methods[name] = _total(methods[name])
@@ -335,13 +446,30 @@ def summarize(rows: list[dict], baselines: list[dict]) -> dict:
     for r in rows:
         groups[(r["task"], r["method"], r["ratio"])].append(r)
     for (task, method, ratio), group in groups.items():
-        out[task].setdefault(method, {})[str(ratio)] = {
+        cell = {
             "score": _total([r["score"] for r in group]),
             "compaction_s": statistics.mean(r["compaction_s"] for r in group),
             "log_ppl_ratio": statistics.mean(r["log_ppl_compacted"] for r in group)
             / max(1e-9, statistics.mean(r["log_ppl_full"] for r in group)),
             "kl": statistics.mean(r["kl"] for r in group),
         }
+        if engine == "vllm_score":
+            cell["vllm_score"] = _total([r["vllm_score"] for r in group])
+        kept = [r for r in group if full_right.get((task, r["seed"]))]
+        if kept:
+            cell["retention"] = sum(r[engine] == 1 for r in kept) / len(kept)
+        if any("cut_short" in r for r in group):
+            cell["cut_short"] = sum(
+                bool(r.get("vllm_cut_short", r.get("cut_short"))) for r in group
+            )
+        by: dict[str, list] = defaultdict(list)
+        for r in group:
+            for key, value in r.get("details", {}).items():
+                if isinstance(value, (str, int)):
+                    by[f"{key}={value}"].append(r[engine])
+        if by:
+            cell["by"] = {k: _total(v) for k, v in sorted(by.items())}
+        out[task].setdefault(method, {})[str(ratio)] = cell
     return dict(out)
 
 
@@ -382,7 +510,9 @@ def plot(result: dict, path: Path) -> None:
         ylabel = "score" if scored else "log-ppl ratio (compacted / full)"
 
         def value(cell: dict) -> float:
-            return _fraction(cell["score"]) if scored else cell["log_ppl_ratio"]
+            if not scored:
+                return cell["log_ppl_ratio"]
+            return _fraction(cell.get("vllm_score") or cell["score"])
 
         for method, color in zip(result["methods"], palette):
             per_ratio = summary[method]
@@ -406,7 +536,8 @@ def plot(result: dict, path: Path) -> None:
         )
         for name, style in references:
             # the full cache's own ratio is 1
-            level = _fraction(summary[name]) if scored else 1.0
+            served = summary.get(f"vllm:{name}") or summary[name]
+            level = _fraction(served) if scored else 1.0
             top.axhline(level, color="k", linestyle=style, label=name)
             bottom.axhline(level, color="k", linestyle=style)
         log_scale(top)
@@ -446,6 +577,11 @@ def parser(**defaults) -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help="CI size: 2 instances of 600 tokens, ratio 0.2",
+    )
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="answer every prompt through a vLLM engine with the plugin too (scored and plotted)",
     )
     p.add_argument("--out", default=str(RESULTS / "quality.json"))
     p.add_argument(

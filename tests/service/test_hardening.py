@@ -108,18 +108,44 @@ def test_unreadable_records_are_quarantined_and_reported(tmp_path):
     ).is_file() and not path.exists()
 
 
+def full_disk(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
 def test_a_failed_save_queues_nothing(tmp_path, monkeypatch):
     from vllm_compaction.service import jobs
 
     book = JobBook(tmp_path / "jobs")
-
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
     monkeypatch.setattr(jobs, "write_atomically", full_disk)
     with pytest.raises(OSError):
         book.submit(record("a"))
     assert book.list() == [] and not list((tmp_path / "jobs").iterdir())
+
+
+def test_a_full_disk_neither_loses_a_claim_nor_drops_a_running_job(
+    tmp_path, monkeypatch
+):
+    """A claim that cannot be written leaves the job queued as it was (no attempt counted);
+    a heartbeat whose acknowledgement cannot be written still renews the lease."""
+    from vllm_compaction.service import jobs
+
+    book = JobBook(tmp_path / "jobs")
+    job = book.submit(record("a"))
+    real_write = jobs.write_atomically
+    monkeypatch.setattr(jobs, "write_atomically", full_disk)
+    with pytest.raises(OSError):
+        book.claim("w1")
+    unchanged = book.get(job.id)
+    assert unchanged.status == JobStatus.queued and unchanged.attempts == 0
+    assert unchanged.worker_id is None and unchanged.claim_token is None
+    monkeypatch.setattr(jobs, "write_atomically", real_write)
+    assert book.claim("w1").attempts == 1
+    monkeypatch.setattr(jobs, "write_atomically", full_disk)
+    assert book.heartbeat(job.id, "w1", 0.2, "layers")  # the disk filled up meanwhile
+    assert book.get(job.id).status == JobStatus.running
+    monkeypatch.setattr(jobs, "write_atomically", real_write)
+    done = book.succeed(job.id, "w1", {"compacted_tokens": 3, "digest": "ab"})
+    assert done.status == JobStatus.succeeded
 
 
 def test_a_corrupt_conversation_starts_over(tmp_path):
@@ -388,3 +414,32 @@ def test_a_restarted_server_leaves_no_temp_files(tmp_path, checkpoint):
     )
     assert not any(p.exists() for p in leftovers)
     service.lock.release()
+
+
+def test_worker_routes_answer_a_full_disk_with_503(app, monkeypatch):
+    """The worker's claim and failure report meet a full disk: a 503 with a retry hint and
+    no path, the job untouched (queued, then running), never a bare 500."""
+    from vllm_compaction.service import jobs
+
+    client = TestClient(app)
+    service = app.state.compaction_service
+    worker = {"Authorization": f"Bearer {service.worker_token}"}
+    job = client.post("/v1/compact", json=body()).json()
+    claim = {"worker_id": "w", "wait_s": 0}
+    monkeypatch.setattr(jobs, "write_atomically", full_disk)
+    refused = client.post("/compaction/worker/v1/claim", json=claim, headers=worker)
+    assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+    assert "disk space" in refused.json()["error"]["message"]
+    assert "/" not in refused.json()["error"]["message"].split("--")[0]
+    assert client.get(f"/v1/compact/{job['id']}").json()["status"] == "queued"
+    monkeypatch.undo()
+    claimed = client.post("/compaction/worker/v1/claim", json=claim, headers=worker)
+    own = {**worker, "X-Job-Token": claimed.json()["token"]}
+    monkeypatch.setattr(jobs, "write_atomically", full_disk)
+    failed = client.post(
+        f"/compaction/worker/v1/jobs/{job['id']}/fail",
+        json={"worker_id": "w", "error": "x"},
+        headers=own,
+    )
+    assert failed.status_code == 503
+    assert client.get(f"/v1/compact/{job['id']}").json()["status"] == "running"

@@ -214,6 +214,37 @@ def test_uniform_budget_cache_agrees_with_reference_decoder(llm, smollm2, store_
     assert _first_logprob_gap(served, reference.first_logits) < 1e-3
 
 
+def test_conversation_cache_agrees_with_reference_decoder(llm, smollm2, store_dir):
+    """A multi-turn history with a fact said in passing, compacted as the server compacts it
+    (message contents, template tokens exact): vLLM and the reference decoder give the same
+    tokens for the question after it, and the full context's answer survives 10%."""
+    from vllm_compaction.eval.tasks import make_task, task_prompt
+    from vllm_compaction.pipeline import compact_prepared, prepare_prefix
+
+    inst = make_task("chat-facts", smollm2.tokenizer, 800, seed=1)
+    prompt = task_prompt(smollm2, inst)
+    prepared = prepare_prefix(
+        smollm2, prompt.prefix_ids, prompt.compact_mask, queries="repeat-prefill"
+    )
+    cache = compact_prepared(prepared, ratio=0.1, method="am-highest-attn-fast")
+    reference = ReferenceDecoder(smollm2).generate(
+        cache, prompt.continuation_ids, max_new_tokens=12
+    )
+    served = llm.generate(
+        [compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir)],
+        greedy(12, logprobs=5),
+    )[0].outputs[0]
+    assert served.token_ids == reference.token_ids, (served.text, reference.text)
+    assert _first_logprob_gap(served, reference.first_logits) < 1e-3
+    full = llm.generate(
+        [{"prompt_token_ids": prompt.prefix_ids + prompt.continuation_ids}], greedy(12)
+    )[0].outputs[0]
+    assert inst.score(full.text) == 1.0 and inst.score(served.text) == 1.0, (
+        full.text,
+        served.text,
+    )
+
+
 def test_second_request_reuses_loaded_blocks(llm, niah_cases, store_dir):
     _, prompt, cache = niah_cases[0]
     request = compacted_prompt(cache, prompt.continuation_ids, llm=llm, store=store_dir)

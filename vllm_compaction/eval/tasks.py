@@ -19,6 +19,8 @@ single-answer tasks 0 or 1). Same seed, same instance, for every method.
   argument, ...), answered freely at length. Nothing is expected, so nothing is scored: the task
   measures reconstruction only, as the paper does on QuALITY, by the log-perplexity of the full
   context's long answer under the compacted cache (``answer_tokens`` sets that answer's length).
+- ``chat-facts``, ``agent-trace``, ``chat-multikey``, ``exact-copy``: multi-turn conversations
+  and agent traces with facts stated in passing (:mod:`vllm_compaction.eval.conversations`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ import random
 import re
 import string
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from vllm_compaction.corpus import haystack_text
+from vllm_compaction.eval.conversations import CONVERSATION_TASKS
+from vllm_compaction.eval.instance import TaskInstance, score_text
 from vllm_compaction.eval.niah import (
     ANSWER_PREFIX,
     INSTRUCTION,
@@ -43,38 +47,6 @@ from vllm_compaction.eval.niah import (
 )
 
 __all__ = ["TaskInstance", "TASKS", "make_task", "task_prompt", "score_text"]
-
-
-@dataclass(frozen=True)
-class TaskInstance:
-    task: str
-    seed: int
-    context: str
-    question: str
-    answer_prefix: str
-    answers: tuple[str, ...]
-    #: tokens the answers get (None: the caller's default); free-form answers need more than a number
-    answer_tokens: int | None = None
-    #: text before the context in the same user turn, never compacted (RULER's task instruction)
-    instruction: str = ""
-
-    @property
-    def scored(self) -> bool:
-        """Whether the task expects answers to score; a free-form task measures reconstruction only."""
-        return bool(self.answers)
-
-    def score(self, text: str) -> float | None:
-        return score_text(text, self.answers) if self.scored else None
-
-
-def score_text(text: str, answers: tuple[str, ...]) -> float:
-    """Fraction of ``answers`` that occur in ``text`` as whole words (case-insensitive)."""
-    found = sum(
-        re.search(rf"(?<![\w-]){re.escape(a)}(?![\w-])", text, re.IGNORECASE)
-        is not None
-        for a in answers
-    )
-    return found / len(answers)
 
 
 def _keys(rng: random.Random, n: int) -> list[str]:
@@ -261,6 +233,7 @@ TASKS: dict[str, Callable[..., TaskInstance]] = {
     "variable-tracking": _variable_tracking,
     "common-words": _common_words,
     "essay-questions": _essay_questions,
+    **CONVERSATION_TASKS,
 }
 
 
@@ -271,7 +244,21 @@ def make_task(task: str, tokenizer, n_tokens: int = 2000, *, seed: int) -> TaskI
 
 
 def task_prompt(adapter, instance: TaskInstance) -> NeedlePrompt:
-    """Split the chat prompt of an instance at the end of its context (the compacted span)."""
+    """Split the chat prompt of an instance at the end of its context (the compacted span).
+
+    A conversation is split as the server splits one: its messages' contents are compacted,
+    their template tokens kept exact; the question is a new user turn and the answer prefix
+    starts the assistant's reply."""
+    if instance.messages:
+        ids, mask = adapter.chat_content(list(instance.messages))
+        question = adapter.turn_ids(
+            [{"role": "user", "content": instance.question}], add_generation_prompt=True
+        )
+        return NeedlePrompt(
+            prefix_ids=ids,
+            compact_mask=mask,
+            continuation_ids=question + adapter.encode(instance.answer_prefix),
+        )
     return context_prompt(
         adapter,
         instance.context,

@@ -195,7 +195,8 @@ def service_of(request: Request) -> CompactionService:
 
 
 def _guard(func):
-    """Turn JobError / ValueError into a 4xx with the sentence."""
+    """Turn JobError / ValueError into a 4xx with the sentence, and a full disk under the
+    store into a 503 with a retry hint (on the client and the worker routes alike)."""
 
     @functools.wraps(func)
     async def wrapper(*args, **kwargs):
@@ -310,6 +311,7 @@ async def worker_info(service: CompactionService = Depends(worker_service)):
 @router.post(
     f"{WORKER_PREFIX}/claim", response_model=WorkerJob | None, include_in_schema=False
 )
+@_guard
 async def worker_claim(
     body: ClaimRequest, service: CompactionService = Depends(worker_service)
 ):
@@ -326,6 +328,7 @@ async def worker_claim(
     response_model=HeartbeatReply,
     include_in_schema=False,
 )
+@_guard
 async def worker_heartbeat(
     compaction_id: str,
     body: Heartbeat,
@@ -375,6 +378,7 @@ async def worker_result(
 
 
 @router.post(f"{WORKER_PREFIX}/jobs/{{compaction_id}}/fail", include_in_schema=False)
+@_guard
 async def worker_fail(
     compaction_id: str,
     body: FailReport,

@@ -308,6 +308,10 @@ class JobBook:
                     r.id,
                 ),
             )
+            before, served_before = (
+                record.model_copy(deep=True),
+                self._served.get(record.owner),
+            )
             self._served[record.owner] = now
             record.status, record.worker_id, record.started_at = (
                 JobStatus.running,
@@ -323,7 +327,14 @@ class JobBook:
             record.attempts += 1
             record.progress, record.stage = 0.0, "starting"
             record.timings["queued_s"] = now - record.submitted_at
-            self._save(record)
+            try:
+                self._commit(record, before)
+            except OSError:
+                if served_before is None:
+                    self._served.pop(record.owner, None)
+                else:
+                    self._served[record.owner] = served_before
+                raise
         self._changed(record)
         return record
 
@@ -339,7 +350,14 @@ class JobBook:
             record.lease_expires = time.time() + self.lease_s
             if not record.acked:  # the claim reached a live worker
                 record.acked = True
-                self._save(record)
+                try:
+                    self._save(record)
+                except OSError as exc:
+                    # the lease is renewed in memory all the same; the acknowledgement only
+                    # matters after a restart, and the next write of the record carries it
+                    logger.warning(
+                        "job %s: acknowledgement not written: %s", job_id, exc
+                    )
             return True
 
     def running_for(self, worker_id: str) -> JobRecord | None:
@@ -399,6 +417,7 @@ class JobBook:
             record = self._owned(job_id, worker_id)
             if record is None:
                 return None
+            before = record.model_copy(deep=True)
             if not record.acked:
                 record.attempts -= 1
             elif record.attempts >= self.max_attempts:
@@ -419,7 +438,7 @@ class JobBook:
                     time.time() + delay,
                     error if record.acked else record.error,
                 )
-                self._save(record)
+                self._commit(record, before)
         if record is None:  # out of attempts
             return self.fail(
                 job_id, worker_id, f"{error} (after {self.max_attempts} attempts)"
@@ -473,6 +492,7 @@ class JobBook:
     def _finish(
         self, record: JobRecord, status: JobStatus, error: str | None = None
     ) -> None:
+        before = record.model_copy(deep=True)
         record.status, record.finished_at, record.lease_expires = (
             status,
             time.time(),
@@ -482,7 +502,16 @@ class JobBook:
             record.error = error
         if record.started_at is not None:
             record.timings["run_s"] = record.finished_at - record.started_at
-        self._save(record)
+        self._commit(record, before)
+
+    def _commit(self, record: JobRecord, before: JobRecord) -> None:
+        """Write a changed record; when the disk refuses it (full), ``before`` goes back in
+        its place, so the book never says what its files do not (the caller gets the error)."""
+        try:
+            self._save(record)
+        except OSError:
+            self._jobs[record.id] = before
+            raise
 
     def _changed(self, record: JobRecord) -> None:
         if self._on_change is not None:

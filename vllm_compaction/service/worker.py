@@ -352,6 +352,10 @@ class Worker:
             )
         except NETWORK_ERRORS:
             return True  # a blip: the lease is longer than one heartbeat
+        if (
+            status >= 500
+        ):  # the server's trouble (a full disk), not a reason to drop the job
+            return True
         return status == 200 and body.get("action") == "continue"
 
     def _upload(self, job: WorkerJob, path: Path) -> None:
