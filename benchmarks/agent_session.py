@@ -137,6 +137,7 @@ def main() -> None:
         }
     ]
     turns = []
+    served: list[str] = []
     try:
         for turn in tqdm(range(args.max_turns), desc="turns"):
             reply = _chat(client, history, conversation_id=conversation)
@@ -147,7 +148,12 @@ def main() -> None:
                     "content": reply.choices[0].message.content or "OK.",
                 }
             )
-            compaction_id, waited, rounds = _wait_for_compaction(client, conversation)
+            compaction_id, waited = _wait_for_compaction(client, conversation)
+            # the server collects superseded automatic compactions, so rounds are counted
+            # here: each new compacted prefix the conversation is served from is one
+            if compaction_id is not None and compaction_id not in served:
+                served.append(compaction_id)
+            rounds = len(served)
             record = {
                 "round": rounds,
                 "turn": turn,
@@ -248,9 +254,9 @@ def _chat(client, messages, max_tokens: int = 32, **extra):
     )
 
 
-def _wait_for_compaction(client, conversation: str) -> tuple[str | None, float, int]:
-    """Wait until no compaction of the conversation is pending; the newest succeeded one's id,
-    the seconds waited and how many compactions have succeeded (the round)."""
+def _wait_for_compaction(client, conversation: str) -> tuple[str | None, float]:
+    """Wait until no compaction of the conversation is pending; the newest succeeded one's id
+    and the seconds waited."""
     start = time.perf_counter()
     while True:
         jobs = [
@@ -263,7 +269,7 @@ def _wait_for_compaction(client, conversation: str) -> tuple[str | None, float, 
             newest = (
                 max(done, key=lambda j: j["messages_covered"])["id"] if done else None
             )
-            return newest, time.perf_counter() - start, len(done)
+            return newest, time.perf_counter() - start
         time.sleep(1.0)
 
 
@@ -371,8 +377,13 @@ def _plot(result: dict, path: Path) -> None:
         "x--",
         label="full history",
     )
+    # a dotted line where a compaction round begins (older results carry no rounds)
+    for before, after in zip(turns, turns[1:]):
+        if after.get("round", 0) > before.get("round", 0):
+            for ax in (top, bottom):
+                ax.axvline(after["turn"] - 0.5, color="gray", ls=":", lw=0.8)
     bottom.set_ylabel(f"facts right / {len(FACTS)}")
-    bottom.set_xlabel("turn")
+    bottom.set_xlabel("turn (dotted: a new compaction round)")
     bottom.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
