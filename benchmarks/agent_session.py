@@ -8,11 +8,11 @@ every later turn adds an essay excerpt (a tool output) and the model's one-line 
 turn the benchmark asks each fact question on the current state: compacted (the conversation's
 newest compaction + the turns after it) and, while it fits the model window, with the full history.
 It waits for a pending compaction before the next turn, and stops after ``--rounds`` compactions
-(each one compacting the previous compacted prefix plus the turns since: repeated compaction),
-or when the logical length reaches ``--target-multiple`` times the threshold. Each probe records
-its round (how many compactions the conversation has been through); ``by_round`` reports how
-the facts of turn 0 survive each round, and ``retention`` the share of the full history's right
-answers the compacted state keeps. Writes ``benchmarks/results/agent_session.json`` + PNG.
+(the server compacts the whole message history again each time, from its messages, not from the
+previous compacted prefix), or when the logical length reaches ``--target-multiple`` times the
+threshold. Each probe records its round (how many compacted prefixes the conversation has been
+served from); ``by_round`` reports how the facts of turn 0 survive each round, and
+``retention`` the share of the full history's right answers the compacted state keeps. Writes ``benchmarks/results/agent_session.json`` + PNG.
 """
 
 from __future__ import annotations

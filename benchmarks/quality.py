@@ -220,7 +220,6 @@ def run(
                 prompt.continuation_ids,
                 max_new_tokens=answer_tokens,
             )
-            about = _about(inst, cut_short)
             for name, gen in (("full-context", full), ("no-context", none)):
                 baselines.append(
                     dict(
@@ -231,7 +230,7 @@ def run(
                         score=inst.score(gen.text),
                         prompt=digest,
                         prefix_tokens=len(prompt.prefix_ids),
-                        **about(gen.text),
+                        **_about(inst, gen.text),
                     )
                 )
                 bar.update(1)
@@ -281,7 +280,7 @@ def run(
                             log_ppl_full=recon.log_ppl_full,
                             log_ppl_compacted=recon.log_ppl_compacted,
                             kl=recon.kl,
-                            **about(gen.text),
+                            **_about(inst, gen.text),
                         )
                     )
                     instance_rows.append(rows[-1])
@@ -316,17 +315,15 @@ def _answered_by(args: argparse.Namespace) -> str:
     return "reference+vllm" if getattr(args, "vllm", False) else "reference"
 
 
-def _about(inst, cut_short) -> Callable[[str], dict]:
-    """What each record of an instance carries besides its score: how the instance was built
+def _about(inst, text: str) -> dict:
+    """What a record of an instance carries besides its score: how the instance was built
     (where its fact sits) and, for identifiers, whether the answer named only a prefix."""
+    from vllm_compaction.eval.conversations import cut_short
 
-    def about(text: str) -> dict:
-        out: dict = {"details": dict(inst.details)} if inst.details else {}
-        if inst.exact:
-            out["cut_short"] = cut_short(text, inst.answers)
-        return out
-
-    return about
+    out: dict = {"details": dict(inst.details)} if inst.details else {}
+    if inst.exact:
+        out["cut_short"] = cut_short(text, inst.answers)
+    return out
 
 
 def _result(

@@ -261,8 +261,7 @@ def _chat_multikey(tokenizer, n_tokens: int, seed: int):
     rng = random.Random(seed)
     keys, statement, question, prefix = _KEY_GROUPS[rng.randrange(len(_KEY_GROUPS))]
     values = _near_values(rng, len(keys))
-    turns = rng.sample(range(TURNS), len(keys)) if len(keys) <= TURNS else None
-    assert turns is not None
+    turns = rng.sample(range(TURNS), len(keys))  # one key per turn
     said = {
         t: [(statement.format(k=k, v=v), rng.choice(POSITIONS))]
         for t, k, v in zip(turns, keys, values)

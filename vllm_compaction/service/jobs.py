@@ -308,11 +308,7 @@ class JobBook:
                     r.id,
                 ),
             )
-            before, served_before = (
-                record.model_copy(deep=True),
-                self._served.get(record.owner),
-            )
-            self._served[record.owner] = now
+            before = record.model_copy(deep=True)
             record.status, record.worker_id, record.started_at = (
                 JobStatus.running,
                 worker_id,
@@ -327,14 +323,9 @@ class JobBook:
             record.attempts += 1
             record.progress, record.stage = 0.0, "starting"
             record.timings["queued_s"] = now - record.submitted_at
-            try:
-                self._commit(record, before)
-            except OSError:
-                if served_before is None:
-                    self._served.pop(record.owner, None)
-                else:
-                    self._served[record.owner] = served_before
-                raise
+            self._commit(record, before)
+            # a claim the disk refused leaves the key's turn where it was
+            self._served[record.owner] = now
         self._changed(record)
         return record
 

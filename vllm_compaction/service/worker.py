@@ -352,9 +352,8 @@ class Worker:
             )
         except NETWORK_ERRORS:
             return True  # a blip: the lease is longer than one heartbeat
-        if (
-            status >= 500
-        ):  # the server's trouble (a full disk), not a reason to drop the job
+        # a 5xx is the server's trouble (a full disk), not a reason to drop the job
+        if status >= 500:
             return True
         return status == 200 and body.get("action") == "continue"
 
