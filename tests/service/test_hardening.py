@@ -443,3 +443,32 @@ def test_worker_routes_answer_a_full_disk_with_503(app, monkeypatch):
     )
     assert failed.status_code == 503
     assert client.get(f"/v1/compact/{job['id']}").json()["status"] == "running"
+
+
+def test_a_long_poll_whose_worker_went_away_claims_nothing(app):
+    """A worker killed during its long poll: the job submitted meanwhile stays queued for the
+    next worker instead of being claimed for the dead one (it would sit unacknowledged)."""
+    import asyncio
+
+    from vllm_compaction.service.api import worker_claim
+    from vllm_compaction.service.protocol import ClaimRequest
+
+    service = app.state.compaction_service
+
+    async def gone() -> dict:  # the ASGI server's word that the connection closed
+        return {"type": "http.disconnect"}
+
+    request = Request({"type": "http", "method": "POST", "headers": []}, gone)
+
+    async def poll_then_submit():
+        polling = asyncio.create_task(
+            worker_claim(ClaimRequest(worker_id="dead", wait_s=5.0), request, service)
+        )
+        await asyncio.sleep(0.05)
+        job = service.book.submit(record("a"))
+        return await polling, job
+
+    answer, job = asyncio.run(poll_then_submit())
+    assert answer.status_code == 204
+    assert service.book.get(job.id).status == JobStatus.queued
+    assert service.book.claim("alive").id == job.id

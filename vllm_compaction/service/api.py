@@ -313,12 +313,18 @@ async def worker_info(service: CompactionService = Depends(worker_service)):
 )
 @_guard
 async def worker_claim(
-    body: ClaimRequest, service: CompactionService = Depends(worker_service)
+    body: ClaimRequest,
+    request: Request,
+    service: CompactionService = Depends(worker_service),
 ):
     deadline = time.monotonic() + body.wait_s
     record = service.book.claim(body.worker_id)
     while record is None and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
+        # a worker that went away during its long poll must not be handed a job: the job would
+        # sit claimed by nobody until its unacknowledged lease ran out
+        if await request.is_disconnected():
+            return Response(status_code=204)
         record = service.book.claim(body.worker_id)
     return Response(status_code=204) if record is None else record.worker_job()
 
