@@ -23,6 +23,7 @@ the script itself. Writes ``benchmarks/results/gpu_check.json`` (``--out``) nami
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import platform
@@ -61,6 +62,29 @@ def _bench_ms(fn: Callable[[], Any], device: torch.device, smoke: bool) -> float
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e3
+
+
+def _graph_ms(fn: Callable[[], Any], device: torch.device) -> float | str:
+    """Median milliseconds of ``fn`` replayed from a CUDA graph: the GPU's time alone, without
+    the host's launch overhead (which an eager call of a few microseconds of work adds, and
+    which varies run to run); the reason it could not be captured otherwise."""
+    if device.type != "cuda":
+        return "no CUDA graph on this device"
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    except Exception as exc:  # noqa: BLE001 - a call that cannot be captured is a result too
+        return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def _flash() -> contextlib.AbstractContextManager:
+    """SDPA restricted to its flash kernel, where this torch has the switch."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return contextlib.nullcontext()
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
 
 # ----------------------------------------------------------------------------- 1. compaction
@@ -116,6 +140,7 @@ def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
     for method in ("am-highest-attn", "am-omp-fast"):
         stages = dict.fromkeys(STAGE_KEYS, 0.0)
         errors: list[float] = []
+        per_layer: list[float] = []
         for index in range(layers):
             layer = _layer(index, **shape, device=device)
             timings: dict[str, float] = {}
@@ -129,6 +154,7 @@ def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
             )
             for key in STAGE_KEYS:
                 stages[key] += timings[key]
+            per_layer.append(sum(timings[key] for key in STAGE_KEYS))
             errors += attention_output_error(
                 heads, layer["keys"], layer["values"], layer["held_out"]
             ).output_rel.tolist()
@@ -140,6 +166,7 @@ def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
             "heads": layers * shape["heads"],
             "heldout_output_rel": sum(errors) / len(errors),
             "heldout_output_rel_per_head": errors,
+            "per_layer_s": per_layer,
         }
         logger.info(
             "%s: %d heads in %.2f s %s, held-out error %.4f",
@@ -303,6 +330,8 @@ def decode_section(args: argparse.Namespace, device: torch.device) -> dict:
             row["sdpa_backend"] = "default"
         del k, v
         row["sdpa_ms"], row["sdpa_GBps"] = sdpa_ms, kv_bytes / sdpa_ms / 1e6
+        with _flash() if row["sdpa_backend"] == "flash" else contextlib.nullcontext():
+            row["sdpa_graph_ms"] = _graph_ms(sdpa, device)
         # ours over the same tokens in shuffled pages (no prefix)
         blocks_per_req = -(-tokens // block)
         pages = _pages(reqs * blocks_per_req + 1, num_kv, dim, block, device, dtype, 1)
@@ -348,6 +377,8 @@ def decode_section(args: argparse.Namespace, device: torch.device) -> dict:
             row["paged_ms"], row["paged_config"] = best[0], best[1]
             row["paged_GBps"] = kv_bytes / best[0] / 1e6
             row["paged_vs_sdpa"] = sdpa_ms / best[0]
+            bn, warps, stages = best[1]
+            row["paged_graph_ms"] = _graph_ms(lambda: ours(bn, warps, stages), device)
         bn, warps, stages = best[1] if best is not None else configs[0]
         pages = None  # free this shape's pages before the next one
         # the same rows as a packed prefix (each head t = tokens), and a 10% prefix with uneven heads
@@ -466,11 +497,17 @@ def decode_section(args: argparse.Namespace, device: torch.device) -> dict:
                     )
                 except Exception as exc:  # noqa: BLE001
                     variants[name] = f"{exc}"[:200]
+            # the default once more after the variants: a first measurement that differs is noise
+            variants["default_again"] = _bench_ms(prefixed, device, args.smoke)
+            row[f"{label}_graph_ms"] = _graph_ms(prefixed, device)
             row[f"{label}_variants_ms"] = variants
             row[f"{label}_ms"] = ms
             row[f"{label}_GBps"] = 2 * rows_read * dim * 2 / ms / 1e6
             if share < 1.0:
                 row["prefix_10pct_speedup_vs_sdpa_full"] = sdpa_ms / ms
+                graph, sdpa_graph = row[f"{label}_graph_ms"], row.get("sdpa_graph_ms")
+                if isinstance(graph, float) and isinstance(sdpa_graph, float):
+                    row["prefix_10pct_graph_speedup_vs_sdpa_full"] = sdpa_graph / graph
             del layer_pages, pp, tables
         logger.info(
             "decode %s",

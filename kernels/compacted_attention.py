@@ -17,10 +17,13 @@ One kernel serves every request of a step, with or without a compacted prefix:
   beta (padded prefixes), else the suffix has none.
 
 Logits are ``scale * <q, k> + beta`` in fp32 with an online softmax. Every (request, query tile,
-KV head) program is cut into ``num_splits`` programs along its keys (flash-decoding): a long
-request keeps every SM busy. Each split writes its normalised output and ``(max, sum)`` in
+KV head) program is cut along its keys into up to ``num_splits`` programs of ``split_keys`` keys
+each (flash-decoding): a long request keeps every SM busy, and a head shorter than the longest
+takes only the splits it fills (the per-head budgets are uneven; splits past a head's end write
+just an empty ``(max, sum)``). Each split writes its normalised output and ``(max, sum)`` in
 log2 units; ``_merge`` combines them by log-sum-exp into the output (query dtype) and the
-row's natural-log LSE. With one split the first kernel writes the output itself.
+row's natural-log LSE, reading only the splits that hold mass. With one split the first
+kernel writes the output itself.
 
 Pages are the views ``[num_blocks, H, block_size, D]`` of ``PagedPrefixPages`` (any strides,
 the last dimension contiguous, keys and values with the same strides). ``import triton``
@@ -71,6 +74,7 @@ class PrefixTables:
             (``beta_words[i]`` is the fp32 at byte ``4 * i`` of its first element).
         layer_shifts: per layer, the element offset from that layer's pages to layer 0's.
         total_rows: prefix rows over all requests and heads, per layer (sizes the splits).
+        max_rows: the longest head's prefix rows over all requests, per layer.
         offset_multiple: a power of two (at most 16) dividing every region base and shift.
     """
 
@@ -80,6 +84,7 @@ class PrefixTables:
     beta_words: torch.Tensor
     layer_shifts: list[int]
     total_rows: list[int]
+    max_rows: list[int]
     offset_multiple: int = 1
 
 
@@ -121,6 +126,7 @@ def _build() -> tuple[Any, Any]:
         scale_log2,
         prefix_shift,
         num_kv_heads,
+        split_keys,
         s_qt,
         s_qh,
         s_kb,
@@ -189,9 +195,14 @@ def _build() -> tuple[Any, Any]:
             header_rows = tl.load(beta_rows_ptr + req * 2)
             data_start = tl.load(beta_rows_ptr + req * 2 + 1)
         total = t_h + suffix_end
-        chunk = tl.cdiv(tl.cdiv(total, SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, total)
+        if SPLITS == 1:
+            lo = 0
+            hi = total
+        else:
+            # every split streams split_keys keys: a short head takes few splits, and the splits
+            # past its end write only their (empty) statistics
+            lo = split * split_keys
+            hi = tl.minimum(lo + split_keys, total)
         bases = region_base_ptr + req.to(tl.int64) * s_rb
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -311,10 +322,12 @@ def _build() -> tuple[Any, Any]:
         else:
             # partials [tokens, Hq, SPLITS, HEAD_PAD] and [tokens, Hq, SPLITS, 2]
             slot = (token * (num_kv_heads * GROUP) + head) * SPLITS + split
+            # compared as a block: the interpreter's scalar comparison does not make a mask
+            filled = row_ok & (rows * 0 + lo < hi)
             tl.store(
                 part_ptr + slot[:, None] * HEAD_PAD + d[None, :],
                 out,
-                mask=row_ok[:, None],
+                mask=filled[:, None],
             )
             tl.store(stat_ptr + slot * 2, m_i, mask=row_ok)
             tl.store(stat_ptr + slot * 2 + 1, l_i, mask=row_ok)
@@ -345,7 +358,12 @@ def _build() -> tuple[Any, Any]:
         top = tl.where(top == float("-inf"), 0.0, top)
         w = l * tl.exp2(m - top)  # each split's mass, relative to the largest max
         total = tl.sum(w, 0)
-        parts = tl.load(part_ptr + slot[:, None] * HEAD_PAD + d[None, :])
+        # an empty split (no mass) wrote no partial output: it is not read
+        parts = tl.load(
+            part_ptr + slot[:, None] * HEAD_PAD + d[None, :],
+            mask=(w > 0.0)[:, None],
+            other=0.0,
+        )
         out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
         tl.store(
             out_ptr + token * s_ot + head * s_oh + d,
@@ -507,10 +525,9 @@ def compacted_attention(
             any request has; they size the grid without reading the device.
         prefix: where the prefix rows lie (``None``: no request has one), and ``layer``, the
             layer these pages belong to.
-        total_keys: the work the splits are sized by. The default counts every request and KV
-            head at ``max_keys - 1`` suffix keys plus the prefix rows: an over-count for uneven
-            heads, which picks fewer, longer splits; on an H100 that was faster than the exact
-            count (twice the splits cost 1.2-2.4x at 10% prefixes, docs/experiments).
+        total_keys: the work the splits are sized by. The default counts the prefix rows
+            exactly and every request's suffix at ``max_keys`` minus the longest prefix head
+            (the most it can be).
         suffix_bias: add the beta in key coordinates ``d, d + 1`` of suffix keys (widened pages).
         num_splits: splits along the keys (default: :func:`choose_splits`).
         out / lse: ``[tokens, Hq, d]`` output in the query dtype and ``[tokens, Hq]`` fp32.
@@ -551,7 +568,10 @@ def compacted_attention(
     if block_n is None:
         block_n = 64 if head_pad <= 128 else 32
     if total_keys is None:
-        suffix = max_keys if prefix is None else max(0, max_keys - 1)
+        # the prefix rows exactly; every request's suffix counted at the longest one possible
+        suffix = (
+            max_keys if prefix is None else max(1, max_keys - prefix.max_rows[layer])
+        )
         total_keys = num_reqs * num_kv_heads * suffix + (
             prefix.total_rows[layer] if prefix is not None else 0
         )
@@ -560,6 +580,8 @@ def compacted_attention(
     )
     if splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {splits}")
+    # keys per split, a whole number of tiles: the longest program fills its splits
+    split_keys = triton.cdiv(triton.cdiv(max(max_keys, 1), splits), block_n) * block_n
     interpret = _interpreting(triton)
     part = stat = out
     if splits > 1:
@@ -597,6 +619,7 @@ def compacted_attention(
         float(scale) * LOG2_E,
         tables.layer_shifts[layer] if tables else 0,
         num_kv_heads,
+        split_keys,
         query.stride(0),
         query.stride(1),
         key_pages.stride(0),

@@ -60,8 +60,14 @@ def test_compact_heads_on_cuda_agrees_with_the_cpu(method):
 
 
 def test_compact_runs_every_stage_on_the_device():
+    """``compact()`` on the GPU gives a cache on the GPU as good as the CPU's. The budgets and
+    the kept keys are not compared one for one: sampled queries and near-tied scores of a
+    random-weight model may fall the other way under the GPU's rounding, so what must agree is
+    the cache's quality, scored on the CPU against the full prefix (KL along a continuation)."""
     from benchmarks.synthetic_model import TINY, synthetic_llama, synthetic_messages
+    from vllm_compaction.eval.reconstruction import reconstruction
     from vllm_compaction.pipeline import compact
+    from vllm_compaction.reference import ReferenceDecoder
 
     messages = synthetic_messages(400, seed=0)
     results = {}
@@ -76,16 +82,28 @@ def test_compact_runs_every_stage_on_the_device():
             min_layer_share=0.3,
         )
     cpu, gpu = results["cpu"], results["cuda"]
-    assert gpu.layers[0].keys.is_cuda
+    assert all(layer.keys.is_cuda and layer.beta.is_cuda for layer in gpu.layers)
     assert (
         gpu.physical_slots == cpu.physical_slots
         and gpu.logical_length == cpu.logical_length
     )
-    for a, b in zip(cpu.layers, gpu.layers):
-        # same budgets; the few slots where fp32 rounding orders two keys differently may differ
-        assert torch.equal(a.cu_seqlens, b.cu_seqlens.cpu())
-        same = (a.indices == b.indices.cpu()).float().mean()
-        assert same > 0.98, float(same)
+    decoder = ReferenceDecoder(adapter := synthetic_llama(TINY, layers=2, seed=0))
+    ids, _ = adapter.chat_content(messages)
+    full = adapter.prefill(ids, capture_queries=False)
+    continuation = adapter.tokenizer.encode(" ".join(f"w{i}" for i in range(7, 40)))
+    answer = (
+        ReferenceDecoder(adapter)
+        .generate(full, continuation, max_new_tokens=16)
+        .token_ids
+    )
+    kl = {
+        name: reconstruction(
+            decoder, full, cache.to(device="cpu"), continuation, answer
+        ).kl
+        for name, cache in results.items()
+    }
+    # on the CPU this cache scores KL 8e-7; keeping the first 20% of the tokens scores 5e-4
+    assert kl["cuda"] <= 3 * kl["cpu"] + 1e-5, kl
 
 
 def test_device_limits_follow_free_memory():

@@ -225,7 +225,7 @@ class PagedPrefixPages:
         )
         beta_rows = torch.zeros(len(packings), 2, dtype=torch.int32, device="cpu")
         offsets = torch.tensor(key_offsets, dtype=torch.int64, device="cpu")
-        total_rows = [0] * num_layers
+        total_rows, max_rows = [0] * num_layers, [0] * num_layers
         for r, (packing, ids) in enumerate(zip(packings, block_ids)):
             if packing is None or ids is None:
                 continue
@@ -249,6 +249,10 @@ class PagedPrefixPages:
                 t + int(n)
                 for t, n in zip(total_rows, packing.head_lengths.sum(1).tolist())
             ]
+            max_rows = [
+                max(m, int(n))
+                for m, n in zip(max_rows, packing.head_lengths.amax(1).tolist())
+            ]
         shifts = [-o for o in key_offsets]
         multiple = 16
         while multiple > 1 and any(
@@ -262,6 +266,7 @@ class PagedPrefixPages:
             beta_words=_fp32_alias(keys[0]),
             layer_shifts=shifts,
             total_rows=total_rows,
+            max_rows=max_rows,
             offset_multiple=multiple,
         )
 
