@@ -91,9 +91,9 @@ class EngineAnswers:
         return [out.outputs[0].text for out in outputs]
 
     def close(self) -> None:
-        core = getattr(self.llm.llm_engine, "engine_core", None)
-        if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()  # its engine-core process would outlive the run otherwise
+        from vllm_compaction.vllm.engine import shutdown_engine
+
+        shutdown_engine(self.llm)
         self._folder.cleanup()
 
 

@@ -74,12 +74,6 @@ def _engine(
     )
 
 
-def _stop(llm) -> None:
-    core = getattr(llm.llm_engine, "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
-
-
 def _params(max_tokens: int):
     from vllm import SamplingParams
 
@@ -163,6 +157,7 @@ def _caches(args, adapter, messages, prefix_ids, store) -> tuple[dict, dict]:
 
 def measure(args) -> dict[str, Any]:
     from vllm_compaction.vllm import compacted_prompt
+    from vllm_compaction.vllm.engine import shutdown_engine
 
     adapter, messages, prefix_ids, question_ids, store = _workload(args)
     block = 128
@@ -271,7 +266,7 @@ def measure(args) -> dict[str, Any]:
         checkpoint = Path(args.out or RESULTS / "serving.json")
         checkpoint.write_text(json.dumps(result, indent=1))  # before phase 3
     finally:
-        _stop(llm)
+        shutdown_engine(llm)
     result["capacity"] = measure_capacity(args, prefix_ids, question_ids, store, caches)
     result.update(measure_overhead(args, adapter))
     return result
@@ -314,6 +309,7 @@ def measure_capacity(
     from vllm import SamplingParams
 
     from vllm_compaction.vllm import compacted_prompt
+    from vllm_compaction.vllm.engine import shutdown_engine
 
     # in-process engine core, so the benchmark can read the scheduler's running queue and block pool
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -423,7 +419,7 @@ def measure_capacity(
                 ),
             )
     finally:
-        _stop(engine)
+        shutdown_engine(engine)
     base = result["kinds"]["uncompacted"]
     for entry in result["kinds"].values():
         entry["sessions_vs_uncompacted"] = (
@@ -475,6 +471,7 @@ def measure_overhead(args, adapter) -> dict[str, Any]:
     from vllm_compaction.corpus import haystack_text
     from vllm_compaction.pipeline import compact
     from vllm_compaction.vllm import compacted_prompt
+    from vllm_compaction.vllm.engine import shutdown_engine
 
     plain = [
         {
@@ -557,7 +554,7 @@ def measure_overhead(args, adapter) -> dict[str, Any]:
                         sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
                     )
             finally:
-                _stop(engine)
+                shutdown_engine(engine)
     medians = {k: statistics.median(v) for k, v in rates.items()}
     result["plain_decode_tokens_per_s"] = medians
     result["plain_decode_tokens_per_s_all"] = rates

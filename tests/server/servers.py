@@ -12,22 +12,29 @@ MODEL = "smollm2-135m"
 AUTO_THRESHOLD_TOKENS = 500
 
 
+def _engine_flags() -> list[str]:
+    """SmolLM2 in fp32 on CPU, eager, 1 GiB of KV, seeded."""
+    return [
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "4096",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(1 << 30),
+        "--max-num-seqs",
+        "8",
+        "--seed",
+        "0",
+    ]
+
+
 def compaction_server(store: Path, log_path: Path) -> ServerProcess:
-    """SmolLM2 in fp32 on CPU with two API keys and auto-compaction above 500 tokens."""
+    """SmolLM2 with two API keys and auto-compaction above 500 tokens."""
     return ServerProcess(
         MODEL,
         [
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "4096",
-            "--enforce-eager",
-            "--kv-cache-memory-bytes",
-            str(1 << 30),
-            "--max-num-seqs",
-            "8",
-            "--seed",
-            "0",
+            *_engine_flags(),
             "--api-key",
             *API_KEYS,
             "--compaction-store",
@@ -42,6 +49,25 @@ def compaction_server(store: Path, log_path: Path) -> ServerProcess:
             "am-highest-attn",
             "--auto-compact-queries",
             "repeat-prefill",
+        ],
+        log_path,
+    )
+
+
+def open_server(
+    store: Path, log_path: Path, *, store_max_bytes: int, serving_hold_s: float
+) -> ServerProcess:
+    """SmolLM2 without ``--api-key`` and with a store limit."""
+    return ServerProcess(
+        MODEL,
+        [
+            *_engine_flags(),
+            "--compaction-store",
+            str(store),
+            "--compaction-store-max-bytes",
+            str(store_max_bytes),
+            "--compaction-serving-hold-s",
+            str(serving_hold_s),
         ],
         log_path,
     )

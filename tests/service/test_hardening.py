@@ -4,6 +4,7 @@ records, one server per store, typed errors, ownership, reserved salts and body 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from fastapi import FastAPI, Request
@@ -472,3 +473,20 @@ def test_a_long_poll_whose_worker_went_away_claims_nothing(app):
     assert answer.status_code == 204
     assert service.book.get(job.id).status == JobStatus.queued
     assert service.book.claim("alive").id == job.id
+
+
+def test_a_new_cache_is_held_until_its_first_use_then_by_recency(app):
+    """A cache nobody has read is kept from eviction (its client is about to); its first use
+    ends that hold, after which only the short hold of a request being loaded protects it."""
+    service = app.state.compaction_service
+    store = service.store
+    job = record("a")
+    service.book.submit(job)
+    service.book.claim("w")
+    store.path_for(job.id).write_bytes(b"stand-in")
+    service.book.succeed(job.id, "w", {"compacted_tokens": 8, "digest": "ab" * 32})
+    fresh = store._held[job.id] - time.monotonic()
+    assert fresh > service.config.fresh_hold_s - 5
+    service.plan_text("a", job.id, "and then?")
+    serving = store._held[job.id] - time.monotonic()
+    assert 0 < serving <= service.config.serving_hold_s < service.config.fresh_hold_s

@@ -43,9 +43,9 @@ def start_llm(
 
 
 def stop_llm(llm) -> None:
-    core = getattr(llm.llm_engine, "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+    from vllm_compaction.vllm.engine import shutdown_engine
+
+    shutdown_engine(llm)
     del llm
     gc.collect()
 

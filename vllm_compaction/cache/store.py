@@ -142,12 +142,15 @@ class LocalDiskStore:
         ] = {}  # entry id -> monotonic time until which it is not evicted
         self._remove_stale_temps()
 
-    def hold(self, entry_id: str, seconds: float) -> None:
+    def hold(self, entry_id: str, seconds: float, *, replace: bool = False) -> None:
         """Keep the entry from eviction for ``seconds`` (a request is reading it, or it was just
-        made and nobody has read it yet); a later hold extends an earlier one."""
+        made and nobody has read it yet); a later hold extends an earlier one, or with
+        ``replace`` takes its place (the first use of a new entry ends its longer hold)."""
         with self._lock:
             until = time.monotonic() + seconds
-            self._held[entry_id] = max(until, self._held.get(entry_id, 0.0))
+            self._held[entry_id] = (
+                until if replace else max(until, self._held.get(entry_id, 0.0))
+            )
 
     # ------------------------------------------------------------------ keyed access
     def put(self, key: CacheKey, cache: CompactedCache) -> None:

@@ -27,6 +27,15 @@ FLAGS: dict[str, tuple[str, str]] = {
         "evict least recently used caches when everything under the "
         "store exceeds this size (default: its size at start-up plus half the free disk, at most 64 GiB)",
     ),
+    "fresh_hold_s": (
+        "--compaction-fresh-hold-s",
+        "a new cache is kept from eviction this long or until its first use",
+    ),
+    "serving_hold_s": (
+        "--compaction-serving-hold-s",
+        "a cache a request is served from is kept from eviction this long (the "
+        "engine reads it when the request is scheduled)",
+    ),
     "local_workers": (
         "--compaction-workers",
         "compaction worker processes the server starts (0: only remote)",
@@ -92,6 +101,8 @@ FLAGS: dict[str, tuple[str, str]] = {
 class ServiceConfig(BaseModel):
     store: Path | None = None
     store_max_bytes: int | None = Field(None, ge=0)
+    fresh_hold_s: float = Field(600.0, ge=0)
+    serving_hold_s: float = Field(120.0, ge=0)
     local_workers: int = Field(1, ge=0, le=64)
     worker_token: str | None = Field(None, min_length=16)
     worker_lease_s: float = Field(20.0, gt=0)

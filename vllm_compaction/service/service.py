@@ -44,12 +44,6 @@ __all__ = ["CompactionService", "PrefixPlan"]
 
 logger = logging.getLogger(__name__)
 
-#: Wait after an automatic compaction of a conversation failed before queuing another (doubling
-#: with each failure in a row).
-#: Seconds a cache is kept from eviction after a request was planned on it (the engine reads the
-#: file when it schedules the request) and after it was made (its client has not read it yet).
-SERVING_HOLD_S = 120.0
-FRESH_HOLD_S = 600.0
 #: Default store limit: what is there now plus half the free disk, at most 64 GiB.
 DEFAULT_STORE_LIMIT_BYTES = 64 << 30
 
@@ -63,6 +57,8 @@ def default_store_limit(root: Path) -> int:
     return min(DEFAULT_STORE_LIMIT_BYTES, used + shutil.disk_usage(root).free // 2)
 
 
+#: Wait after an automatic compaction of a conversation failed before queuing another (doubling
+#: with each failure in a row).
 AUTO_RETRY_BACKOFF_S = 60.0
 
 HEAD_CAP_FACTOR = 3.0
@@ -426,8 +422,9 @@ class CompactionService:
     ) -> PrefixPlan:
         # the engine reads the file itself: keep LRU order by use
         self.store.touch_id(record.id)
-        # not evicted while the engine loads it
-        self.store.hold(record.id, SERVING_HOLD_S)
+        # not evicted while the engine loads it; its first use ends the hold it had as new,
+        # so a used cache competes by recency like every other
+        self.store.hold(record.id, self.config.serving_hold_s, replace=True)
         return PrefixPlan(
             record.id,
             int(record.compacted_tokens or 0),
@@ -603,7 +600,7 @@ class CompactionService:
         self.metrics.job_changed(self.book, record)
         if record.status == JobStatus.succeeded:
             # made for a client who has not read it yet
-            self.store.hold(record.id, FRESH_HOLD_S)
+            self.store.hold(record.id, self.config.fresh_hold_s)
         if record.auto and record.conversation_id and record.status.finished:
             key = (record.owner, record.conversation_id)
             if record.status == JobStatus.failed:

@@ -18,6 +18,7 @@ __all__ = [
     "kv_transfer_config",
     "engine_kwargs",
     "kv_bytes_per_token",
+    "shutdown_engine",
 ]
 
 
@@ -120,3 +121,11 @@ def kv_bytes_per_token(vllm_config) -> int:
     return (
         layers * kv_heads * 2 * head * torch.empty((), dtype=model.dtype).element_size()
     )
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Stop an in-process ``vllm.LLM``'s engine-core process now (it would outlive its owner
+    until the interpreter exits, holding its KV memory)."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
