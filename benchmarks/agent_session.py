@@ -86,7 +86,7 @@ def main() -> None:
 
     from vllm_compaction.corpus import haystack_text
     from vllm_compaction.models import resolve
-    from vllm_compaction.vllm.server_process import ServerProcess
+    from vllm_compaction.vllm.server_process import ServerProcess, cpu_engine_flags
 
     tokenizer = AutoTokenizer.from_pretrained(resolve(MODEL))
     essay = haystack_text(args.turn_tokens * (args.max_turns + 2), tokenizer, seed=7)
@@ -95,17 +95,7 @@ def main() -> None:
     server = ServerProcess(
         MODEL,
         [
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "8192",
-            "--enforce-eager",
-            "--kv-cache-memory-bytes",
-            str(1 << 30),
-            "--max-num-seqs",
-            "8",
-            "--seed",
-            "0",
+            *cpu_engine_flags(max_model_len=8192),
             "--compaction-store",
             str(work / "store"),
             "--auto-compact-threshold-tokens",

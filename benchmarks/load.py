@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from vllm_compaction.corpus import haystack_text
     from vllm_compaction.models import resolve
-    from vllm_compaction.vllm.server_process import ServerProcess
+    from vllm_compaction.vllm.server_process import ServerProcess, cpu_engine_flags
 
     text = haystack_text(20_000, AutoTokenizer.from_pretrained(resolve(MODEL)), seed=3)
     root = Path(tempfile.mkdtemp(prefix="load-"))
@@ -290,15 +290,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     server = ServerProcess(
         MODEL,
         [
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "4096",
-            "--enforce-eager",
-            "--kv-cache-memory-bytes",
-            str(2 << 30),
-            "--max-num-seqs",
-            str(min(args.sessions, 64)),
+            *cpu_engine_flags(
+                kv_cache_bytes=2 << 30, max_num_seqs=min(args.sessions, 64)
+            ),
             "--api-key",
             *KEYS,
             "--compaction-store",

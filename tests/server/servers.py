@@ -5,28 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from vllm_compaction.vllm.server_process import ServerProcess
+from vllm_compaction.vllm.server_process import ServerProcess, cpu_engine_flags
 
 API_KEYS = ("key-a", "key-b")
 MODEL = "smollm2-135m"
 AUTO_THRESHOLD_TOKENS = 500
-
-
-def _engine_flags() -> list[str]:
-    """SmolLM2 in fp32 on CPU, eager, 1 GiB of KV, seeded."""
-    return [
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "4096",
-        "--enforce-eager",
-        "--kv-cache-memory-bytes",
-        str(1 << 30),
-        "--max-num-seqs",
-        "8",
-        "--seed",
-        "0",
-    ]
 
 
 def compaction_server(store: Path, log_path: Path) -> ServerProcess:
@@ -34,7 +17,7 @@ def compaction_server(store: Path, log_path: Path) -> ServerProcess:
     return ServerProcess(
         MODEL,
         [
-            *_engine_flags(),
+            *cpu_engine_flags(),
             "--api-key",
             *API_KEYS,
             "--compaction-store",
@@ -61,7 +44,7 @@ def open_server(
     return ServerProcess(
         MODEL,
         [
-            *_engine_flags(),
+            *cpu_engine_flags(),
             "--compaction-store",
             str(store),
             "--compaction-store-max-bytes",

@@ -14,7 +14,27 @@ from pathlib import Path
 
 from vllm_compaction.service.worker import NETWORK_ERRORS
 
-__all__ = ["ServerProcess", "free_port"]
+__all__ = ["ServerProcess", "cpu_engine_flags", "free_port"]
+
+
+def cpu_engine_flags(
+    *, max_model_len: int = 4096, kv_cache_bytes: int = 1 << 30, max_num_seqs: int = 8
+) -> list[str]:
+    """The engine flags of the CPU test and benchmark servers: fp32, eager (no compile wait),
+    a fixed KV budget and seed, so runs compare."""
+    return [
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--seed",
+        "0",
+    ]
 
 
 def free_port() -> int:
