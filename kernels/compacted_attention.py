@@ -75,6 +75,7 @@ class PrefixTables:
         layer_shifts: per layer, the element offset from that layer's pages to layer 0's.
         total_rows: prefix rows over all requests and heads, per layer (sizes the splits).
         max_rows: the longest head's prefix rows over all requests, per layer.
+        prefixed: how many of the requests have a prefix.
         offset_multiple: a power of two (at most 16) dividing every region base and shift.
     """
 
@@ -85,6 +86,7 @@ class PrefixTables:
     layer_shifts: list[int]
     total_rows: list[int]
     max_rows: list[int]
+    prefixed: int
     offset_multiple: int = 1
 
 
@@ -526,8 +528,8 @@ def compacted_attention(
         prefix: where the prefix rows lie (``None``: no request has one), and ``layer``, the
             layer these pages belong to.
         total_keys: the work the splits are sized by. The default counts the prefix rows
-            exactly and every request's suffix at ``max_keys`` minus the longest prefix head
-            (the most it can be).
+            exactly and every suffix at the longest it can be (``max_keys``, less the longest
+            prefix head for a request with a prefix).
         suffix_bias: add the beta in key coordinates ``d, d + 1`` of suffix keys (widened pages).
         num_splits: splits along the keys (default: :func:`choose_splits`).
         out / lse: ``[tokens, Hq, d]`` output in the query dtype and ``[tokens, Hq]`` fp32.
@@ -568,13 +570,14 @@ def compacted_attention(
     if block_n is None:
         block_n = 64 if head_pad <= 128 else 32
     if total_keys is None:
-        # the prefix rows exactly; every request's suffix counted at the longest one possible
-        suffix = (
-            max_keys if prefix is None else max(1, max_keys - prefix.max_rows[layer])
-        )
-        total_keys = num_reqs * num_kv_heads * suffix + (
-            prefix.total_rows[layer] if prefix is not None else 0
-        )
+        # the prefix rows exactly; every suffix counted at the longest it can be: max_keys for
+        # a plain request, max_keys less the longest prefix head for one with a prefix
+        total_keys = num_reqs * num_kv_heads * max_keys
+        if prefix is not None:
+            prefixed_suffix = max(1, max_keys - prefix.max_rows[layer])
+            total_keys += prefix.total_rows[layer] - prefix.prefixed * num_kv_heads * (
+                max_keys - prefixed_suffix
+            )
     splits = num_splits or choose_splits(
         num_reqs * q_tiles * num_kv_heads, max_keys, total_keys, query.device
     )

@@ -267,6 +267,9 @@ class PagedPrefixPages:
             layer_shifts=shifts,
             total_rows=total_rows,
             max_rows=max_rows,
+            prefixed=sum(
+                p is not None and b is not None for p, b in zip(packings, block_ids)
+            ),
             offset_multiple=multiple,
         )
 
