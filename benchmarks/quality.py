@@ -112,13 +112,16 @@ def completed_instances(
         methods=methods,
         ratios=[float(r) for r in args.ratios.split(",")],
         answered_by=_answered_by(args),
+        summarize=getattr(args, "summarize", False),
     )
     done: dict[tuple[str, int], dict] = {}
     try:
         for key, value in wanted.items():
-            # results from before --vllm existed were answered by the reference decoder
+            # results from before --vllm and --summarize existed: the reference decoder, no summaries
             if (
-                previous.get(key, "reference" if key == "answered_by" else None)
+                previous.get(
+                    key, {"answered_by": "reference", "summarize": False}.get(key)
+                )
                 != value
             ):
                 raise SweepError(
@@ -137,7 +140,11 @@ def completed_instances(
                     for r in previous.get("rows", [])
                     if r["task"] == task and r["seed"] == seed
                 ]
-                if len(base) == 2 and len(rows) == len(methods) * len(wanted["ratios"]):
+                per_method = len(methods) * len(wanted["ratios"])
+                expected = per_method * (2 if wanted["summarize"] else 1) + bool(
+                    wanted["summarize"]
+                )
+                if len(base) == 2 and len(rows) == expected:
                     done[(task, seed)] = dict(
                         baselines=base, rows=rows, prompt=base[0]["prompt"]
                     )
@@ -161,7 +168,7 @@ def run(
     from vllm_compaction.eval.reconstruction import reconstruction
     from vllm_compaction.eval.tasks import make_task, task_prompt
     from vllm_compaction.eval.variants import parse_variants
-    from vllm_compaction.models import load_adapter
+    from vllm_compaction.models import PrefixKV, load_adapter
     from vllm_compaction.pipeline import RECIPES, compact_prepared, prepare_prefix
     from vllm_compaction.queries import resolve_spacing
     from vllm_compaction.reference import ReferenceDecoder
@@ -170,6 +177,13 @@ def run(
         variants = parse_variants(args.methods, known=RECIPES)
     except ValueError as exc:
         raise SweepError(str(exc)) from None
+    summarizing = getattr(args, "summarize", False)
+    if summarizing and getattr(args, "vllm", False):
+        raise SweepError(
+            "--summarize answers through the reference decoder only: drop --vllm"
+        )
+    if summarizing and args.summary_tokens < 1:
+        raise SweepError(f"--summary-tokens must be >= 1, got {args.summary_tokens}")
     done = completed_instances(previous, args) if previous is not None else {}
     if previous is not None:
         logger.warning("resuming: %d instance(s) already complete", len(done))
@@ -182,9 +196,10 @@ def run(
     rows, baselines = [], []
     prompt_hash: dict[tuple[str, int], str] = {}
     remaining = len(tasks) * len(seeds) - len(done)
-    bar = tqdm(
-        total=remaining * (2 + len(variants) * len(ratios)), desc="quality", unit="run"
-    )
+    per_instance = 2 + len(variants) * len(ratios)
+    if summarizing:
+        per_instance += 1 + len(variants) * len(ratios)
+    bar = tqdm(total=remaining * per_instance, desc="quality", unit="run")
     for task in tasks:
         for seed in seeds:
             inst = make_task(task, adapter.tokenizer, args.tokens, seed=seed)
@@ -236,6 +251,59 @@ def run(
                 bar.update(1)
             instance_baselines, instance_rows = baselines[-2:], []
             prefixes: list = [prompt.prefix_ids, template_only]
+
+            def measure(
+                prepared_prefix,
+                ratio,
+                kwargs,
+                continuation_ids,
+                task=task,
+                seed=seed,
+                digest=digest,
+                inst=inst,
+                full_kv=full_kv,
+                full=full,
+                answer_tokens=answer_tokens,
+            ):
+                """Compact a prepared prefix (or take a ``PrefixKV`` as it is), answer after
+                it, score the answer and the reconstruction of the full context's answer."""
+                start = time.perf_counter()
+                exact = isinstance(prepared_prefix, PrefixKV)
+                cache = (
+                    prepared_prefix
+                    if exact
+                    else compact_prepared(prepared_prefix, ratio=ratio, **kwargs)
+                )
+                seconds = time.perf_counter() - start
+                gen = decoder.generate(
+                    cache, continuation_ids, max_new_tokens=answer_tokens
+                )
+                recon = reconstruction(
+                    decoder, full_kv, cache, continuation_ids, full.token_ids
+                )
+                row = dict(
+                    task=task,
+                    seed=seed,
+                    ratio=ratio,
+                    prompt=digest,
+                    answer=gen.text,
+                    score=inst.score(gen.text),
+                    compaction_s=seconds,
+                    log_ppl_full=recon.log_ppl_full,
+                    log_ppl_compacted=recon.log_ppl_compacted,
+                    kl=recon.kl,
+                    **_about(inst, gen.text),
+                )
+                if not exact:
+                    lengths = cache.head_lengths[cache.layer_compacted]
+                    row.update(
+                        timings=cache.timings,
+                        physical_slots=cache.physical_slots,
+                        max_head=int(lengths.max()),
+                        min_head=int(lengths.min()),
+                    )
+                return cache, row
+
             prepared = {}  # one prefill + query plan per query source, shared by methods and ratios
             for variant in variants:
                 kwargs = variant.kwargs()
@@ -253,39 +321,18 @@ def run(
                             queries=queries,
                             seed=seed,
                         )
-                    start = time.perf_counter()
-                    cache = compact_prepared(prepared[queries], ratio=ratio, **kwargs)
-                    seconds = time.perf_counter() - start
-                    gen = decoder.generate(
-                        cache, prompt.continuation_ids, max_new_tokens=answer_tokens
+                    cache, row = measure(
+                        prepared[queries], ratio, kwargs, prompt.continuation_ids
                     )
-                    recon = reconstruction(
-                        decoder, full_kv, cache, prompt.continuation_ids, full.token_ids
-                    )
-                    lengths = cache.head_lengths[cache.layer_compacted]
-                    rows.append(
-                        dict(
-                            task=task,
-                            seed=seed,
-                            method=variant.label,
-                            ratio=ratio,
-                            prompt=digest,
-                            answer=gen.text,
-                            score=inst.score(gen.text),
-                            compaction_s=seconds,
-                            timings=cache.timings,
-                            physical_slots=cache.physical_slots,
-                            max_head=int(lengths.max()),
-                            min_head=int(lengths.min()),
-                            log_ppl_full=recon.log_ppl_full,
-                            log_ppl_compacted=recon.log_ppl_compacted,
-                            kl=recon.kl,
-                            **_about(inst, gen.text),
-                        )
-                    )
+                    rows.append(dict(row, method=variant.label))
                     instance_rows.append(rows[-1])
                     prefixes.append(cache)
                     bar.update(1)
+            if summarizing:
+                rows += summarized_rows(
+                    adapter, decoder, inst, prompt, variants, ratios, args, measure
+                )
+                bar.update(1 + len(variants) * len(ratios))
             if engine is not None:
                 # the same prompts served by vLLM: full context, no context, every cache
                 answers = engine.answer(
@@ -309,6 +356,75 @@ def run(
     if engine is not None:
         engine.close()
     return _result(args, tasks, ratios, variants, rows, baselines)
+
+
+def summarized_rows(
+    adapter, decoder, inst, prompt, variants, ratios, args, measure
+) -> list[dict]:
+    """``--summarize``: the model's summary of the instance's context stands in for it
+    (``vllm_compaction.summarize``, the paper's summarize + AM). A ``summarize`` row answers
+    from the summary's exact KV, a ``summarize+<method>`` row from the summary compacted at each
+    ratio. ``content_fraction`` is the share of the original content tokens the answer was
+    served from (the paper's "cache size"); compaction time includes the summary's."""
+    from dataclasses import replace
+
+    from vllm_compaction.eval.tasks import task_prompt
+    from vllm_compaction.pipeline import RECIPES, prepare_prefix
+    from vllm_compaction.queries import resolve_spacing
+    from vllm_compaction.summarize import SUMMARY_HEADER, summarize
+
+    start = time.perf_counter()
+    source = list(inst.messages) or [{"role": "user", "content": inst.context}]
+    summary = summarize(adapter, source, max_new_tokens=args.summary_tokens)
+    summary_s = time.perf_counter() - start
+    if inst.messages:
+        message = {"role": "user", "content": SUMMARY_HEADER + summary}
+        short = replace(inst, context=summary, messages=(message,))
+    else:
+        short = replace(inst, context=summary)
+    s_prompt = task_prompt(adapter, short)
+    original = int(prompt.compact_mask.sum())
+    summary_tokens = int(s_prompt.compact_mask.sum())
+    # the exact summary, measured like a compacted prefix
+    exact = adapter.prefill(s_prompt.prefix_ids, capture_queries=False)
+    _, row = measure(exact, 1.0, {}, s_prompt.continuation_ids)
+    about = dict(summary=summary, summary_tokens=summary_tokens)
+    rows = [
+        dict(
+            row,
+            **about,
+            method="summarize",
+            compaction_s=summary_s,
+            content_fraction=summary_tokens / original,
+        )
+    ]
+    prepared = {}
+    for variant in variants:
+        kwargs = variant.kwargs()
+        requested = kwargs.pop("queries", None) or RECIPES[variant.method].queries
+        for ratio in ratios:
+            queries = resolve_spacing(requested, ratio)
+            if queries not in prepared:
+                prepared[queries] = prepare_prefix(
+                    adapter,
+                    s_prompt.prefix_ids,
+                    s_prompt.compact_mask,
+                    queries=queries,
+                    seed=inst.seed,
+                )
+            _, row = measure(
+                prepared[queries], ratio, kwargs, s_prompt.continuation_ids
+            )
+            rows.append(
+                dict(
+                    row,
+                    **about,
+                    method=f"summarize+{variant.label}",
+                    compaction_s=row["compaction_s"] + summary_s,
+                    content_fraction=ratio * summary_tokens / original,
+                )
+            )
+    return rows
 
 
 def _answered_by(args: argparse.Namespace) -> str:
@@ -338,6 +454,7 @@ def _result(
         ratios=ratios,
         methods=[v.label for v in variants],
         answered_by=_answered_by(args),
+        summarize=getattr(args, "summarize", False),
         summary=summarize(rows, baselines),
         baselines=baselines,
         rows=rows,
@@ -580,6 +697,13 @@ def parser(**defaults) -> argparse.ArgumentParser:
         action="store_true",
         help="answer every prompt through a vLLM engine with the plugin too (scored and plotted)",
     )
+    p.add_argument(
+        "--summarize",
+        action="store_true",
+        help="also answer from the model's summary of each context, exact and compacted by "
+        "each method at each ratio (rows summarize, summarize+<method>; reference decoder)",
+    )
+    p.add_argument("--summary-tokens", type=int, default=256)
     p.add_argument("--out", default=str(RESULTS / "quality.json"))
     p.add_argument(
         "--combine",

@@ -14,7 +14,7 @@ LAYERS = [
     {"cache"},
     {"budgets"},
     {"models", "corpus"},
-    {"queries"},
+    {"queries", "summarize"},
     {"recipes"},
     {"pipeline", "reference", "eval"},
     {"sensitivity"},

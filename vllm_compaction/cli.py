@@ -98,6 +98,10 @@ def _cmd_compact(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise CliError(f"--min-layer-share: {error}") from None
         budget_options["min_layer_share"] = args.min_layer_share
+    if args.summarize and args.keep_last_tokens:
+        raise CliError("--keep-last-tokens cannot be combined with --summarize")
+    if args.summary_tokens < 1:
+        raise CliError(f"--summary-tokens must be >= 1, got {args.summary_tokens}")
     messages = _read_messages(Path(args.input))
     out = Path(args.out)
     if not out.parent.exists():
@@ -113,6 +117,8 @@ def _cmd_compact(args: argparse.Namespace) -> int:
         keep_last_tokens=args.keep_last_tokens,
         progress=not args.quiet,
         device=args.device,
+        summarize=args.summarize,
+        summary_tokens=args.summary_tokens,
         **budget_options,
     )
     cache.save(out)
@@ -230,6 +236,18 @@ def _parser() -> argparse.ArgumentParser:
         "--min-layer-share",
         type=float,
         help="global budgets: every layer first keeps this share (0-1) of an equal split",
+    )
+    comp.add_argument(
+        "--summarize",
+        action="store_true",
+        help="let the model summarize the input first and compact the summary (the paper's "
+        "summarize + AM: much smaller, loses what the summary leaves out)",
+    )
+    comp.add_argument(
+        "--summary-tokens",
+        type=int,
+        default=256,
+        help="with --summarize: the summary's most tokens",
     )
     comp.add_argument("--out", required=True)
     comp.add_argument(

@@ -37,6 +37,7 @@ from vllm_compaction.queries import (
     resolve_spacing,
 )
 from vllm_compaction.recipes import DEFAULT_METHOD, RECIPES, ResolvedRecipe, resolve
+from vllm_compaction.summarize import DEFAULT_SUMMARY_TOKENS, summary_messages
 
 __all__ = [
     "DEFAULT_METHOD",
@@ -68,6 +69,8 @@ def compact(
     on_progress: Callable[[float], None] | None = None,
     chunk_tokens: int | None = None,
     device: str | torch.device | None = None,
+    summarize: bool = False,
+    summary_tokens: int = DEFAULT_SUMMARY_TOKENS,
     **options: Any,
 ) -> CompactedCache:
     """Compact the content of chat ``messages`` (template tokens stay exact).
@@ -91,6 +94,9 @@ def compact(
         device: where to load a named model and run every stage (``"cpu"``, ``"cuda"``,
             ``"cuda:1"``, ``"auto"``); default the CPU. A loaded adapter runs where its weights
             are, and a different ``device`` is refused.
+        summarize: first let the model summarize ``messages`` (at most ``summary_tokens``
+            tokens) and compact the summary instead, as one user message
+            (``vllm_compaction.summarize``); ``ratio`` then applies to the summary.
         options: math options for ``compact_heads`` (e.g. ``values="direct"``), budget
             options (``max_head_ratio``, ``min_head_slots``, ``min_layer_share``) and how
             ``global`` budgets rank keys (``score_softmax``, ``score_aggregation``,
@@ -109,13 +115,23 @@ def compact(
         messages = [{"role": "user", "content": messages}]
     if not messages:
         raise ValueError("nothing to compact: messages is empty")
-    ids, mask = adapter.chat_content(messages)
     if keep_last_tokens < 0:
         raise ValueError(f"keep_last_tokens must be >= 0, got {keep_last_tokens}")
+    summary_s = None
+    if summarize:
+        if keep_last_tokens:
+            raise ValueError(
+                "keep_last_tokens cannot be combined with summarize: the summary replaces "
+                "every message"
+            )
+        start = time.perf_counter()
+        messages = summary_messages(adapter, messages, max_new_tokens=summary_tokens)
+        summary_s = time.perf_counter() - start
+    ids, mask = adapter.chat_content(messages)
     if keep_last_tokens:
         content_pos = torch.nonzero(mask).flatten()
         mask[content_pos[max(0, len(content_pos) - keep_last_tokens) :]] = False
-    return compact_prefix(
+    cache = compact_prefix(
         adapter,
         ids,
         mask,
@@ -132,6 +148,10 @@ def compact(
         chunk_tokens=chunk_tokens,
         **options,
     )
+    if summary_s is not None:
+        cache.timings["summarize_s"] = summary_s
+        cache.timings["total_s"] = cache.timings.get("total_s", 0.0) + summary_s
+    return cache
 
 
 def content_chunks(mask: torch.Tensor, chunk_tokens: int | None) -> list[torch.Tensor]:
