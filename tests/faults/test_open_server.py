@@ -166,3 +166,40 @@ def test_without_api_keys_every_caller_sees_every_compaction(open_store_server):
     )
     listed = httpx.get(f"{server.url}/v1/compact?limit=100", timeout=30).json()["data"]
     assert made["id"] in {j["id"] for j in listed}
+
+
+def test_a_summarized_compaction_is_served_from_the_summary(open_store_server):
+    """``summarize``: the worker summarizes first, the prefix is the summary's (shorter than
+    the conversation), and chat continues from it."""
+    server = open_store_server
+    client = _client(server, "EMPTY")
+    response = httpx.post(
+        f"{server.url}/v1/compact",
+        json={
+            "model": MODEL,
+            "prompt": note("5E"),
+            **METHOD,
+            "summarize": True,
+            "summary_tokens": 24,
+        },
+        timeout=60,
+    )
+    assert response.status_code == 202, response.text
+    done = wait_finished(client, response.json()["id"], 300)
+    assert done["status"] == "succeeded" and done["summarize"], done
+    assert 0 < done["prefix_tokens"] < done["original_tokens"], done
+    assert done["timings"]["summarize_s"] > 0
+    assert _ask(client, done["id"]).choices[0].message.content
+    refused = httpx.post(
+        f"{server.url}/v1/compact",
+        json={
+            "model": MODEL,
+            "prompt": note("5E"),
+            **METHOD,
+            "summarize": True,
+            "keep_last_tokens": 3,
+        },
+        timeout=60,
+    )
+    assert refused.status_code == 400
+    assert "cannot be combined with summarize" in refused.json()["error"]["message"]

@@ -250,3 +250,37 @@ def test_a_corrupt_cache_is_diagnosed_and_quarantined(service):
     assert (
         status_of(lambda: service.plan_chat("a", QUESTION, compaction_id=job.id)) == 410
     )
+
+
+@pytest.mark.slow
+def test_a_summarized_job_is_served_from_the_summary_s_shorter_prefix(service, smollm2):
+    """``summarize``: the worker is told to summarize, the shorter cache it makes is accepted
+    (its length is the summary's, not the conversation's), sizes count against the
+    conversation, and requests are planned on the summary's logical length."""
+    from vllm_compaction.pipeline import compact
+
+    with pytest.raises(ValueError, match="cannot be combined with summarize"):
+        request(messages=HISTORY, summarize=True, keep_last_tokens=2)
+    job = service.submit(
+        request(messages=HISTORY, ratio=0.5, summarize=True, summary_tokens=16), "a"
+    )
+    work = job.worker_job()
+    assert work.summarize and work.summary_tokens == 16
+    service.book.claim("w")
+    cache = compact(
+        smollm2,
+        work.messages,
+        ratio=work.ratio,
+        method="am-highest-attn",
+        queries="repeat-prefill",
+        summarize=work.summarize,
+        summary_tokens=work.summary_tokens,
+    )
+    upload = service.store.root / ".upload-summary.tmp"
+    cache.save(upload)
+    done = service.accept_result(job.id, "w", upload)
+    assert done.status == JobStatus.succeeded
+    assert done.prefix_tokens == cache.logical_length < done.original_tokens
+    assert done.ratio == pytest.approx(done.compacted_tokens / done.original_tokens)
+    plan = service.plan_chat("a", QUESTION, compaction_id=job.id)
+    assert plan is not None and plan.logical_prefix_tokens == cache.logical_length

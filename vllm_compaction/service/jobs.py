@@ -97,6 +97,8 @@ class JobRecord(Compaction):
             keep_last_tokens=self.keep_last_tokens,
             max_head_ratio=self.max_head_ratio or 1.0,
             min_layer_share=self.min_layer_share or 0.0,
+            summarize=self.summarize,
+            summary_tokens=self.summary_tokens,
             token=self.claim_token or "",
         )
 

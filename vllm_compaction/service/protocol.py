@@ -246,10 +246,23 @@ class CompactRequest(BaseModel):
         description="global-budget methods: every layer first keeps this share of an equal split of "
         "the slots, the rest is ranked across layers (default 0; 0.3 measured best for needles)",
     )
+    summarize: bool = Field(
+        False,
+        description="the model summarizes the conversation first and the summary is compacted "
+        "(summarize + AM): far smaller, and it loses what the summary leaves out",
+    )
+    summary_tokens: int = Field(
+        256, ge=1, le=4096, description="with summarize: the summary's most tokens"
+    )
 
     @model_validator(mode="after")
     def _one_source_one_size(self) -> CompactRequest:
         _check_size(self.messages, self.prompt)
+        if self.summarize and self.keep_last_tokens:
+            raise ValueError(
+                "keep_last_tokens cannot be combined with summarize: the summary replaces "
+                "every message"
+            )
         sources = [
             x is not None for x in (self.messages, self.prompt, self.conversation_id)
         ]
@@ -284,7 +297,17 @@ class Compaction(BaseModel):
     max_head_ratio: float | None = None
     min_layer_share: float | None = None
     conversation_id: str | None = None
-    original_tokens: int = Field(description="logical length T of the compacted prefix")
+    original_tokens: int = Field(
+        description="tokens of the conversation the prefix stands in for: its logical length "
+        "T, unless summarized"
+    )
+    summarize: bool = False
+    summary_tokens: int = 256
+    prefix_tokens: int | None = Field(
+        None,
+        description="logical length of the served prefix once made: original_tokens, or the "
+        "summary's with summarize",
+    )
     messages_covered: int = Field(
         description="how many leading messages the prefix stands in for"
     )
@@ -366,6 +389,8 @@ class WorkerJob(BaseModel):
     keep_last_tokens: int
     max_head_ratio: float = 1.0
     min_layer_share: float = 0.0
+    summarize: bool = False
+    summary_tokens: int = 256
     token: str = Field(
         "",
         description="the claim's secret: heartbeats, the result and a failure report of "

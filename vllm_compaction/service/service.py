@@ -189,6 +189,8 @@ class CompactionService:
             max_head_ratio=request.max_head_ratio,
             min_layer_share=request.min_layer_share,
             conversation_id=request.conversation_id,
+            summarize=request.summarize,
+            summary_tokens=request.summary_tokens,
         )
         if idempotency_key is not None:
             record.idempotency_key = idempotency_key
@@ -210,6 +212,8 @@ class CompactionService:
         max_head_ratio: float | None = None,
         min_layer_share: float | None = None,
         least_content: int = 0,
+        summarize: bool = False,
+        summary_tokens: int = 256,
     ) -> JobRecord:
         try:
             ids, mask = self.chat.chat_content(messages)
@@ -267,6 +271,8 @@ class CompactionService:
             messages_covered=len(messages),
             owner=owner,
             messages=messages,
+            summarize=summarize,
+            summary_tokens=summary_tokens,
         )
 
     def get(self, compaction_id: str, owner: str) -> JobRecord:
@@ -430,7 +436,7 @@ class CompactionService:
             int(record.compacted_tokens or 0),
             (record.digest or "")[:32],
             continuation_ids,
-            record.original_tokens,
+            record.prefix_tokens or record.original_tokens,
             record.layout or "padded",
         )
 
@@ -543,7 +549,14 @@ class CompactionService:
                 )
 
             def check(cache: CompactedCache) -> None:
-                if cache.logical_length != record.original_tokens:
+                # a summary's length is the model's to choose, within the window
+                if record.summarize:
+                    if not 0 < cache.logical_length <= self.max_model_len:
+                        raise CacheError(
+                            f"the summarized cache covers {cache.logical_length} tokens, "
+                            f"outside the model's window of {self.max_model_len}"
+                        )
+                elif cache.logical_length != record.original_tokens:
                     raise CacheError(
                         f"the cache covers {cache.logical_length} tokens, the job "
                         f"{record.original_tokens}"
@@ -561,18 +574,20 @@ class CompactionService:
         finally:
             upload.unlink(missing_ok=True)
         digest = read_metadata(self.store.path_for(compaction_id))["tensors_sha256"]
-        physical, logical = (
+        # sizes against the conversation the prefix stands in for (a summary's is shorter)
+        physical, original = (
             cache.physical_tokens(self.layout, self.block_size),
-            cache.logical_length,
+            record.original_tokens,
         )
         result = {
             "compacted_tokens": physical,
+            "prefix_tokens": cache.logical_length,
             "layout": self.layout,
             "compacted_slots": cache.physical_slots,
-            "ratio": physical / logical,
-            "bytes_original": logical * self.kv_bytes_per_token,
+            "ratio": physical / original,
+            "bytes_original": original * self.kv_bytes_per_token,
             "bytes_compacted": physical * self.kv_bytes_per_token,
-            "bytes_saved": (logical - physical) * self.kv_bytes_per_token,
+            "bytes_saved": (original - physical) * self.kv_bytes_per_token,
             "timings": {
                 **record.timings,
                 **{k: float(v) for k, v in cache.timings.items()},

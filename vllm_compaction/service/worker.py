@@ -114,6 +114,8 @@ def _compute_main(
                 keep_last_tokens=job.keep_last_tokens,
                 max_head_ratio=job.max_head_ratio,
                 min_layer_share=job.min_layer_share,
+                summarize=job.summarize,
+                summary_tokens=job.summary_tokens,
                 on_progress=lambda f: events.put(("progress", f)),
             )
             cache.save(out_path)
