@@ -169,8 +169,7 @@ def run(
     from vllm_compaction.eval.tasks import make_task, task_prompt
     from vllm_compaction.eval.variants import parse_variants
     from vllm_compaction.models import PrefixKV, load_adapter
-    from vllm_compaction.pipeline import RECIPES, compact_prepared, prepare_prefix
-    from vllm_compaction.queries import resolve_spacing
+    from vllm_compaction.pipeline import RECIPES, compact_prepared
     from vllm_compaction.reference import ReferenceDecoder
 
     try:
@@ -304,30 +303,14 @@ def run(
                     )
                 return cache, row
 
-            prepared = {}  # one prefill + query plan per query source, shared by methods and ratios
-            for variant in variants:
-                kwargs = variant.kwargs()
-                requested = (
-                    kwargs.pop("queries", None) or RECIPES[variant.method].queries
-                )
-                for ratio in ratios:
-                    # '/auto' plans per ratio
-                    queries = resolve_spacing(requested, ratio)
-                    if queries not in prepared:
-                        prepared[queries] = prepare_prefix(
-                            adapter,
-                            prompt.prefix_ids,
-                            prompt.compact_mask,
-                            queries=queries,
-                            seed=seed,
-                        )
-                    cache, row = measure(
-                        prepared[queries], ratio, kwargs, prompt.continuation_ids
-                    )
-                    rows.append(dict(row, method=variant.label))
-                    instance_rows.append(rows[-1])
-                    prefixes.append(cache)
-                    bar.update(1)
+            for variant, ratio, kwargs, prepared in method_runs(
+                adapter, prompt, variants, ratios, seed
+            ):
+                cache, row = measure(prepared, ratio, kwargs, prompt.continuation_ids)
+                rows.append(dict(row, method=variant.label))
+                instance_rows.append(rows[-1])
+                prefixes.append(cache)
+                bar.update(1)
             if summarizing:
                 rows += summarized_rows(
                     adapter, decoder, inst, prompt, variants, ratios, args, measure
@@ -358,6 +341,30 @@ def run(
     return _result(args, tasks, ratios, variants, rows, baselines)
 
 
+def method_runs(adapter, prompt, variants, ratios, seed):
+    """Each (variant, ratio) to measure on ``prompt``, with the variant's compaction options and
+    the prepared prefix to compact: one prefill and query plan per query source, shared by the
+    methods and ratios that use it ('/auto' spacings plan per ratio)."""
+    from vllm_compaction.pipeline import RECIPES, prepare_prefix
+    from vllm_compaction.queries import resolve_spacing
+
+    prepared: dict = {}
+    for variant in variants:
+        kwargs = variant.kwargs()
+        requested = kwargs.pop("queries", None) or RECIPES[variant.method].queries
+        for ratio in ratios:
+            queries = resolve_spacing(requested, ratio)
+            if queries not in prepared:
+                prepared[queries] = prepare_prefix(
+                    adapter,
+                    prompt.prefix_ids,
+                    prompt.compact_mask,
+                    queries=queries,
+                    seed=seed,
+                )
+            yield variant, ratio, kwargs, prepared[queries]
+
+
 def summarized_rows(
     adapter, decoder, inst, prompt, variants, ratios, args, measure
 ) -> list[dict]:
@@ -369,8 +376,6 @@ def summarized_rows(
     from dataclasses import replace
 
     from vllm_compaction.eval.tasks import task_prompt
-    from vllm_compaction.pipeline import RECIPES, prepare_prefix
-    from vllm_compaction.queries import resolve_spacing
     from vllm_compaction.summarize import SUMMARY_HEADER, summarize
 
     start = time.perf_counter()
@@ -398,32 +403,19 @@ def summarized_rows(
             content_fraction=summary_tokens / original,
         )
     ]
-    prepared = {}
-    for variant in variants:
-        kwargs = variant.kwargs()
-        requested = kwargs.pop("queries", None) or RECIPES[variant.method].queries
-        for ratio in ratios:
-            queries = resolve_spacing(requested, ratio)
-            if queries not in prepared:
-                prepared[queries] = prepare_prefix(
-                    adapter,
-                    s_prompt.prefix_ids,
-                    s_prompt.compact_mask,
-                    queries=queries,
-                    seed=inst.seed,
-                )
-            _, row = measure(
-                prepared[queries], ratio, kwargs, s_prompt.continuation_ids
+    for variant, ratio, kwargs, prepared in method_runs(
+        adapter, s_prompt, variants, ratios, inst.seed
+    ):
+        _, row = measure(prepared, ratio, kwargs, s_prompt.continuation_ids)
+        rows.append(
+            dict(
+                row,
+                **about,
+                method=f"summarize+{variant.label}",
+                compaction_s=row["compaction_s"] + summary_s,
+                content_fraction=ratio * summary_tokens / original,
             )
-            rows.append(
-                dict(
-                    row,
-                    **about,
-                    method=f"summarize+{variant.label}",
-                    compaction_s=row["compaction_s"] + summary_s,
-                    content_fraction=ratio * summary_tokens / original,
-                )
-            )
+        )
     return rows
 
 
