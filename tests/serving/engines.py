@@ -23,6 +23,7 @@ def start_llm(
     compaction: bool = True,
     kv_snapshots: bool = False,
     pages: str | None = None,
+    model: str = "smollm2-135m",
 ):
     from vllm import LLM
 
@@ -39,7 +40,7 @@ def start_llm(
         if compaction
         else {"enable_prefix_caching": True}
     )
-    return LLM(str(resolve("smollm2-135m")), dtype=dtype, **ENGINE_OPTIONS, **extra)
+    return LLM(str(resolve(model)), dtype=dtype, **ENGINE_OPTIONS, **extra)
 
 
 def stop_llm(llm) -> None:

@@ -221,3 +221,90 @@ def test_physical_prefix_pads_heads_and_rebases_keys(tiny_llama):
     expect = rotate_keys(prefix.keys[0][0, [0, 3, 7]], -15, adapter.model.config)
     assert torch.allclose(phys.keys[0][:3, 0], expect, atol=1e-5)
     assert (phys.values[0][3:, 0] == 0).all()
+
+
+def test_hybrid_rope_is_per_layer_type(tiny_gemma3):
+    """Gemma-3 rotates sliding layers with a local base and global ones with a global base."""
+    config, rotary = tiny_gemma3.model.config, tiny_gemma3.model.model.rotary_emb
+    for layer_type in ("sliding_attention", "full_attention"):
+        inv_freq, d_rot = rope_inv_freq(config, layer_type)
+        assert d_rot == 32
+        assert torch.allclose(
+            inv_freq.float(), getattr(rotary, f"{layer_type}_inv_freq").float()
+        )
+    with pytest.raises(ValueError, match="per layer type"):
+        rope_inv_freq(config)
+
+
+def test_hybrid_cache_keeps_the_window_and_lays_it_out_where_the_window_reads(
+    tiny_gemma3,
+):
+    """A sliding layer (window 8) keeps the prefix's last 7 keys, exact and in order: the
+    reference decoder still equals the model; the padded layout right-aligns them at P - 1,
+    re-based with the local RoPE; a cache whose sliding rows are not the last keys is refused."""
+    import dataclasses
+
+    from vllm_compaction.pipeline import compact_prefix
+    from vllm_compaction.reference import ReferenceDecoder
+    from vllm_compaction.vllm.layout import check_sliding_layers, physical_prefix
+
+    adapter = tiny_gemma3
+    torch.manual_seed(1)
+    ids = torch.randint(0, 128, (30,)).tolist()
+    mask = torch.ones(30, dtype=torch.bool)
+    full = compact_prefix(
+        adapter,
+        ids,
+        mask,
+        ratio=1.0,
+        method="truncate",
+        queries="context-prefill",
+        budgets="uniform",
+    )
+    assert full.head_lengths[:, 0].tolist() == [7, 7, 30, 7]
+    assert full.layers[0].indices.tolist() == list(range(23, 30))
+    cont = [5, 9, 17, 3, 44, 2, 8, 8, 1, 60, 61]  # longer than the window
+    with torch.inference_mode():
+        want = adapter.model(input_ids=torch.tensor([ids + cont])).logits[0, 30:]
+    got = ReferenceDecoder(adapter).logits(full, cont)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-4, rtol=1e-4)
+
+    cache = compact_prefix(
+        adapter,
+        ids,
+        mask,
+        ratio=0.2,
+        method="am-highest-attn",
+        queries="context-prefill",
+        budgets="uniform",
+        on_policy=False,
+    )
+    assert cache.head_lengths[:, 0].tolist() == [7, 7, 6, 7]
+    config = adapter.model.config
+    assert check_sliding_layers(cache, config) == [8, 8, None, 8]
+    phys = physical_prefix(cache, config)
+    assert phys.num_slots == 7
+    prefill = adapter.prefill(ids, capture_queries=False)
+    expect = rotate_keys(prefill.keys[0][0, 23:30], -23, config, "sliding_attention")
+    assert torch.allclose(phys.keys[0][:, 0], expect, atol=1e-5)
+    assert bool((phys.beta[0] == 0).all())
+    # the global layer's 6 slots come first, then one masked slot
+    assert (phys.beta[2][6:, 0] == MASKED_BETA).all() and (
+        phys.beta[2][:6, 0] > MASKED_BETA
+    ).all()
+
+    # a sliding layer that lost a key is refused with a sentence
+    heads = cache.layers[1]
+    shorter = dataclasses.replace(
+        heads,
+        keys=heads.keys[1:],
+        values=heads.values[1:],
+        beta=heads.beta[1:],
+        indices=heads.indices[1:],
+        cu_seqlens=torch.tensor([0, 6], dtype=torch.int32),
+    )
+    broken = dataclasses.replace(
+        cache, layers=[cache.layers[0], shorter, *cache.layers[2:]]
+    )
+    with pytest.raises(ValueError, match="layer 1 slides over 8 tokens"):
+        physical_prefix(broken, config)

@@ -96,3 +96,45 @@ def test_unknown_page_width_is_refused_with_a_sentence(tmp_path):
         page_width(VllmConfig(kv_transfer_config=KVTransferConfig(**config)))
         == "widened"
     )
+
+
+def test_parallel_and_latent_engine_shapes_are_refused_with_a_sentence(monkeypatch):
+    """A cache is written for every KV head and layer of one rank: tensor or pipeline parallel
+    engines, MLA models and chunked local attention are refused before they serve anything."""
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_compaction.models import resolve
+    from vllm_compaction.vllm import engine_kwargs
+    from vllm_compaction.vllm.connector import check_deployment_shape
+
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # Gemma-3-270M: 4 query heads and 1 KV head split over 2 ranks (its KV head replicated)
+    config = EngineArgs(
+        model=str(resolve("gemma3-270m")),
+        tensor_parallel_size=2,
+        dtype="float32",
+        max_model_len=2048,
+        **engine_kwargs(store="unused"),
+    ).create_engine_config()
+    with pytest.raises(
+        ValueError, match=r"tensor parallelism \(tensor_parallel_size=2"
+    ):
+        check_deployment_shape(config)
+
+    def shape(**model):
+        parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+        return SimpleNamespace(
+            parallel_config=parallel, model_config=SimpleNamespace(**model)
+        )
+
+    check_deployment_shape(shape(use_mla=False, attention_chunk_size=None))
+    with pytest.raises(ValueError, match="latent attention"):
+        check_deployment_shape(shape(use_mla=True))
+    with pytest.raises(ValueError, match="chunked local attention"):
+        check_deployment_shape(shape(attention_chunk_size=8192))
+    pipeline = shape()
+    pipeline.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        check_deployment_shape(pipeline)

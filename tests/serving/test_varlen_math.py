@@ -690,3 +690,103 @@ def test_two_call_merge_flags_a_vanishing_suffix_output():
     assert torch.isfinite(merged[trusted]).all()
     # no prefix: the suffix's own output
     assert torch.allclose(merged[2, 0], plain[2, 0])
+
+
+def _windowed_reference(query, keys, beta, values, cu_seqlens, scale, window, offsets):
+    """float64, one query row and head at a time: row ``j`` of head ``h`` (of ``t_h``) is visible
+    to the query ``offsets[i]`` tokens after the prefix while ``t_h + offsets[i] - j < window``."""
+    n, num_q, d = query.shape
+    num_kv = cu_seqlens.numel() - 1
+    group = num_q // num_kv
+    out = torch.zeros(n, num_q, d, dtype=torch.float64)
+    lse = torch.full((n, num_q), float("-inf"), dtype=torch.float64)
+    for i in range(n):
+        for j in range(num_q):
+            start, stop = int(cu_seqlens[j // group]), int(cu_seqlens[j // group + 1])
+            rows = [
+                r
+                for r in range(start, stop)
+                if (stop - start) + int(offsets[i]) - (r - start) < window
+            ]
+            if not rows:
+                continue
+            logits = (
+                keys[rows].double() @ query[i, j].double() * scale + beta[rows].double()
+            )
+            lse[i, j] = torch.logsumexp(logits, 0)
+            out[i, j] = torch.softmax(logits, 0) @ values[rows].double()
+    return out, lse
+
+
+def test_a_sliding_window_hides_the_prefix_rows_a_query_has_passed():
+    """Sliding-window layers (Gemma-3): each head's rows are the prefix's last keys; the query
+    ``i`` tokens after the prefix sees row ``j`` of ``t_h`` while ``t_h + i - j < W``. Batched over
+    requests of different lengths, empty heads and queries past the whole window."""
+    torch.manual_seed(9)
+    d, num_q, scale, window = 32, 4, 32**-0.5, 64
+    lengths = [torch.tensor([0, 1, 63, 300]), torch.tensor([40, 70, 2, 0])]
+    offsets = torch.tensor([[0, 1, 30, 63, 200], [0, 5, 10, 39, 69]])
+    width = max(int(n.sum()) for n in lengths)
+    parts = [
+        (
+            torch.randn(int(n.sum()), d),
+            torch.rand(int(n.sum())) * 4 - 2,
+            torch.randn(int(n.sum()), d),
+        )
+        for n in lengths
+    ]
+    cu = torch.stack(
+        [torch.cat([torch.zeros(1, dtype=torch.long), n.cumsum(0)]) for n in lengths]
+    )
+    pad = lambda x: torch.nn.functional.pad(  # noqa: E731
+        x, (0, 0, 0, width - x.shape[0]) if x.dim() == 2 else (0, width - x.shape[0])
+    )
+    keys, beta, values = (torch.stack([pad(p[k]) for p in parts]) for k in range(3))
+    query = torch.randn(2, offsets.shape[1], num_q, d) * 2
+    out, lse = prefixes_attention(
+        query, keys, beta, values, cu, scale, window=window, query_offsets=offsets
+    )
+    for r, (k, b, v) in enumerate(parts):
+        want_out, want_lse = _windowed_reference(
+            query[r], k, b, v, cu[r], scale, window, offsets[r]
+        )
+        assert_close_to_reference(out[r], lse[r], want_out.float(), want_lse.float())
+    # past the window nothing of the prefix is left: no mass
+    assert bool(torch.isinf(lse[0, 4]).all()) and bool((out[0, 4] == 0).all())
+    with pytest.raises(ValueError, match="offsets"):
+        prefixes_attention(query, keys, beta, values, cu, scale, window=window)
+
+
+def test_query_offsets_count_tokens_after_the_prefix():
+    """A decode row 9 tokens after its prefix and a 3-token chunk that starts right after its own."""
+    split = BatchSplit(
+        plain_rows=[],
+        plain_tokens=torch.zeros(0, dtype=torch.long),
+        packed_rows=[0, 1],
+        packed_tokens=torch.arange(4),
+        block_table=torch.zeros(0),
+        seq_lens=torch.tensor([10, 3], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1, 4], dtype=torch.int32),
+        requests=[],
+    )
+    assert split.query_offsets.tolist() == [9, 0, 1, 2]
+
+
+def test_masked_attention_with_a_window_sees_only_the_last_keys():
+    torch.manual_seed(10)
+    d, num_q, scale, window = 16, 4, 0.25, 5
+    keys, values = torch.randn(1, 12, 2, d), torch.randn(1, 12, 2, d)
+    query = torch.randn(1, 3, num_q, d)
+    last = torch.tensor([[2, 7, 11]])
+    out, lse = masked_attention(query, keys, values, last, scale, window)
+    for i, stop in enumerate(last[0].tolist()):
+        start = max(0, stop - window + 1)
+        want_out, want_lse = masked_reference(
+            query[0, i : i + 1],
+            keys[0, start : stop + 1],
+            values[0, start : stop + 1],
+            torch.tensor([stop - start]),
+            scale,
+        )
+        assert torch.allclose(out[0, i], want_out[0], atol=1e-5)
+        assert torch.allclose(lse[0, i], want_lse[0], atol=1e-5)

@@ -198,11 +198,11 @@ class CompactedHeads:
         cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
     ) -> CompactedHeads:
         """Every key kept with ``beta = 0``: keys/values ``[H, T, d]``, positions ``[T]``."""
-        h, t, _ = keys.shape
+        h, t, d = keys.shape
         return cls(
-            keys=keys.reshape(h * t, -1),
+            keys=keys.reshape(h * t, d),
             beta=torch.zeros(h * t, dtype=torch.float32, device=keys.device),
-            values=values.reshape(h * t, -1),
+            values=values.reshape(h * t, values.shape[-1]),
             indices=positions.to(torch.int64).expand(h, t).reshape(-1).clone(),
             cu_seqlens=cu_seqlens_from_lengths([t] * h, device=keys.device),
         )

@@ -22,6 +22,7 @@ from vllm_compaction.cache.format import ModelFingerprint
 from vllm_compaction.models import runtime
 from vllm_compaction.models.chat import ChatTemplateError, ChatTokenizer
 from vllm_compaction.models.fingerprint import checkpoint_fingerprint
+from vllm_compaction.models.rope import layer_windows
 from vllm_compaction.models.runtime import AttentionRun, PrefixLayer
 
 if TYPE_CHECKING:
@@ -141,6 +142,11 @@ class ModelAdapter:
         if not types:
             return ["global"] * self.num_layers
         return ["sliding" if t == "sliding_attention" else "global" for t in types]
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Per layer its sliding window (keys a query sees, itself included), None if global."""
+        return layer_windows(self.config)
 
     @property
     def compactable_layers(self) -> list[bool]:

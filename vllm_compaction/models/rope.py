@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["REBASABLE_ROPE_TYPES", "rope_inv_freq", "rotate_keys"]
+__all__ = [
+    "REBASABLE_ROPE_TYPES",
+    "layer_windows",
+    "rope_inv_freq",
+    "rotate_keys",
+]
 
 REBASABLE_ROPE_TYPES = ("default", "linear", "llama3")
 """RoPE variants whose frequencies do not depend on the sequence length or a scaling factor."""
@@ -21,7 +26,22 @@ def _text_config(config):
     return getattr(config, "text_config", None) or config
 
 
-def _rope_parameters(config) -> dict:
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer, its sliding window (keys a query sees, itself included) or None for a
+    global layer: hybrid models (Gemma-2/3, Cohere-2, ...) name each layer's type in
+    ``layer_types``; a model with a ``sliding_window`` and no types slides in every layer."""
+    config = _text_config(config)
+    count = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window:
+        return [None] * count
+    if not types:
+        return [int(window)] * count
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+def _rope_parameters(config, layer_type: str | None) -> dict:
     rope = (
         getattr(config, "rope_parameters", None)
         or getattr(config, "rope_scaling", None)
@@ -30,23 +50,31 @@ def _rope_parameters(config) -> dict:
     if not isinstance(rope, dict):
         rope = {}
     if any(isinstance(v, dict) for v in rope.values()):
-        raise ValueError(
-            "per-layer-type RoPE parameters (hybrid sliding-window models) are not "
-            "supported by the serving path yet"
-        )
-    rope = dict(rope)
+        # per layer type (Gemma-3: a local base for sliding layers, a global one for the rest)
+        if layer_type not in rope:
+            raise ValueError(
+                f"this model has RoPE parameters per layer type ({sorted(rope)}); name the "
+                f"layer's type (got {layer_type!r})"
+            )
+        rope = dict(rope[layer_type])
+    else:
+        rope = dict(rope)
+        local_theta = getattr(config, "rope_local_base_freq", None)
+        if layer_type == "sliding_attention" and local_theta:
+            rope["rope_theta"] = local_theta  # older Gemma-3 configs
     rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return rope
 
 
-def rope_inv_freq(config) -> tuple[torch.Tensor, int]:
-    """``(inv_freq [d_rot / 2] float64, d_rot)`` of a model's rotary embedding.
+def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, int]:
+    """``(inv_freq [d_rot / 2] float64, d_rot)`` of a model's rotary embedding; ``layer_type``
+    (``"full_attention"`` / ``"sliding_attention"``) picks the parameters of hybrid models.
 
     Raises ValueError for RoPE variants a constant rotation cannot re-base (dynamic NTK, YaRN
     with attention scaling, long-rope, M-RoPE).
     """
     config = _text_config(config)
-    rope = _rope_parameters(config)
+    rope = _rope_parameters(config, layer_type)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in REBASABLE_ROPE_TYPES:
         raise ValueError(
@@ -83,13 +111,19 @@ def _llama3_frequencies(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rotate_keys(keys: torch.Tensor, delta: int | torch.Tensor, config) -> torch.Tensor:
-    """Post-RoPE ``keys [..., d]`` moved by ``delta`` positions (neox/rotate-half layout).
+def rotate_keys(
+    keys: torch.Tensor,
+    delta: int | torch.Tensor,
+    config,
+    layer_type: str | None = None,
+) -> torch.Tensor:
+    """Post-RoPE ``keys [..., d]`` moved by ``delta`` positions (neox/rotate-half layout), with
+    the RoPE of ``layer_type`` on hybrid models.
 
     ``delta`` is an int or a tensor broadcastable to ``keys.shape[:-1]``. Angles are computed in
     float64 so large shifts add no error beyond the storage dtype's rounding.
     """
-    inv_freq, d_rot = rope_inv_freq(config)
+    inv_freq, d_rot = rope_inv_freq(config, layer_type)
     delta = torch.as_tensor(delta, dtype=torch.float64)
     angle = delta[..., None] * inv_freq  # [..., d_rot / 2]
     cos, sin = torch.cos(angle), torch.sin(angle)

@@ -94,6 +94,37 @@ class CompactionMetadata(KVConnectorMetadata):
     abandoned_snapshots: list[str] = field(default_factory=list)
 
 
+def check_deployment_shape(vllm_config: Any) -> None:
+    """Refuse, in one sentence, the engine shapes a compacted prefix cannot be served in (rather
+    than serve wrong output): each would need a path of its own."""
+    parallel, model = vllm_config.parallel_config, vllm_config.model_config
+    problems = []
+    if parallel.tensor_parallel_size > 1:
+        problems.append(
+            f"tensor parallelism (tensor_parallel_size={parallel.tensor_parallel_size}: each "
+            "rank holds a slice of the KV heads, and a cache is written for all of them)"
+        )
+    if parallel.pipeline_parallel_size > 1:
+        problems.append(
+            f"pipeline parallelism (pipeline_parallel_size={parallel.pipeline_parallel_size}: "
+            "each stage holds a slice of the layers)"
+        )
+    if getattr(model, "use_mla", False):
+        problems.append(
+            "multi-head latent attention (one latent vector per token, no per-head keys to "
+            "compact)"
+        )
+    if getattr(model, "attention_chunk_size", None):
+        problems.append(
+            "chunked local attention (a key's visibility depends on its chunk, which a "
+            "logical length shorter than the physical one would move)"
+        )
+    if problems:
+        raise ValueError(
+            "compacted prefixes cannot be served with " + "; ".join(problems)
+        )
+
+
 class CompactionConnector(KVConnectorBase_V1):
     def __init__(
         self,
@@ -102,6 +133,7 @@ class CompactionConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ):
         check_vllm_version()
+        check_deployment_shape(vllm_config)
         super().__init__(vllm_config, role, kv_cache_config)
         block_size = _block_size(vllm_config, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
@@ -318,7 +350,10 @@ class _SchedulerSide:
         groups = blocks.get_block_ids()
         if len(groups) != 1:
             problem = (
-                problem or "models with several KV cache groups are not supported yet"
+                problem
+                or "several KV cache groups (vLLM's hybrid KV cache manager) are not supported: "
+                "leave --disable-hybrid-kv-cache-manager to vLLM, which turns it off for this "
+                "connector"
             )
         self._loads.append(
             PrefixLoad(
@@ -447,13 +482,6 @@ class _WorkerSide:
         self.hf_config = vllm_config.model_config.hf_config
         self.dtype = vllm_config.model_config.dtype
         self.block_size = _block_size(vllm_config, kv_cache_config)
-        if getattr(self.hf_config, "sliding_window", None) and any(
-            t == "sliding_attention"
-            for t in getattr(self.hf_config, "layer_types", None) or []
-        ):
-            raise ValueError(
-                "compacted prefixes on hybrid sliding-window models are not supported yet"
-            )
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._by_layer: list[tuple[str, torch.Tensor]] = []  # kv_caches in layer order
         self._pages: PagedPrefixPages | None = None

@@ -37,6 +37,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
 )
 
+from vllm_compaction.models.rope import layer_windows
 from vllm_compaction.vllm import compat
 from vllm_compaction.vllm.backend_common import (
     AugmentedHeadSizes,
@@ -102,9 +103,16 @@ class CompactionCPUAttentionImpl(CompactionImplMixin, CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.suffix_from_pages = os.environ.get(SUFFIX_FROM_PAGES_ENV) == "1"
+        config = get_current_vllm_config()
         self._set_up_compaction(
-            get_current_vllm_config(), holds_kv=self.attn_type == AttentionType.DECODER
+            config, holds_kv=self.attn_type == AttentionType.DECODER
         )
+        window = self.sliding_window
+        self.window: int | None = None if window in (None, -1) else int(window)
+        # the stock builder's scheduler metadata assumes a window only if every layer has it
+        windows = set(layer_windows(config.model_config.hf_config))
+        shared = windows.pop() if len(windows) == 1 else None
+        self.group_window = -1 if shared is None else shared
 
     def _check_supported(self, width: str) -> None:
         if width == "stock" and (
@@ -198,6 +206,7 @@ class CompactionCPUAttentionImpl(CompactionImplMixin, CPUAttentionBackendImpl):
             split.pages,
             extract_layer_index(layer.layer_name),
             self.scale,
+            self.window,
         )
         sink = sink_for(prefix_lse)
         plain = self._suffix_kernel(layer, packed_q, kv_cache, split.packed, None)
@@ -239,6 +248,7 @@ class CompactionCPUAttentionImpl(CompactionImplMixin, CPUAttentionBackendImpl):
                 values[suffix.decode_rows],
                 suffix.decode_lengths[:, None] - 1,
                 self.scale,
+                self.window,
             )
             suffix_out[suffix.decode_tokens], suffix_lse[suffix.decode_tokens] = (
                 part[:, 0],
@@ -257,6 +267,7 @@ class CompactionCPUAttentionImpl(CompactionImplMixin, CPUAttentionBackendImpl):
                 values[None],
                 torch.arange(seq_len - count, seq_len)[None],
                 self.scale,
+                self.window,
             )
             suffix_out[request_tokens], suffix_lse[request_tokens] = part[0], lse[0]
         return suffix_out, suffix_lse
@@ -273,6 +284,7 @@ class CompactionCPUAttentionImpl(CompactionImplMixin, CPUAttentionBackendImpl):
             split.pages,
             extract_layer_index(layer.layer_name),
             self.scale,
+            self.window,
         )
         sink = sink_for(prefix_lse)
         suffix = self._suffix_kernel(layer, q[tokens], kv_cache, split.packed, sink)
@@ -465,7 +477,7 @@ def _sub_metadata(
         dtype=dtype,
         query_start_loc=query_start_loc,
         causal=True,
-        sliding_window_size=impl.sliding_window,
+        sliding_window_size=impl.group_window,
         isa=layer.isa,
         enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
         dynamic_causal=None,

@@ -16,6 +16,12 @@ Padded layout: every layer and head of the prefix gets the same number of physic
 padding (``MASKED_BETA``, zero keys and values). Keys are re-based by ``-(T - P)`` positions so
 continuation tokens at physical positions ``P, P+1, ...`` see them as at ``T, T+1, ...``.
 
+Hybrid models (Gemma-3): a sliding-window layer is never compacted; its heads hold the prefix's
+last keys, exact and in order (:func:`check_sliding_layers`), and each layer is re-based with its
+own RoPE (Gemma-3 has a local and a global base). In the padded layout they are right-aligned,
+so they sit at the physical positions the stock kernel's window counts back from ``P``; in the
+varlen layout the compaction attention hides the rows a query's window has passed.
+
 The padding costs ``P * L * H - sum(t)`` slots per cache, which the varlen layout removes.
 """
 
@@ -27,7 +33,7 @@ import torch
 
 from vllm_compaction.cache import PREFIX_LAYOUTS as LAYOUTS  # noqa: N811
 from vllm_compaction.cache import CompactedCache, PagedPacking
-from vllm_compaction.models.rope import rotate_keys
+from vllm_compaction.models.rope import layer_windows, rotate_keys
 from vllm_compaction.vllm.bias import MASKED_BETA
 
 __all__ = [
@@ -36,6 +42,7 @@ __all__ = [
     "PackedPrefix",
     "PhysicalPrefix",
     "bias_free",
+    "check_sliding_layers",
     "pack_layers",
     "packed_prefix",
     "physical_prefix",
@@ -52,6 +59,42 @@ def bias_free(cache: CompactedCache) -> bool:
     return bool((lengths == lengths.max()).all()) and all(
         not layer.beta.any() for layer in cache.layers
     )
+
+
+def _layer_types(rope_config, num_layers: int) -> list[str | None]:
+    config = getattr(rope_config, "text_config", None) or rope_config
+    types = getattr(config, "layer_types", None)
+    return list(types) if types else [None] * num_layers
+
+
+def check_sliding_layers(cache: CompactedCache, rope_config) -> list[int | None]:
+    """The sliding window of each layer (None: global), after checking that every head of a
+    sliding layer holds the prefix's last keys in order (positions ``T - t_h .. T - 1``) and at
+    least the ``W - 1`` a continuation sees: the serving paths place and mask them by that order.
+    Raises ValueError (one sentence) for a cache that does not."""
+    windows = layer_windows(rope_config)
+    if len(windows) != len(cache.layers):
+        raise ValueError(
+            f"the model has {len(windows)} layers, the cache {len(cache.layers)}"
+        )
+    total = cache.logical_length
+    for index, (layer, window) in enumerate(zip(cache.layers, windows)):
+        if window is None:
+            continue
+        lengths = layer.cu_seqlens.diff().to(torch.int64).cpu()
+        starts = layer.cu_seqlens[:-1].to(torch.int64).cpu()
+        heads = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        rows = torch.arange(int(lengths.sum()))
+        expected = total - lengths[heads] + (rows - starts[heads])
+        if (lengths < min(total, window - 1)).any() or not torch.equal(
+            layer.indices.cpu().to(torch.int64), expected
+        ):
+            raise ValueError(
+                f"layer {index} slides over {window} tokens, but the cache's rows there are not "
+                f"the prefix's last {min(total, window - 1)} tokens in order (a sliding layer must "
+                "not be compacted)"
+            )
+    return windows
 
 
 @dataclass(frozen=True)
@@ -90,24 +133,49 @@ def physical_prefix(
     """
     slots = cache.max_head_length
     shift = slots - cache.logical_length  # <= 0: keys move back by T - P positions
+    windows = check_sliding_layers(cache, rope_config)
+    types = _layer_types(rope_config, len(cache.layers))
     keys_out, values_out, beta_out = [], [], []
-    for layer in cache.layers:
+    for layer, window, layer_type in zip(cache.layers, windows, types):
         # [H, t_l, d], [H, t_l] with -inf padding
         keys, beta, values, _ = layer.padded()
         pad = slots - keys.shape[1]
         keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
         values = torch.nn.functional.pad(values, (0, 0, 0, pad))
         beta = torch.nn.functional.pad(beta, (0, pad), value=float("-inf"))
+        if window is not None:
+            # a sliding layer's rows end at P - 1, where the stock kernel's window counts back from
+            keys, values, beta = _right_align(keys, values, beta)
         beta = torch.where(
             torch.isfinite(beta), beta, torch.full_like(beta, MASKED_BETA)
         )
         if shift:
-            keys = rotate_keys(keys, shift, rope_config)
+            keys = rotate_keys(keys, shift, rope_config, layer_type)
         cast = dtype or keys.dtype
         keys_out.append(keys.transpose(0, 1).to(cast).contiguous())
         values_out.append(values.transpose(0, 1).to(cast).contiguous())
         beta_out.append(beta.transpose(0, 1).contiguous())
     return PhysicalPrefix(keys_out, values_out, beta_out, cache.logical_length)
+
+
+def _right_align(
+    keys: torch.Tensor, values: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per head, move its real slots (finite beta, in order) to the end of the slot axis."""
+    real = torch.isfinite(beta)  # [H, P]
+    count = real.sum(dim=1, keepdim=True)
+    slots = beta.shape[1]
+    # real slots keep their order and end at P - 1; padding goes before them
+    rank = torch.cumsum(real.to(torch.int64), dim=1) - 1
+    target = torch.where(
+        real, slots - count + rank, torch.cumsum((~real).to(torch.int64), dim=1) - 1
+    )
+    order = torch.argsort(target, dim=1)
+    return (
+        keys.gather(1, order[..., None].expand_as(keys)),
+        values.gather(1, order[..., None].expand_as(values)),
+        beta.gather(1, order),
+    )
 
 
 @dataclass(frozen=True)
@@ -169,9 +237,11 @@ def packed_prefix(
     """
     packing = cache.paged_packing(block_size)
     shift = packing.num_tokens - cache.logical_length
+    check_sliding_layers(cache, rope_config)
+    types = _layer_types(rope_config, len(cache.layers))
     keys = [
-        rotate_keys(layer.keys, shift, rope_config) if shift else layer.keys
-        for layer in cache.layers
+        rotate_keys(layer.keys, shift, rope_config, layer_type) if shift else layer.keys
+        for layer, layer_type in zip(cache.layers, types)
     ]
     return pack_layers(
         packing,

@@ -18,6 +18,7 @@ Pure torch (no vLLM import): both backends use it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -423,6 +424,23 @@ class BatchSplit:
             )
         return self._kernel
 
+    @functools.cached_property
+    def query_offsets(self) -> torch.Tensor:
+        """Per packed query row, how many tokens after its prefix it stands (``[m]`` int64):
+        the logical distance a sliding window counts from the prefix's last keys."""
+        counts = self.query_start_loc.diff().to(torch.int64)
+        request = torch.repeat_interleave(
+            torch.arange(counts.numel(), device=counts.device), counts
+        )
+        within = (
+            torch.arange(int(counts.sum()), device=counts.device)
+            - self.query_start_loc[:-1].to(torch.int64)[request]
+        )
+        first = (
+            self.seq_lens.to(torch.int64) - counts
+        )  # suffix tokens before this step's
+        return first[request] + within
+
     def plain_query_start_loc(self, query_start_loc: torch.Tensor) -> torch.Tensor:
         return _sub_starts(query_start_loc, self.plain_rows)
 
@@ -515,9 +533,11 @@ def attend_prefixes(
     pages: PagedPrefixPages,
     layer: int,
     scale: float,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the packed requests' queries ``[m, Hq, d]`` (``split.packed_tokens`` order)
-    over their prefixes in ``layer``: fp32 ``out [m, Hq, d]`` and ``lse [m, Hq]``.
+    over their prefixes in ``layer``: fp32 ``out [m, Hq, d]`` and ``lse [m, Hq]``; a sliding
+    ``window`` hides the rows each query's window has passed.
 
     Requests on the same prefix blocks (sessions on one cached prefix) are one group: the layer's
     rows are read once and their queries share the GEMMs. Groups with few query rows (decode
@@ -526,6 +546,7 @@ def attend_prefixes(
     m, num_q_heads, d = query.shape
     out = torch.empty(m, num_q_heads, d, dtype=torch.float32, device=query.device)
     lse = torch.empty(m, num_q_heads, dtype=torch.float32, device=query.device)
+    offsets = split.query_offsets if window is not None else None
     groups = split.prefix_groups()
     small = [g for g in groups if g[0].numel() <= BATCHED_PREFIX_QUERY_ROWS]
     alone = (
@@ -543,10 +564,12 @@ def attend_prefixes(
             values[None],
             cu_seqlens[None],
             scale,
+            window=window,
+            query_offsets=None if offsets is None else offsets[tokens][None],
         )
         out[tokens], lse[tokens] = part_out[0], part_lse[0]
     if len(small) >= 2:
-        _attend_together(query, small, pages, layer, scale, out, lse)
+        _attend_together(query, small, pages, layer, scale, out, lse, window, offsets)
     return out, lse
 
 
@@ -558,6 +581,8 @@ def _attend_together(
     scale: float,
     out: torch.Tensor,
     lse: torch.Tensor,
+    window: int | None,
+    offsets: torch.Tensor | None,
 ) -> None:
     """One :func:`prefixes_attention` call for ``groups``: their rows padded to the longest prefix,
     their query rows to the largest group (padding query rows repeat a real one and are dropped)."""
@@ -580,6 +605,13 @@ def _attend_together(
         ]
     )
     part_out, part_lse = prefixes_attention(
-        query[index], keys, beta, values, cu_seqlens, scale
+        query[index],
+        keys,
+        beta,
+        values,
+        cu_seqlens,
+        scale,
+        window=window,
+        query_offsets=None if offsets is None else offsets[index],
     )
     out[index[real]], lse[index[real]] = part_out[real], part_lse[real]

@@ -48,6 +48,7 @@ def vllm_serve_argv(argv: Sequence[str], environ: dict[str, str]) -> list[str]:
             "give the model first: vllm-compaction serve MODEL [vllm serve flags]"
         )
     model, flags = rest[0], rest[1:]
+    _refuse_parallel(flags)
     from vllm_compaction.models.prepare import resolve
     from vllm_compaction.models.registry import SPECS
 
@@ -74,6 +75,29 @@ def vllm_serve_argv(argv: Sequence[str], environ: dict[str, str]) -> list[str]:
     if "attention_backend" in kwargs and not _has_flag(flags, "--attention-backend"):
         flags += ["--attention-backend", kwargs["attention_backend"]]
     return [model, *flags]
+
+
+def _refuse_parallel(flags: Sequence[str]) -> None:
+    """Fail before the engine starts for what the connector would refuse in its worker (see
+    ``connector.check_deployment_shape``): one rank, one stage."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for short, long in (
+        ("-tp", "--tensor-parallel-size"),
+        ("-pp", "--pipeline-parallel-size"),
+    ):
+        parser.add_argument(
+            short, long, dest=long[2:].replace("-", "_"), type=int, default=1
+        )
+    try:
+        sizes, _ = parser.parse_known_args(list(flags))
+    except SystemExit:
+        return  # a malformed size: vLLM's own parser says so
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(sizes, name) > 1:
+            raise ValueError(
+                f"compacted prefixes cannot be served with {name}={getattr(sizes, name)} yet "
+                "(a cache is written for every KV head and layer of one rank); use 1"
+            )
 
 
 def serve_main(argv: Sequence[str]) -> int:

@@ -55,6 +55,9 @@ def prefixes_attention(
     values: torch.Tensor,
     cu_seqlens: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    query_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``R`` requests over ``R`` different varlen prefixes in one batched call.
 
@@ -73,6 +76,10 @@ def prefixes_attention(
     never padded per head: heads are very uneven (one may keep nearly every token while the
     others keep a few), and a ``[H, max t_h]`` layout would cost ``H * max(t_h)`` rows where the
     prefix has ``N``.
+
+    ``window`` (a sliding-window layer of a hybrid model): each head's rows are the prefix's last
+    ``t_h`` keys in order, and the query ``i`` tokens after the prefix (``query_offsets [R, n]``)
+    sees row ``j`` only while ``t_h + i - j < window``, as the model's window sees positions.
     """
     num_reqs, n, num_q_heads, d = query.shape
     num_kv_heads = cu_seqlens.shape[1] - 1
@@ -103,6 +110,18 @@ def prefixes_attention(
         scores.gather(2, own[:, None].expand(num_reqs, n, group, num_rows)) * scale
         + beta.float()[:, None, None, :]
     )
+    if window is not None:
+        if query_offsets is None:
+            raise ValueError("a sliding-window prefix needs the queries' offsets")
+        head = head_of_row.clamp_max(num_kv_heads - 1)
+        starts = cu_seqlens[:, :-1].to(torch.int64)
+        lengths = cu_seqlens.diff().to(torch.int64)
+        # row j of head h stands at logical position T - t_h + j; the query at T + i sees it
+        # while t_h + i - j < window
+        distance = (lengths.gather(1, head) - (rows - starts.gather(1, head)))[
+            :, None, :
+        ] + query_offsets.to(device, torch.int64)[:, :, None]  # [R, n, N]
+        scores = scores.masked_fill((distance >= window)[:, :, None, :], float("-inf"))
     index = head_of_row[:, None, None, :].expand(num_reqs, n, group, num_rows)
     top = torch.full(
         (num_reqs, n, group, num_kv_heads + 1), float("-inf"), device=device
@@ -142,10 +161,12 @@ def masked_attention(
     values: torch.Tensor,
     last_key: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``R`` requests at once: ``query [R, n, Hq, d]`` over ``keys``/``values
     [R, S, H, d]`` (GQA: query head ``j`` reads KV head ``j // (Hq / H)``), row ``(r, i)`` seeing
-    keys ``0..last_key[r, i]`` (causal prefill chunks, or decode steps over padded suffixes).
+    keys ``0..last_key[r, i]`` (causal prefill chunks, or decode steps over padded suffixes),
+    and with a sliding ``window`` only the last ``window`` of them.
 
     Returns fp32 ``out [R, n, Hq, d]`` and ``lse [R, n, Hq]``, batched over requests and heads.
     """
@@ -155,10 +176,11 @@ def masked_attention(
     q = query.float().view(num_reqs, n, num_kv_heads, group, d)
     scores = torch.einsum("rnhgd,rshd->rhgns", q, keys.float()) * scale
     # [R, n, S]
-    hidden = (
-        torch.arange(keys.shape[1], device=keys.device)
-        > last_key.to(keys.device)[..., None]
-    )
+    key_index = torch.arange(keys.shape[1], device=keys.device)
+    last = last_key.to(keys.device)[..., None]
+    hidden = key_index > last
+    if window is not None:
+        hidden |= key_index <= last - window
     scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [R, H, group, n]
     out = torch.einsum(
