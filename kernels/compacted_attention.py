@@ -129,6 +129,7 @@ def _build() -> tuple[Any, Any]:
         prefix_shift,
         num_kv_heads,
         split_keys,
+        window,
         s_qt,
         s_qh,
         s_kb,
@@ -150,6 +151,7 @@ def _build() -> tuple[Any, Any]:
         SPLITS: tl.constexpr,
         HAS_PREFIX: tl.constexpr,
         SUFFIX_BIAS: tl.constexpr,
+        WINDOWED: tl.constexpr,
         ELEM_SIZE: tl.constexpr,
         ROW_MULTIPLE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
@@ -282,6 +284,10 @@ def _build() -> tuple[Any, Any]:
                 & row_ok[:, None]
                 & ((j[None, :] < 0) | (j[None, :] <= q_pos[:, None]))
             )
+            if WINDOWED:
+                # key i (prefix row, or suffix position i - t_h) stands t_h + q_pos - i tokens
+                # before the query: prefix rows of a sliding layer are its last keys in order
+                visible = visible & ((t_h + q_pos[:, None] - i[None, :]) < window)
             logits = tl.where(visible, logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 1))
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -507,6 +513,7 @@ def compacted_attention(
     layer: int = 0,
     total_keys: int | None = None,
     suffix_bias: bool = False,
+    window: int | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -531,6 +538,9 @@ def compacted_attention(
             exactly and every suffix at the longest it can be (``max_keys``, less the longest
             prefix head for a request with a prefix).
         suffix_bias: add the beta in key coordinates ``d, d + 1`` of suffix keys (widened pages).
+        window: a sliding window (keys a query sees, itself included): a prefix head's rows are
+            then the prefix's last keys in order, row ``k`` of ``t_h`` standing ``t_h + pos - k``
+            tokens before the query at suffix position ``pos``.
         num_splits: splits along the keys (default: :func:`choose_splits`).
         out / lse: ``[tokens, Hq, d]`` output in the query dtype and ``[tokens, Hq]`` fp32.
     """
@@ -623,6 +633,7 @@ def compacted_attention(
         tables.layer_shifts[layer] if tables else 0,
         num_kv_heads,
         split_keys,
+        window or 0,
         query.stride(0),
         query.stride(1),
         key_pages.stride(0),
@@ -644,6 +655,7 @@ def compacted_attention(
         SPLITS=splits,
         HAS_PREFIX=tables is not None,
         SUFFIX_BIAS=suffix_bias,
+        WINDOWED=bool(window),
         ELEM_SIZE=key_pages.element_size(),
         ROW_MULTIPLE=_row_multiple(key_pages, tables),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
@@ -684,6 +696,7 @@ def compacted_attention_reference(
     ]
     | None = None,
     suffix_bias: bool = False,
+    window: int | None = None,
     dtype: torch.dtype = torch.float64,
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -723,6 +736,11 @@ def compacted_attention_reference(
         q_pos = torch.arange(seq_len - (q1 - q0), seq_len, device=query.device)
         # [q, S]
         visible = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        if window:
+            visible &= (
+                q_pos[:, None] - torch.arange(seq_len, device=query.device)[None, :]
+                < window
+            )
         q = query[q0:q1, :, :head_dim].to(dtype)
         for h in range(num_q_heads):
             kv = h // group
@@ -737,6 +755,10 @@ def compacted_attention_reference(
                 pk, pb, pv, cu = rows
                 a, b = int(cu[kv]), int(cu[kv + 1])
                 pre = q[:, h] @ pk[a:b].to(dtype).T * scale + pb[a:b].to(dtype)
+                if window:
+                    # row k of the head's b - a stands (b - a) + pos - k tokens back
+                    back = (b - a) + q_pos[:, None] - torch.arange(b - a)[None, :]
+                    pre = pre.masked_fill(back >= window, float("-inf"))
                 logits = torch.cat([pre, logits], dim=1)
                 vals = torch.cat([pv[a:b].to(dtype), vals])
             lse[q0:q1, h] = torch.logsumexp(logits, dim=1)

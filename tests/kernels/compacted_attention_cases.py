@@ -244,6 +244,26 @@ def test_chunked_prefill_on_a_compacted_prefix():
         check(kv, ref, torch.float32, splits)
 
 
+@pytest.mark.parametrize("window", [1, 30, 90])
+def test_sliding_window_over_prefix_and_suffix(window):
+    """A sliding layer (hybrid models): each packed head's rows are the prefix's last keys, the
+    window runs back from every query over the suffix into them; decode and a prefill chunk,
+    with and without splits."""
+    kv, ref = build(
+        dtype=torch.float32,
+        num_kv_heads=2,
+        group=2,
+        head_dim=64,
+        head_lengths=[lengths(2, seed=8, full=120), None, lengths(2, seed=9)],
+        suffix_lens=[20, 50, 60],
+        q_lens=[1, 1, 25],
+        seed=window,
+    )
+    kv["window"] = ref["window"] = window
+    for splits in (1, 4):
+        check(kv, ref, torch.float32, splits)
+
+
 def test_every_head_empty_but_the_suffix():
     zero = torch.zeros(LAYERS, 2, dtype=torch.long)
     zero[0, 0] = 3  # other layers keep rows, this one none

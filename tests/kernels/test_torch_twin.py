@@ -69,9 +69,11 @@ def _batch(seed: int, *, suffix_bias: bool):
     )
 
 
-def _expected(batch) -> tuple[torch.Tensor, torch.Tensor]:
+def _expected(batch, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query token of each request over its prefix rows and the suffix keys up to its own
-    position, by ``attention_output_and_mass`` (KV heads as heads, a group's query heads as queries)."""
+    position, by ``attention_output_and_mass`` (KV heads as heads, a group's query heads as queries).
+    With a sliding ``window`` only the last ``window`` keys count, prefix rows standing in order
+    right before the suffix."""
     query, keys, values = batch["query"], batch["key_pages"], batch["value_pages"]
     out = torch.zeros(query.shape, dtype=torch.float64)
     lse = torch.zeros(query.shape[:2], dtype=torch.float64)
@@ -110,6 +112,8 @@ def _expected(batch) -> tuple[torch.Tensor, torch.Tensor]:
                         torch.cat([pb[a:e], b]),
                         torch.cat([pv[a:e], v]),
                     )
+                if window is not None:
+                    k, b, v = k[-window:], b[-window:], v[-window:]
                 token = starts[r] + i
                 q = query[token, h * GROUP : (h + 1) * GROUP]
                 ref = attention_output_and_mass(
@@ -130,5 +134,16 @@ def test_twin_equals_the_float_reference(suffix_bias):
     batch = _batch(0, suffix_bias=suffix_bias)
     out, lse = compacted_attention_reference(**batch)
     want_out, want_lse = _expected(batch)
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_twin_with_a_sliding_window_sees_only_the_last_keys(window):
+    """Hybrid models: a sliding layer's prefix rows are the prefix's last keys, so the window
+    runs back over the suffix into them (window 1: the query's own key only)."""
+    batch = _batch(1, suffix_bias=False)
+    out, lse = compacted_attention_reference(**batch, window=window)
+    want_out, want_lse = _expected(batch, window)
     torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)

@@ -334,16 +334,9 @@ def test_widened_forward_matches_dense_reference(dtype, layout):
     assert (out[n:] == 7.0).all()  # padding rows untouched
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
-def test_impl_methods_end_to_end(compaction_config, monkeypatch, dtype, layout):
-    """The impl's write_slots / do_kv_cache_update / forward, with the GPU ops swapped for twins."""
-    monkeypatch.setattr(
-        cuda_backend, "triton_reshape_and_cache_flash", reshape_and_cache_reference
-    )
-    monkeypatch.setattr(cuda_backend, "compacted_attention", twin())
-    impl = _impl(compaction_config)
-    assert impl.augmented == AUG
+def _run_step(impl, dtype, layout):
+    """The impl's write_slots / do_kv_cache_update / forward over one step (GPU ops swapped for
+    twins by the caller): ``(output, step, meta, inputs of forward)``."""
     layer = SimpleNamespace(_k_scale=torch.ones(()), _v_scale=torch.ones(()))
     step = _step(dtype, seed=1)
     kv_cache = _kv_cache(dtype, layout)
@@ -375,9 +368,23 @@ def test_impl_methods_end_to_end(compaction_config, monkeypatch, dtype, layout):
         causal=True,
     )
     output = torch.full((step.query.shape[0], HQ, D), 7.0, dtype=dtype)
-    assert (
-        impl.forward(layer, step.query, new_k, new_v, kv_cache, meta, output) is output
+    inputs = (layer, step.query, new_k, new_v, kv_cache, meta, output)
+    assert impl.forward(*inputs) is output
+    return output, step, meta, inputs
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dtype_id)
+def test_impl_methods_end_to_end(compaction_config, monkeypatch, dtype, layout):
+    """The impl's write_slots / do_kv_cache_update / forward, with the GPU ops swapped for twins."""
+    monkeypatch.setattr(
+        cuda_backend, "triton_reshape_and_cache_flash", reshape_and_cache_reference
     )
+    monkeypatch.setattr(cuda_backend, "compacted_attention", twin())
+    impl = _impl(compaction_config)
+    assert impl.augmented == AUG
+    output, step, meta, inputs = _run_step(impl, dtype, layout)
+    layer, query, new_k, new_v, kv_cache, _, _ = inputs
     n = step.num_actual_tokens
     torch.testing.assert_close(output[:n].double(), step.expected, **TOL[dtype])
     assert (output[n:] == 7.0).all()
@@ -385,7 +392,7 @@ def test_impl_methods_end_to_end(compaction_config, monkeypatch, dtype, layout):
     with pytest.raises(NotImplementedError, match="output quantization"):
         impl.forward(
             layer,
-            step.query,
+            query,
             new_k,
             new_v,
             kv_cache,
@@ -395,7 +402,31 @@ def test_impl_methods_end_to_end(compaction_config, monkeypatch, dtype, layout):
         )
     meta.causal = False
     with pytest.raises(NotImplementedError, match="non-causal"):
-        impl.forward(layer, step.query, new_k, new_v, kv_cache, meta, output)
+        impl.forward(layer, query, new_k, new_v, kv_cache, meta, output)
+
+
+def test_a_sliding_window_layer_runs_the_kernel_with_its_window(
+    compaction_config, monkeypatch
+):
+    """Hybrid models: vLLM's (W - 1, 0) window reaches the kernel as W, and the output is the
+    windowed twin's (different from the unwindowed one)."""
+    monkeypatch.setattr(
+        cuda_backend, "triton_reshape_and_cache_flash", reshape_and_cache_reference
+    )
+    windows = []
+    attend = twin()
+
+    def spy(*args, **kwargs):
+        windows.append(kwargs.get("window"))
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_backend, "compacted_attention", spy)
+    impl = _impl(compaction_config, sliding_window=3)
+    assert impl.sliding_window == (2, 0)
+    output, step, _, _ = _run_step(impl, torch.float32, "HND")
+    assert windows == [3]
+    n = step.num_actual_tokens
+    assert not torch.allclose(output[:n].double(), step.expected, atol=1e-3)
 
 
 def test_customize_spec_widens_keys_and_values(compaction_config):
@@ -544,7 +575,6 @@ def test_encoder_only_layers_keep_the_stock_path(compaction_config):
 @pytest.mark.parametrize(
     "kwargs,what",
     [
-        (dict(sliding_window=128), "sliding window"),
         (dict(logits_soft_cap=30.0), "soft-cap"),
         (dict(alibi_slopes=[0.5] * HQ), "ALiBi"),
         (dict(sinks=torch.zeros(HQ)), "sinks"),

