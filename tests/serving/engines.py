@@ -24,6 +24,7 @@ def start_llm(
     kv_snapshots: bool = False,
     pages: str | None = None,
     model: str = "smollm2-135m",
+    tensor_parallel_size: int = 1,
 ):
     from vllm import LLM
 
@@ -40,7 +41,68 @@ def start_llm(
         if compaction
         else {"enable_prefix_caching": True}
     )
-    return LLM(str(resolve(model)), dtype=dtype, **ENGINE_OPTIONS, **extra)
+    if tensor_parallel_size == 1:
+        return LLM(str(resolve(model)), dtype=dtype, **ENGINE_OPTIONS, **extra)
+    # one CPU worker per rank, each bound to its share of this process's cores (vLLM cannot
+    # bind them itself on a single NUMA node)
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // tensor_parallel_size)
+    binding = "|".join(
+        ",".join(map(str, cores[r * share : (r + 1) * share] or cores[-1:]))
+        for r in range(tensor_parallel_size)
+    )
+    previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    try:
+        return LLM(
+            str(resolve(model)),
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend="mp",
+            **ENGINE_OPTIONS,
+            **extra,
+        )
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
+
+
+def random_llama_checkpoint(path, *, num_kv_heads: int = 2, seed: int = 0):
+    """A small random-weight Llama (SmolLM2's tokenizer) saved where vLLM can load it: 4 query
+    heads and ``num_kv_heads`` KV heads of 64, 2 layers; weights scaled up so that its next-token
+    distributions are peaked, not near-uniform."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vllm_compaction.models import resolve
+
+    source = resolve("smollm2-135m")
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        initializer_range=0.08,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
+    )
+    LlamaForCausalLM(config).float().save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copy(source / name, path)
+    return path
 
 
 def stop_llm(llm) -> None:

@@ -74,6 +74,34 @@ def test_text_continuation_needs_a_tokenizer(tiny_llama, tmp_path):
     assert CompactedRef.parse(prompt["cache_salt"]).num_slots == 20
 
 
+def test_two_caches_of_one_prefix_and_method_get_entries_of_their_own(
+    tiny_llama, tmp_path
+):
+    """Same prefix and settings, other content (an edited or refitted cache): the second prompt
+    must not be served the first one's entry."""
+    import dataclasses
+
+    from serving.engines import exact_cache
+
+    cache = exact_cache(tiny_llama, list(range(5, 25)))
+    edited = dataclasses.replace(
+        cache,
+        layers=[
+            dataclasses.replace(layer, beta=layer.beta + 0.5) for layer in cache.layers
+        ],
+    )
+    first = CompactedRef.parse(
+        compacted_prompt(cache, [7, 8], store=tmp_path, block_size=16)["cache_salt"]
+    )
+    second = CompactedRef.parse(
+        compacted_prompt(edited, [7, 8], store=tmp_path, block_size=16)["cache_salt"]
+    )
+    assert cache.fingerprint_key() == edited.fingerprint_key()
+    assert first.entry_id != second.entry_id and first.digest != second.digest
+    again = compacted_prompt(cache, [7, 8], store=tmp_path, block_size=16)
+    assert CompactedRef.parse(again["cache_salt"]) == first
+
+
 def test_unknown_page_width_is_refused_with_a_sentence(tmp_path):
     """Both ways in (our config helper, a hand-written --kv-transfer-config) give one sentence."""
     from vllm.config import KVTransferConfig, VllmConfig
@@ -99,8 +127,8 @@ def test_unknown_page_width_is_refused_with_a_sentence(tmp_path):
 
 
 def test_parallel_and_latent_engine_shapes_are_refused_with_a_sentence(monkeypatch):
-    """A cache is written for every KV head and layer of one rank: tensor or pipeline parallel
-    engines, MLA models and chunked local attention are refused before they serve anything."""
+    """Pipeline parallel engines, MLA models, chunked local attention and KV snapshots under
+    tensor parallelism are refused before they serve anything; tensor parallelism is served."""
     from types import SimpleNamespace
 
     from vllm.engine.arg_utils import EngineArgs
@@ -110,23 +138,28 @@ def test_parallel_and_latent_engine_shapes_are_refused_with_a_sentence(monkeypat
     from vllm_compaction.vllm.connector import check_deployment_shape
 
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    # Gemma-3-270M: 4 query heads and 1 KV head split over 2 ranks (its KV head replicated)
-    config = EngineArgs(
-        model=str(resolve("gemma3-270m")),
-        tensor_parallel_size=2,
-        dtype="float32",
-        max_model_len=2048,
-        **engine_kwargs(store="unused"),
-    ).create_engine_config()
-    with pytest.raises(
-        ValueError, match=r"tensor parallelism \(tensor_parallel_size=2"
-    ):
-        check_deployment_shape(config)
+
+    def engine_config(**kwargs):
+        # Gemma-3-270M: 4 query heads and 1 KV head over 2 ranks (its KV head replicated)
+        return EngineArgs(
+            model=str(resolve("gemma3-270m")),
+            tensor_parallel_size=2,
+            dtype="float32",
+            max_model_len=2048,
+            **engine_kwargs(store="unused", **kwargs),
+        ).create_engine_config()
+
+    check_deployment_shape(engine_config())
+    with pytest.raises(ValueError, match="snapshots under tensor parallelism"):
+        check_deployment_shape(engine_config(kv_snapshots=True))
 
     def shape(**model):
         parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+        transfer = SimpleNamespace(kv_connector_extra_config={})
         return SimpleNamespace(
-            parallel_config=parallel, model_config=SimpleNamespace(**model)
+            parallel_config=parallel,
+            model_config=SimpleNamespace(**model),
+            kv_transfer_config=transfer,
         )
 
     check_deployment_shape(shape(use_mla=False, attention_chunk_size=None))

@@ -102,6 +102,28 @@ class CompactedHeads:
         a, b = int(self.cu_seqlens[h]), int(self.cu_seqlens[h + 1])
         return self.keys[a:b], self.beta[a:b], self.values[a:b], self.indices[a:b]
 
+    def select(self, heads: Sequence[int]) -> CompactedHeads:
+        """The slots of ``heads`` only, in that order (one tensor-parallel rank's KV heads)."""
+        lengths = self.head_budgets
+        rows = [
+            torch.arange(
+                int(self.cu_seqlens[h]),
+                int(self.cu_seqlens[h + 1]),
+                device=self.keys.device,
+            )
+            for h in heads
+        ]
+        index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        return CompactedHeads(
+            keys=self.keys[index],
+            beta=self.beta[index],
+            values=self.values[index],
+            indices=self.indices[index],
+            cu_seqlens=cu_seqlens_from_lengths(
+                [int(lengths[h]) for h in heads], device=self.cu_seqlens.device
+            ),
+        )
+
     # ------------------------------------------------------------------ conversions
     def to(
         self, dtype: torch.dtype | None = None, device: torch.device | str | None = None

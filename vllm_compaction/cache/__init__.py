@@ -12,7 +12,12 @@ from vllm_compaction.cache.format import (
     prefix_hash,
 )
 from vllm_compaction.cache.paged import PREFIX_LAYOUTS, PagedPacking
-from vllm_compaction.cache.serialize import load_cache, read_metadata, save_cache
+from vllm_compaction.cache.serialize import (
+    load_cache,
+    read_metadata,
+    save_cache,
+    tensors_digest,
+)
 from vllm_compaction.cache.store import (
     CacheKey,
     CacheStore,
@@ -38,5 +43,6 @@ __all__ = [
     "load_cache",
     "read_metadata",
     "save_cache",
+    "tensors_digest",
     "validate_entry_id",
 ]

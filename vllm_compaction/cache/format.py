@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from vllm_compaction.am.heads import CompactedHeads
-from vllm_compaction.cache.paged import PagedPacking
+from vllm_compaction.cache.paged import PagedPacking, tensor_parallel_heads
 
 __all__ = [
     "FORMAT_VERSION",
@@ -345,17 +345,27 @@ class CompactedCache:
     def max_head_length(self) -> int:
         return int(self.head_lengths.max()) if self.layers else 0
 
-    def paged_packing(self, block_size: int) -> PagedPacking:
-        """Where this cache's rows go in paged KV blocks of ``block_size`` when packed varlen."""
-        return PagedPacking(self.head_lengths, self.model.head_dim, block_size)
+    def paged_packing(
+        self, block_size: int, heads: Sequence[int] | None = None
+    ) -> PagedPacking:
+        """Where this cache's rows (of ``heads`` only: one tensor-parallel rank's) go in paged KV
+        blocks of ``block_size`` when packed varlen."""
+        lengths = (
+            self.head_lengths if heads is None else self.head_lengths[:, list(heads)]
+        )
+        return PagedPacking(lengths, self.model.head_dim, block_size)
 
     def physical_tokens(
-        self, layout: str = "padded", block_size: int | None = None
+        self,
+        layout: str = "padded",
+        block_size: int | None = None,
+        tp_size: int = 1,
     ) -> int:
         """Token slots (placeholder prompt tokens) the prefix takes in a paged engine.
 
         ``varlen``: the packed rows in whole blocks of ``block_size`` (about ``sum(t) / (L*H)``);
-        ``padded``: the longest head.
+        with tensor parallelism every rank packs its own KV heads into the same blocks, so the
+        rank with the most rows sets it; ``padded``: the longest head.
         """
         if layout == "padded":
             return self.max_head_length
@@ -363,7 +373,13 @@ class CompactedCache:
             raise ValueError(f"unknown prefix layout {layout!r} (use varlen or padded)")
         if not block_size:
             raise ValueError("the varlen layout needs the engine's block size")
-        return self.paged_packing(block_size).num_tokens
+        heads = self.model.num_kv_heads
+        return max(
+            self.paged_packing(
+                block_size, tensor_parallel_heads(heads, tp_size, rank)
+            ).num_tokens
+            for rank in range(max(tp_size, 1))
+        )
 
     @property
     def nbytes(self) -> int:

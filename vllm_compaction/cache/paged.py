@@ -31,10 +31,36 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PAGED_MAGIC", "PREFIX_LAYOUTS", "PagedPacking", "RegionSpan"]
+__all__ = [
+    "PAGED_MAGIC",
+    "PREFIX_LAYOUTS",
+    "PagedPacking",
+    "RegionSpan",
+    "tensor_parallel_heads",
+]
 
 PREFIX_LAYOUTS = ("varlen", "padded")
 """How a prefix sits in paged blocks: packed per head (this module) or every head padded to the longest."""
+
+
+def tensor_parallel_heads(num_kv_heads: int, tp_size: int, rank: int) -> list[int]:
+    """The KV heads rank ``rank`` of ``tp_size`` holds, as vLLM splits them: consecutive equal
+    slices, or, with fewer heads than ranks, each head replicated on ``tp_size / H`` ranks."""
+    if tp_size <= 1:
+        return list(range(num_kv_heads))
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise ValueError(
+                f"{num_kv_heads} KV heads do not split over {tp_size} tensor-parallel ranks"
+            )
+        per_rank = num_kv_heads // tp_size
+        return list(range(rank * per_rank, (rank + 1) * per_rank))
+    if tp_size % num_kv_heads:
+        raise ValueError(
+            f"{num_kv_heads} KV heads do not replicate over {tp_size} tensor-parallel ranks"
+        )
+    return [rank // (tp_size // num_kv_heads)]
+
 
 PAGED_MAGIC = 0x50434C56  # "VLCP" little-endian
 _PAGED_VERSION = 2  # 2: betas in rows of their own (1: in widened key coordinates)

@@ -39,7 +39,13 @@ from vllm_compaction.cache.format import (
     ModelFingerprint,
 )
 
-__all__ = ["FORMAT_NAME", "save_cache", "load_cache", "read_metadata"]
+__all__ = [
+    "FORMAT_NAME",
+    "save_cache",
+    "load_cache",
+    "read_metadata",
+    "tensors_digest",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +101,11 @@ def _cpu_tensors(cache: CompactedCache) -> dict[str, torch.Tensor]:
             out[f"layers.{i}.{part}"] = t
     out["token_ids"] = torch.tensor(cache.token_ids, dtype=torch.int64, device="cpu")
     return out
+
+
+def tensors_digest(cache: CompactedCache) -> str:
+    """The ``tensors_sha256`` a file of ``cache`` records (what identifies its content)."""
+    return _tensors_sha256(_cpu_tensors(cache), _tensor_names(cache.num_layers))
 
 
 def save_cache(cache: CompactedCache, path: str | Path) -> Path:

@@ -100,6 +100,7 @@ class CompactionService:
         max_model_len: int,
         layout: str = "padded",
         block_size: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         if config.store is None:
             raise ValueError("the compaction service needs a store directory")
@@ -111,9 +112,10 @@ class CompactionService:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
         # how the engine holds prefixes
-        self.layout, self.block_size = (
+        self.layout, self.block_size, self.tensor_parallel_size = (
             layout,
             block_size,
+            tensor_parallel_size,
         )
         self.store = LocalDiskStore(config.store, max_bytes=config.store_max_bytes)
         # unbounded by default would fill the disk in the end
@@ -576,7 +578,9 @@ class CompactionService:
         digest = read_metadata(self.store.path_for(compaction_id))["tensors_sha256"]
         # sizes against the conversation the prefix stands in for (a summary's is shorter)
         physical, original = (
-            cache.physical_tokens(self.layout, self.block_size),
+            cache.physical_tokens(
+                self.layout, self.block_size, self.tensor_parallel_size
+            ),
             record.original_tokens,
         )
         result = {

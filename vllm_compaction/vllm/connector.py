@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_compaction.cache import CacheError, CompactedCache, read_metadata
+from vllm_compaction.cache.paged import tensor_parallel_heads
 from vllm_compaction.vllm.backend_api import compaction_impl
 from vllm_compaction.vllm.backend_common import page_width
 from vllm_compaction.vllm.compat import check_vllm_version
@@ -99,10 +100,14 @@ def check_deployment_shape(vllm_config: Any) -> None:
     than serve wrong output): each would need a path of its own."""
     parallel, model = vllm_config.parallel_config, vllm_config.model_config
     problems = []
-    if parallel.tensor_parallel_size > 1:
+    if parallel.tensor_parallel_size > 1 and (
+        (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get(
+            "kv_snapshots"
+        )
+    ):
         problems.append(
-            f"tensor parallelism (tensor_parallel_size={parallel.tensor_parallel_size}: each "
-            "rank holds a slice of the KV heads, and a cache is written for all of them)"
+            f"KV snapshots under tensor parallelism (tensor_parallel_size="
+            f"{parallel.tensor_parallel_size}: each rank would record only its own KV heads)"
         )
     if parallel.pipeline_parallel_size > 1:
         problems.append(
@@ -482,6 +487,17 @@ class _WorkerSide:
         self.hf_config = vllm_config.model_config.hf_config
         self.dtype = vllm_config.model_config.dtype
         self.block_size = _block_size(vllm_config, kv_cache_config)
+        # tensor parallelism: this rank holds (and loads) only its slice of the KV heads
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.heads: list[int] | None = None
+        if self.tp_size > 1:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            self.heads = tensor_parallel_heads(
+                self.model_config.get_total_num_kv_heads(),
+                self.tp_size,
+                get_tensor_model_parallel_rank(),
+            )
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._by_layer: list[tuple[str, torch.Tensor]] = []  # kv_caches in layer order
         self._pages: PagedPrefixPages | None = None
@@ -580,7 +596,7 @@ class _WorkerSide:
                 f"the store entry {ref.entry_id!r} changed since the prompt was built"
             )
         cache = CompactedCache.load(path, expect_model=expect)
-        slots = cache.physical_tokens(ref.layout, self.block_size)
+        slots = cache.physical_tokens(ref.layout, self.block_size, self.tp_size)
         if slots != ref.num_slots:
             raise CacheError(
                 f"the cache takes {slots} physical slots in the {ref.layout} layout, "
@@ -589,10 +605,17 @@ class _WorkerSide:
         prefix: PhysicalPrefix | PackedPrefix
         if ref.layout == "varlen":
             prefix = packed_prefix(
-                cache, self.hf_config, block_size=self.block_size, dtype=self.dtype
+                cache,
+                self.hf_config,
+                block_size=self.block_size,
+                dtype=self.dtype,
+                heads=self.heads,
+                num_slots=slots,
             )
         else:
-            prefix = physical_prefix(cache, self.hf_config, dtype=self.dtype)
+            prefix = physical_prefix(
+                cache, self.hf_config, dtype=self.dtype, heads=self.heads
+            )
         self._prepared[ref.salt] = prefix
         while len(self._prepared) > self._MAX_PREPARED:
             self._prepared.popitem(last=False)

@@ -27,6 +27,7 @@ The padding costs ``P * L * H - sum(t)`` slots per cache, which the varlen layou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -124,12 +125,16 @@ class PhysicalPrefix:
 
 
 def physical_prefix(
-    cache: CompactedCache, rope_config, *, dtype: torch.dtype | None = None
+    cache: CompactedCache,
+    rope_config,
+    *,
+    dtype: torch.dtype | None = None,
+    heads: Sequence[int] | None = None,
 ) -> PhysicalPrefix:
     """Lay ``cache`` out as ``P = cache.max_head_length`` physical slots per head.
 
     ``rope_config`` is the model's HF config (for the RoPE frequencies); ``dtype`` casts keys and
-    values (beta stays fp32).
+    values (beta stays fp32); ``heads``: only these KV heads (a tensor-parallel rank's).
     """
     slots = cache.max_head_length
     shift = slots - cache.logical_length  # <= 0: keys move back by T - P positions
@@ -137,6 +142,8 @@ def physical_prefix(
     types = _layer_types(rope_config, len(cache.layers))
     keys_out, values_out, beta_out = [], [], []
     for layer, window, layer_type in zip(cache.layers, windows, types):
+        if heads is not None:
+            layer = layer.select(heads)
         # [H, t_l, d], [H, t_l] with -inf padding
         keys, beta, values, _ = layer.padded()
         pad = slots - keys.shape[1]
@@ -229,25 +236,35 @@ def packed_prefix(
     *,
     block_size: int,
     dtype: torch.dtype | None = None,
+    heads: Sequence[int] | None = None,
+    num_slots: int | None = None,
 ) -> PackedPrefix:
     """Lay ``cache`` out varlen in blocks of ``block_size`` token slots.
 
-    Keys are re-based by ``-(T - P)`` with ``P = packing.num_tokens``, as in the padded layout:
-    the continuation starts at physical position ``P``.
+    Keys are re-based by ``-(T - P)`` with ``P = num_slots`` (default ``packing.num_tokens``),
+    as in the padded layout: the continuation starts at physical position ``P``. ``heads``: only
+    these KV heads (a tensor-parallel rank's), packed into the first of the prompt's ``P`` slots,
+    which the rank with the most rows fills.
     """
-    packing = cache.paged_packing(block_size)
-    shift = packing.num_tokens - cache.logical_length
+    packing = cache.paged_packing(block_size, heads)
+    slots = packing.num_tokens if num_slots is None else num_slots
+    if slots < packing.num_tokens:
+        raise ValueError(
+            f"the packed prefix needs {packing.num_tokens} slots, the prompt has {slots}"
+        )
+    shift = slots - cache.logical_length
     check_sliding_layers(cache, rope_config)
     types = _layer_types(rope_config, len(cache.layers))
+    layers = [layer if heads is None else layer.select(heads) for layer in cache.layers]
     keys = [
         rotate_keys(layer.keys, shift, rope_config, layer_type) if shift else layer.keys
-        for layer, layer_type in zip(cache.layers, types)
+        for layer, layer_type in zip(layers, types)
     ]
     return pack_layers(
         packing,
         keys,
-        [layer.values for layer in cache.layers],
-        [layer.beta for layer in cache.layers],
+        [layer.values for layer in layers],
+        [layer.beta for layer in layers],
         dtype=dtype or cache.dtype,
         logical_length=cache.logical_length,
     )

@@ -20,7 +20,9 @@ from vllm_compaction.cache import (
     CacheError,
     CompactedCache,
     LocalDiskStore,
+    json_digest,
     read_metadata,
+    tensors_digest,
 )
 from vllm_compaction.cache.format import ModelFingerprint
 from vllm_compaction.models.chat import ChatTokenizer, Continuation
@@ -88,7 +90,14 @@ def _entry_for(
     if isinstance(cache, CompactedCache):
         if expect_model is not None:
             cache.model.check_compatible(expect_model)
-        entry_id = cache.fingerprint_key()[:40]
+        key = cache.fingerprint_key()
+        entry_id = key[:40]
+        if store.contains_id(entry_id):
+            digest = tensors_digest(cache)
+            if read_metadata(store.path_for(entry_id))["tensors_sha256"] != digest:
+                # the same prefix and settings, other content (fitted again, or edited): an
+                # entry of its own, never the stored one in its place
+                entry_id = json_digest([key, digest])[:40]
         if not store.contains_id(entry_id):
             store.put_id(entry_id, cache)
         return entry_id, cache
@@ -127,6 +136,7 @@ def compacted_prompt(
     store: LocalDiskStore | str | Path | None = None,
     layout: str | None = None,
     block_size: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict:
     """A vLLM ``TokensPrompt`` dict that continues ``cache`` with ``continuation``.
 
@@ -143,6 +153,8 @@ def compacted_prompt(
             only bias-free caches (every head the same length, beta = 0), which the stock
             kernels then read like ordinary tokens.
         block_size: the engine's KV block size, needed by ``varlen`` when ``llm`` is not given.
+        tensor_parallel_size: the engine's, when ``llm`` is not given (each rank packs its own
+            KV heads; the rank with the most rows sets the placeholder count).
 
     Raises:
         CacheError: missing, corrupt or wrong-model cache (one sentence saying which).
@@ -157,6 +169,7 @@ def compacted_prompt(
         config = llm.llm_engine.vllm_config
         expect = engine_fingerprint(config.model_config)
         block_size = block_size or config.cache_config.block_size
+        tensor_parallel_size = config.parallel_config.tensor_parallel_size
     layout = layout or (DEFAULT_LAYOUT if block_size else "padded")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
@@ -183,7 +196,10 @@ def compacted_prompt(
         )
     digest = read_metadata(store.path_for(entry_id))["tensors_sha256"][:32]
     ref = CompactedRef(
-        entry_id, loaded.physical_tokens(layout, block_size), digest, layout
+        entry_id,
+        loaded.physical_tokens(layout, block_size, tensor_parallel_size),
+        digest,
+        layout,
     )
     return {
         "prompt_token_ids": [PLACEHOLDER_TOKEN_ID] * ref.num_slots + ids,

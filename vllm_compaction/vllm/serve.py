@@ -79,25 +79,19 @@ def vllm_serve_argv(argv: Sequence[str], environ: dict[str, str]) -> list[str]:
 
 def _refuse_parallel(flags: Sequence[str]) -> None:
     """Fail before the engine starts for what the connector would refuse in its worker (see
-    ``connector.check_deployment_shape``): one rank, one stage."""
+    ``connector.check_deployment_shape``): one pipeline stage."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for short, long in (
-        ("-tp", "--tensor-parallel-size"),
-        ("-pp", "--pipeline-parallel-size"),
-    ):
-        parser.add_argument(
-            short, long, dest=long[2:].replace("-", "_"), type=int, default=1
-        )
+    parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     try:
         sizes, _ = parser.parse_known_args(list(flags))
     except SystemExit:
         return  # a malformed size: vLLM's own parser says so
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(sizes, name) > 1:
-            raise ValueError(
-                f"compacted prefixes cannot be served with {name}={getattr(sizes, name)} yet "
-                "(a cache is written for every KV head and layer of one rank); use 1"
-            )
+    if sizes.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"compacted prefixes cannot be served with pipeline_parallel_size="
+            f"{sizes.pipeline_parallel_size} yet (a cache is written for every layer of one "
+            "stage); use 1"
+        )
 
 
 def serve_main(argv: Sequence[str]) -> int:

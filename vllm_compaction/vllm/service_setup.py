@@ -58,6 +58,7 @@ async def start_service(vllm_config, args: Namespace) -> CompactionService:
         max_model_len=model_config.max_model_len,
         layout=DEFAULT_LAYOUT,
         block_size=vllm_config.cache_config.block_size,
+        tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
     )
     # vLLM checks bearer keys only when it has some (--api-key or VLLM_API_KEY); without them a
     # header is not a credential, and compactions must not be split by it
