@@ -21,7 +21,7 @@ from vllm_compaction.reference import ReferenceDecoder
 from vllm_compaction.vllm import CompactedRef, compacted_prompt
 
 from serving.engines import exact_cache, random_llama_checkpoint, start_llm, stop_llm
-from serving.test_engine import _first_logprob_gap, greedy, top_logprobs
+from serving.test_engine import _first_logprob_gap, greedy, worst_logprob_gap
 
 pytestmark = pytest.mark.slow
 
@@ -107,20 +107,11 @@ def served(model_dir, prompts, store_dir):
     return results
 
 
-def _worst_gap(mine, theirs) -> float:
-    worst = 0.0
-    for a, b in zip(mine.logprobs, theirs.logprobs):
-        a, b = top_logprobs(a), top_logprobs(b)
-        for token in a.keys() & b.keys():
-            worst = max(worst, abs(a[token] - b[token]))
-    return worst
-
-
 def test_identity_cache_under_tp2_equals_the_plain_prompt(served):
     _, (compacted, uneven, identity, plain), _ = served[2]
     assert len(plain.token_ids) == STEPS
     assert identity.token_ids == plain.token_ids
-    assert _worst_gap(identity, plain) < 1e-4  # measured 1.1e-5
+    assert worst_logprob_gap(identity, plain) < 1e-4  # measured 1.1e-5
 
 
 def test_tp2_serves_what_tp1_and_the_reference_decoder_do(served, prompts, adapter):
@@ -136,7 +127,7 @@ def test_tp2_serves_what_tp1_and_the_reference_decoder_do(served, prompts, adapt
     decoder = ReferenceDecoder(adapter)
     for index, cache in enumerate((compacted, uneven)):
         assert tp2[index].token_ids == tp1[index].token_ids
-        assert _worst_gap(tp2[index], tp1[index]) < 1e-4  # measured 4.8e-6
+        assert worst_logprob_gap(tp2[index], tp1[index]) < 1e-4  # measured 4.8e-6
         reference = decoder.generate(cache, continuation, max_new_tokens=STEPS)
         assert list(tp2[index].token_ids) == list(reference.token_ids)
         assert _first_logprob_gap(tp2[index], reference.first_logits) < 1e-3
