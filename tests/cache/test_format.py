@@ -253,3 +253,22 @@ def test_cache_package_imports_only_torch_and_safetensors() -> None:
     )
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
+
+
+def test_tensor_parallel_heads_follow_vllms_split():
+    """Consecutive equal slices, or each head replicated when there are fewer heads than ranks;
+    a split vLLM refuses is refused with a sentence."""
+    from vllm_compaction.cache.paged import tensor_parallel_heads
+
+    assert [tensor_parallel_heads(8, 4, r) for r in range(4)] == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+    ]
+    assert [tensor_parallel_heads(2, 4, r) for r in range(4)] == [[0], [0], [1], [1]]
+    assert tensor_parallel_heads(3, 1, 0) == [0, 1, 2]
+    with pytest.raises(ValueError, match="do not split"):
+        tensor_parallel_heads(3, 2, 0)
+    with pytest.raises(ValueError, match="do not replicate"):
+        tensor_parallel_heads(2, 3, 0)
