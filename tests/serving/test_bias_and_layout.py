@@ -293,6 +293,27 @@ def test_hybrid_cache_keeps_the_window_and_lays_it_out_where_the_window_reads(
         phys.beta[2][:6, 0] > MASKED_BETA
     ).all()
 
+    # a longer global layer: the sliding layers' 7 rows end at P - 1, masked slots before them
+    wide = compact_prefix(
+        adapter,
+        ids,
+        mask,
+        ratio=0.5,
+        method="am-highest-attn",
+        queries="context-prefill",
+        budgets="uniform",
+        on_policy=False,
+    )
+    padded = physical_prefix(wide, config)
+    slots = padded.num_slots
+    assert slots == 15
+    assert (padded.beta[0][: slots - 7, 0] == MASKED_BETA).all()
+    assert (padded.beta[0][slots - 7 :, 0] == 0).all()
+    expect = rotate_keys(
+        prefill.keys[0][0, 23:30], slots - 30, config, "sliding_attention"
+    )
+    assert torch.allclose(padded.keys[0][slots - 7 :, 0], expect, atol=1e-5)
+
     # a sliding layer that lost a key is refused with a sentence
     heads = cache.layers[1]
     shorter = dataclasses.replace(

@@ -168,16 +168,11 @@ def physical_prefix(
 def _right_align(
     keys: torch.Tensor, values: torch.Tensor, beta: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per head, move its real slots (finite beta, in order) to the end of the slot axis."""
-    real = torch.isfinite(beta)  # [H, P]
-    count = real.sum(dim=1, keepdim=True)
+    """Per head, move its real slots to the end of the slot axis: :meth:`padded` puts them first,
+    in order, so each head turns by its count (slot ``s`` takes slot ``(s + count) % P``)."""
+    count = torch.isfinite(beta).sum(dim=1, keepdim=True)  # [H, 1]
     slots = beta.shape[1]
-    # real slots keep their order and end at P - 1; padding goes before them
-    rank = torch.cumsum(real.to(torch.int64), dim=1) - 1
-    target = torch.where(
-        real, slots - count + rank, torch.cumsum((~real).to(torch.int64), dim=1) - 1
-    )
-    order = torch.argsort(target, dim=1)
+    order = (torch.arange(slots, device=beta.device)[None, :] + count) % slots
     return (
         keys.gather(1, order[..., None].expand_as(keys)),
         values.gather(1, order[..., None].expand_as(values)),

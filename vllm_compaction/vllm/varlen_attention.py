@@ -102,10 +102,8 @@ def prefixes_attention(
     # [R, n, Hq, N]
     scores = torch.matmul(query.float(), keys.float().transpose(1, 2)[:, None])
     # [R, group, N]
-    own = (
-        head_of_row.clamp_max(num_kv_heads - 1)[:, None, :] * group
-        + torch.arange(group, device=device)[None, :, None]
-    )
+    head = head_of_row.clamp_max(num_kv_heads - 1)  # padding rows read the last head's
+    own = head[:, None, :] * group + torch.arange(group, device=device)[None, :, None]
     scores = (
         scores.gather(2, own[:, None].expand(num_reqs, n, group, num_rows)) * scale
         + beta.float()[:, None, None, :]
@@ -113,7 +111,6 @@ def prefixes_attention(
     if window is not None:
         if query_offsets is None:
             raise ValueError("a sliding-window prefix needs the queries' offsets")
-        head = head_of_row.clamp_max(num_kv_heads - 1)
         starts = cu_seqlens[:, :-1].to(torch.int64)
         lengths = cu_seqlens.diff().to(torch.int64)
         # row j of head h stands at logical position T - t_h + j; the query at T + i sees it
