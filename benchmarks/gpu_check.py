@@ -9,9 +9,11 @@ and the next one runs):
    per-stage seconds and the 64-head total for ``am-highest-attn`` and ``am-omp-fast``, held-out
    output error next to the paper's per-head algorithm on the same heads, and the reference
    pass's precision variants on one layer.
-2. ``decode``: one decode step, bf16, block size 16, at four shapes: the compacted-prefix kernel
-   over the same K/V bytes as torch SDPA (flash) on dense K/V, the same rows as a packed prefix,
-   and a prefix compacted to 10% (uneven heads) against SDPA over the whole uncompacted prefix.
+2. ``decode`` (``benchmarks.decode_speed``): one decode step, bf16, block size 16, at four
+   shapes: the compacted-prefix kernel over the same K/V bytes as torch SDPA (flash) on dense
+   K/V, the same rows as a packed prefix, and a prefix compacted to 10% (uneven heads) against
+   SDPA over the whole uncompacted prefix; GPU time from CUDA graphs with a cold L2, and the
+   host's launch time apart.
 3. ``compact``: ``compact()`` end to end on the device for a 32k-token conversation with a
    random-weight model of Llama-3-8B layer shapes: seconds per stage, query generation included.
 4. ``tests``: ``pytest -m cuda`` (the CUDA-marked tests, compiled).
@@ -23,7 +25,6 @@ the script itself. Writes ``benchmarks/results/gpu_check.json`` (``--out``) nami
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import platform
@@ -31,7 +32,6 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,41 +50,6 @@ RESULTS = ROOT / "benchmarks" / "results"
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _bench_ms(fn: Callable[[], Any], device: torch.device, smoke: bool) -> float:
-    """Median milliseconds of ``fn`` (L2 flushed between runs on CUDA, by ``triton.testing``)."""
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-    fn()
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
-def _graph_ms(fn: Callable[[], Any], device: torch.device) -> float | str:
-    """Median milliseconds of ``fn`` replayed from a CUDA graph: the GPU's time alone, without
-    the host's launch overhead (which an eager call of a few microseconds of work adds, and
-    which varies run to run); the reason it could not be captured otherwise."""
-    if device.type != "cuda":
-        return "no CUDA graph on this device"
-    from triton.testing import do_bench_cudagraph
-
-    try:
-        return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
-    except Exception as exc:  # noqa: BLE001 - a call that cannot be captured is a result too
-        return f"{type(exc).__name__}: {exc}"[:300]
-
-
-def _flash() -> contextlib.AbstractContextManager:
-    """SDPA restricted to its flash kernel, where this torch has the switch."""
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:
-        return contextlib.nullcontext()
-    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
 
 # ----------------------------------------------------------------------------- 1. compaction
@@ -248,273 +213,10 @@ def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 # ----------------------------------------------------------------------------- 2. decode
-DECODE_SHAPES = [
-    (64, 4096, 32, 8, 128),
-    (16, 16384, 32, 8, 128),
-    (1, 32768, 32, 8, 128),
-    (64, 4096, 8, 1, 256),
-]
-
-
-def _pages(
-    num_blocks: int,
-    heads: int,
-    width: int,
-    block: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    layers: int,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer key and value views ``[B, H, block, width]`` of vLLM's Triton layout (logical
-    ``[B, H, N, 2 * width]``, physically ``[B, N, H, 2 * width]``), random finite contents."""
-    out = []
-    for _ in range(layers):
-        raw = (
-            torch.randn(num_blocks, block, heads, 2 * width, device=device, dtype=dtype)
-            * 0.5
-        )
-        logical = raw.permute(0, 2, 1, 3)
-        out.append((logical[..., :width], logical[..., width:]))
-    return out
-
-
 def decode_section(args: argparse.Namespace, device: torch.device) -> dict:
-    import torch.nn.functional as F
+    from benchmarks.decode_speed import decode_section as run
 
-    from vllm_compaction.cache import PagedPacking
-    from vllm_compaction.vllm.paged_prefix import PagedPrefixPages
-    from vllm_compaction_kernels.compacted_attention import (
-        choose_splits,
-        compacted_attention,
-    )
-
-    dtype, block = torch.bfloat16, 16
-    shapes = (
-        DECODE_SHAPES if not args.smoke else [(2, 256, 4, 2, 64), (1, 512, 4, 1, 64)]
-    )
-    configs = (
-        [(64, 4, 2), (64, 4, 3), (32, 4, 3), (128, 4, 2)]
-        if not args.smoke
-        else [(64, 4, 2)]
-    )
-    rows = []
-    for reqs, tokens, num_q, num_kv, dim in shapes:
-        gen = torch.Generator(device=device).manual_seed(tokens)
-        row: dict[str, Any] = {
-            "requests": reqs,
-            "tokens": tokens,
-            "q_heads": num_q,
-            "kv_heads": num_kv,
-            "d": dim,
-        }
-        kv_bytes = 2 * reqs * tokens * num_kv * dim * 2
-        query = torch.randn(reqs, num_q, dim, device=device, dtype=dtype, generator=gen)
-        # SDPA (flash) on dense K/V: the bandwidth bar
-        k = torch.randn(
-            reqs, num_kv, tokens, dim, device=device, dtype=dtype, generator=gen
-        )
-        v = torch.randn_like(k)
-        q4 = query[:, :, None, :]
-
-        def sdpa(k=k, v=v, q4=q4):
-            return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
-
-        try:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                sdpa_ms = _bench_ms(sdpa, device, args.smoke)
-            row["sdpa_backend"] = "flash"
-        except Exception:  # noqa: BLE001 - e.g. no flash kernel on this build or device
-            sdpa_ms = _bench_ms(sdpa, device, args.smoke)
-            row["sdpa_backend"] = "default"
-        del k, v
-        row["sdpa_ms"], row["sdpa_GBps"] = sdpa_ms, kv_bytes / sdpa_ms / 1e6
-        with _flash() if row["sdpa_backend"] == "flash" else contextlib.nullcontext():
-            row["sdpa_graph_ms"] = _graph_ms(sdpa, device)
-        # ours over the same tokens in shuffled pages (no prefix)
-        blocks_per_req = -(-tokens // block)
-        pages = _pages(reqs * blocks_per_req + 1, num_kv, dim, block, device, dtype, 1)
-        table = (
-            torch.randperm(reqs * blocks_per_req, device=device, generator=gen)
-            .view(reqs, -1)
-            .to(torch.int32)
-        )
-        seq_lens = torch.full((reqs,), tokens, dtype=torch.int32, device=device)
-        starts = torch.arange(reqs + 1, dtype=torch.int32, device=device)
-        out = torch.empty_like(query)
-        best = None
-        for block_n, warps, stages in configs:
-
-            def ours(bn=block_n, w=warps, s=stages):
-                return compacted_attention(
-                    query,
-                    pages[0][0],
-                    pages[0][1],
-                    table,
-                    seq_lens,
-                    starts,
-                    scale=dim**-0.5,
-                    head_dim=dim,
-                    max_query_len=1,
-                    max_keys=tokens,
-                    block_n=bn,
-                    num_warps=w,
-                    num_stages=s,
-                    out=out,
-                )
-
-            try:
-                ms = _bench_ms(ours, device, args.smoke)
-            except Exception as exc:  # noqa: BLE001
-                row.setdefault("config_errors", []).append(
-                    f"{block_n}/{warps}/{stages}: {exc}"[:300]
-                )
-                continue
-            if best is None or ms < best[0]:
-                best = (ms, (block_n, warps, stages))
-        if best is not None:
-            row["paged_ms"], row["paged_config"] = best[0], best[1]
-            row["paged_GBps"] = kv_bytes / best[0] / 1e6
-            row["paged_vs_sdpa"] = sdpa_ms / best[0]
-            bn, warps, stages = best[1]
-            row["paged_graph_ms"] = _graph_ms(lambda: ours(bn, warps, stages), device)
-        bn, warps, stages = best[1] if best is not None else configs[0]
-        pages = None  # free this shape's pages before the next one
-        # the same rows as a packed prefix (each head t = tokens), and a 10% prefix with uneven heads
-        for label, share in (("prefix_full", 1.0), ("prefix_10pct", 0.1)):
-            layers = 2
-            lengths = []
-            for _ in range(reqs):
-                if share == 1.0:
-                    lengths.append(
-                        torch.full((layers, num_kv), tokens, dtype=torch.long)
-                    )
-                else:
-                    weights = (
-                        torch.rand(
-                            layers,
-                            num_kv,
-                            generator=torch.Generator().manual_seed(len(lengths)),
-                        )
-                        ** 2
-                    )
-                    per = (
-                        (
-                            weights
-                            / weights.sum(1, keepdim=True)
-                            * share
-                            * tokens
-                            * num_kv
-                        )
-                        .round()
-                        .long()
-                    )
-                    lengths.append(per.clamp_min(1))
-            packings = [PagedPacking(t, dim, block) for t in lengths]
-            total_blocks = sum(p.num_blocks for p in packings)
-            layer_pages = _pages(
-                total_blocks + 1, num_kv, dim, block, device, dtype, layers
-            )
-            pp = PagedPrefixPages(
-                [k for k, _ in layer_pages], [v for _, v in layer_pages], dim
-            )
-            ids, first = [], 0
-            for p in packings:
-                ids.append(torch.arange(first, first + p.num_blocks))
-                first += p.num_blocks
-            tables = pp.kernel_tables(packings, ids)
-            max_keys = 1 + max(int(p.head_lengths[1].max()) for p in packings)
-            suffix_table = torch.full(
-                (reqs, 1), total_blocks, dtype=torch.int32, device=device
-            )
-            one = torch.ones(reqs, dtype=torch.int32, device=device)
-
-            def prefixed(t=tables, lp=layer_pages, st=suffix_table, o=one, mk=max_keys):
-                return compacted_attention(
-                    query,
-                    lp[1][0],
-                    lp[1][1],
-                    st,
-                    o,
-                    starts,
-                    scale=dim**-0.5,
-                    head_dim=dim,
-                    max_query_len=1,
-                    max_keys=mk,
-                    prefix=t,
-                    layer=1,
-                    block_n=bn,
-                    num_warps=warps,
-                    num_stages=stages,
-                    out=out,
-                )
-
-            ms = _bench_ms(prefixed, device, args.smoke)
-            rows_read = (
-                sum(int(p.head_lengths[1].sum()) for p in packings) + reqs * num_kv
-            )
-            # the same call with another pipeline depth and with twice the splits, for tuning
-            variants = {}
-            for name, kw in (
-                ("stages3", dict(num_stages=3)),
-                (
-                    "splits_x2",
-                    dict(
-                        num_splits=2
-                        * choose_splits(
-                            reqs * num_kv,
-                            max_keys,
-                            tables.total_rows[1] + reqs * num_kv,
-                            device,
-                        )
-                    ),
-                ),
-            ):
-                call = {**dict(block_n=bn, num_warps=warps, num_stages=stages), **kw}
-                try:
-                    variants[name] = _bench_ms(
-                        lambda c=call, t=tables, lp=layer_pages, st=suffix_table, o=one, mk=max_keys: (
-                            compacted_attention(
-                                query,
-                                lp[1][0],
-                                lp[1][1],
-                                st,
-                                o,
-                                starts,
-                                scale=dim**-0.5,
-                                head_dim=dim,
-                                max_query_len=1,
-                                max_keys=mk,
-                                prefix=t,
-                                layer=1,
-                                out=out,
-                                **c,
-                            )
-                        ),
-                        device,
-                        args.smoke,
-                    )
-                except Exception as exc:  # noqa: BLE001
-                    variants[name] = f"{exc}"[:200]
-            # the default once more after the variants: a first measurement that differs is noise
-            variants["default_again"] = _bench_ms(prefixed, device, args.smoke)
-            row[f"{label}_graph_ms"] = _graph_ms(prefixed, device)
-            row[f"{label}_variants_ms"] = variants
-            row[f"{label}_ms"] = ms
-            row[f"{label}_GBps"] = 2 * rows_read * dim * 2 / ms / 1e6
-            if share < 1.0:
-                row["prefix_10pct_speedup_vs_sdpa_full"] = sdpa_ms / ms
-                graph, sdpa_graph = row[f"{label}_graph_ms"], row.get("sdpa_graph_ms")
-                if isinstance(graph, float) and isinstance(sdpa_graph, float):
-                    row["prefix_10pct_graph_speedup_vs_sdpa_full"] = sdpa_graph / graph
-            del layer_pages, pp, tables
-        logger.info(
-            "decode %s",
-            {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
-        )
-        rows.append(row)
-    return {"dtype": "bfloat16", "block_size": block, "shapes": rows}
+    return run(args.smoke, device)
 
 
 # ----------------------------------------------------------------------------- 3. compact()

@@ -50,8 +50,10 @@ __all__ = [
 LOG2_E = 1.0 / math.log(2.0)
 LN_2 = math.log(2.0)
 _KERNELS: dict[bool, tuple[Any, Any]] = {}
-#: Programs to aim for per streaming multiprocessor when choosing the number of splits.
-PROGRAMS_PER_SM = 8
+#: Programs to aim for per streaming multiprocessor when choosing the number of splits. On an
+#: H100 (decode, bf16, a 10% prefix with uneven heads at four shapes) this gave the fastest of
+#: half, once, twice and four times its split count at every shape; 8 ran 1.1-2.7x slower.
+PROGRAMS_PER_SM = 4
 #: Fewest keys a split streams (smaller splits cost more in the merge than they gain).
 MIN_SPLIT_KEYS = 128
 MAX_SPLITS = 64
@@ -575,10 +577,11 @@ def compacted_attention(
     group_pad = _next_pow2(group)
     block_m = min(max(group_pad * _next_pow2(max_query_len), 16), max(64, group_pad))
     block_q = block_m // group_pad
-    q_tiles = triton.cdiv(max_query_len, block_q)
+    q_tiles = -(-max_query_len // block_q)  # plain ints: triton.cdiv costs microseconds
     head_pad = max(16, _next_pow2(head_dim))
     if block_n is None:
-        block_n = 64 if head_pad <= 128 else 32
+        # the fastest tiles on an H100, with and without a prefix (benchmarks.decode_speed)
+        block_n = 128 if head_pad <= 128 else 32
     if total_keys is None:
         # the prefix rows exactly; every suffix counted at the longest it can be: max_keys for
         # a plain request, max_keys less the longest prefix head for one with a prefix
@@ -594,7 +597,7 @@ def compacted_attention(
     if splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {splits}")
     # keys per split, a whole number of tiles: the longest program fills its splits
-    split_keys = triton.cdiv(triton.cdiv(max(max_keys, 1), splits), block_n) * block_n
+    split_keys = -(-max(max_keys, 1) // splits // block_n) * block_n
     interpret = _interpreting(triton)
     part = stat = out
     if splits > 1:
@@ -613,7 +616,7 @@ def compacted_attention(
     dummy = seq_lens
     launch: dict[str, Any] = {}
     if not interpret:
-        launch = {"num_warps": num_warps or 4, "num_stages": num_stages or 3}
+        launch = {"num_warps": num_warps or 4, "num_stages": num_stages or 2}
     attend[(num_reqs, q_tiles, num_kv_heads * splits)](
         query,
         key_pages,
