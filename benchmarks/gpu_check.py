@@ -175,7 +175,9 @@ def compaction_section(args: argparse.Namespace, device: torch.device) -> dict:
     # the reference pass's implementations on layer 0 (am-highest-attn: the reference pass is most of it)
     variants = {}
     default = attention.REFERENCE_BACKEND
-    for backend in ("torch", "triton:tf32", "triton:tf32x3", "triton:ieee"):
+    # exact fp32 ("triton:ieee", 4.5-4.9 s a layer on an H100 and an H200) is left out of the
+    # check's time: tf32x3 matched its held-out error to 1e-7 in both runs
+    for backend in ("torch", "triton:tf32", "triton:tf32x3"):
         attention.REFERENCE_BACKEND = backend
         try:
             # compile and tune this variant
