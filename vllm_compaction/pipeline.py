@@ -21,6 +21,7 @@ from vllm_compaction.am import CompactedHeads, compact_heads, score_keys
 from vllm_compaction.budgets import (
     check_score_aggregation,
     check_score_softmax,
+    protected_tokens,
     resolve_budgets,
 )
 from vllm_compaction.cache import CompactedCache
@@ -376,8 +377,12 @@ class _Compaction:
     #: host masks of the content chunks, and their device copies (which index the keys).
     chunks: list[torch.Tensor] = field(init=False)
     chunks_on_device: list[torch.Tensor] = field(init=False)
-    #: device mask of the template tokens, which stay exact.
+    #: device mask of the template tokens and the protected ones, which stay exact.
     exact_on_device: torch.Tensor = field(init=False)
+    #: ``[T]`` host mask of the content tokens kept exact (``budgets.protect``).
+    protected: torch.Tensor = field(init=False)
+    #: the ratio the budgets give the fitted content: ``ratio`` less the protected slots.
+    fit_ratio: float = field(init=False)
     positions: torch.Tensor = field(init=False)
     scales: list[float] = field(init=False)
     windows: list[int | None] = field(init=False)
@@ -395,11 +400,20 @@ class _Compaction:
         # host bookkeeping, as the masks
         self.layers = torch.tensor(adapter.compactable_layers, device="cpu")
         self.compacted = [None] * adapter.num_layers
-        mask = self.prepared.spec.compact_mask
+        spec = self.prepared.spec
+        mask, n = spec.compact_mask, self.prepared.num_content
+        # protected content tokens stay exact, as the template's; their slots come out of the
+        # budget, so the rest is fitted at a lower ratio and the prefix keeps its size
+        self.protected = protected_tokens(
+            spec.token_ids, adapter.tokenizer, self.plan.protect, mask, self.ratio * n
+        )
+        kept = int(self.protected.sum())
+        self.fit_ratio = (self.ratio * n - kept) / (n - kept) if kept else self.ratio
+        content = mask & ~self.protected
         # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets,
         # so a long tail cannot starve an early span (e.g. facts stated in the first turn).
-        self.chunks = content_chunks(mask, self.chunk_tokens)
-        self.exact_on_device = (~mask).to(adapter.device)
+        self.chunks = content_chunks(content, self.chunk_tokens)
+        self.exact_on_device = (~content).to(adapter.device)
         self.chunks_on_device = [chunk.to(adapter.device) for chunk in self.chunks]
         self.positions = torch.arange(self.prepared.spec.length, device=adapter.device)
         self.scales = adapter.layer_scales()
@@ -432,7 +446,7 @@ def _budget_stage(run: _Compaction) -> None:
     run.budgets = [
         resolve_budgets(
             run.plan.recipe.budgets,
-            ratio=run.ratio,
+            ratio=run.fit_ratio,
             n=int(chunk.sum()),
             layers=run.layers,
             num_heads=adapter.num_kv_heads,
@@ -536,6 +550,8 @@ def _record_stage(run: _Compaction) -> None:
             **plan.math_options,
             **plan.budget_options,
             **plan.scoring.as_options(),
+            "protect": plan.protect,
+            "protected_tokens": int(run.protected.sum()),
             "chunk_tokens": run.chunk_tokens,
             "query_cap": prepared.collector.cap,
             "seed": prepared.collector.seed,

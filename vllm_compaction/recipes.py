@@ -37,9 +37,11 @@ from vllm_compaction.am.presets import (
     resolve_method,
 )
 from vllm_compaction.budgets import (
+    PROTECT_RULES,
     SCORE_OPTIONS,
     ScoreOptions,
     check_budget_options,
+    check_protect,
     resolve_score_options,
 )
 from vllm_compaction.queries import parse_sources, resolve_spacing
@@ -136,7 +138,7 @@ RECIPE_KEYS = ("queries", "budgets", "on_policy")
 #: Options of the head budgets, and with the global ranking's, the options the pipeline takes;
 #: every other option goes to the math, which refuses unknown ones.
 BUDGET_OPTIONS = ("max_head_ratio", "min_head_slots", "min_layer_share")
-PIPELINE_OPTIONS = (*BUDGET_OPTIONS, *SCORE_OPTIONS)
+PIPELINE_OPTIONS = (*BUDGET_OPTIONS, *SCORE_OPTIONS, "protect")
 
 
 def _value(text: str) -> Any:
@@ -187,6 +189,7 @@ class ResolvedRecipe:
         math_options: the options that went to the math, as given.
         budget_options: the ``BUDGET_OPTIONS`` given, for ``resolve_budgets``.
         scoring: the global ranking, resolved (defaults filled in).
+        protect: which content tokens stay exact (``budgets.protect``, one of ``PROTECT_RULES``).
     """
 
     name: str
@@ -195,6 +198,7 @@ class ResolvedRecipe:
     math_options: Mapping[str, Any]
     budget_options: Mapping[str, Any]
     scoring: ScoreOptions
+    protect: str = PROTECT_RULES[0]
 
 
 def resolve(
@@ -242,6 +246,7 @@ def resolve(
         recipe.budgets, min_layer_share=budget_options.get("min_layer_share")
     )
     scoring = resolve_score_options(merged)
+    protect = check_protect(merged.get("protect", PROTECT_RULES[0]))
     math_options = {k: v for k, v in merged.items() if k not in PIPELINE_OPTIONS}
     return ResolvedRecipe(
         name,
@@ -250,6 +255,7 @@ def resolve(
         MappingProxyType(math_options),
         MappingProxyType(budget_options),
         scoring,
+        protect,
     )
 
 

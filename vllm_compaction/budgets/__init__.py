@@ -1,5 +1,5 @@
-"""Head budgets: uniform, global (KVzip-style), pyramid, or a per-model schedule; and how the
-global ranking scores keys (``scoring``)."""
+"""Head budgets: uniform, global (KVzip-style), pyramid, or a per-model schedule; how the
+global ranking scores keys (``scoring``); and which content tokens skip the fit (``protect``)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ from vllm_compaction.budgets.allocate import (
     total_budget,
     uniform_budgets,
 )
+from vllm_compaction.budgets.protect import (
+    PROTECT_RULES,
+    check_protect,
+    protected_tokens,
+)
 from vllm_compaction.budgets.schedule import Schedule, load_schedule, packaged_schedule
 from vllm_compaction.budgets.scoring import (
     DEFAULT_SCORE_SOFTMAX,
@@ -33,6 +38,7 @@ from vllm_compaction.budgets.scoring import (
 
 __all__ = [
     "BUDGET_MODES",
+    "PROTECT_RULES",
     "DEFAULT_SCORE_SOFTMAX",
     "DEFAULT_SCORE_WEIGHT_POWER",
     "SCORE_AGGREGATIONS",
@@ -42,12 +48,14 @@ __all__ = [
     "ScoreOptions",
     "cap_and_fill",
     "check_budget_options",
+    "check_protect",
     "check_score_aggregation",
     "check_score_softmax",
     "check_score_weight_power",
     "global_budgets",
     "load_schedule",
     "packaged_schedule",
+    "protected_tokens",
     "pyramid_budgets",
     "resolve_budgets",
     "resolve_score_options",

@@ -1,0 +1,99 @@
+"""Spans kept exact: content tokens that bypass the fit, stored as they are in every head.
+
+Compaction keeps the keys that carry most attention mass. An identifier said once (an account
+number, a licence key, a phone number) is many low-mass tokens whose order matters: SmolLM2
+writes digits one token each, and a compacted prefix that keeps some of them answers with
+a number that is close but wrong. ``protect="identifiers"`` keeps every token of each
+identifier-like word exact, as the chat template's tokens are kept, and takes their slots from
+the budget, so the prefix keeps its size.
+
+An identifier is a word of letters, digits, ``-`` and ``_`` (starting and ending with a letter or
+digit) at least ``MIN_IDENTIFIER_CHARS`` long with at least one digit: ``524533559245``,
+``AB1C-D2EF-GH3I``, ``531-354-7468``, ``a3f9c2e1b7d4``, not ``2005`` or ``Krakow``. Protected
+tokens never take more than ``MAX_PROTECTED_SHARE`` of the budget; past it, the longest
+identifiers are kept first (ties: the earlier one).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "MAX_PROTECTED_SHARE",
+    "MIN_IDENTIFIER_CHARS",
+    "PROTECT_RULES",
+    "check_protect",
+    "identifier_spans",
+    "protected_tokens",
+]
+
+#: ``none``: nothing is protected; ``identifiers``: see the module doc.
+PROTECT_RULES = ("none", "identifiers")
+MIN_IDENTIFIER_CHARS = 6
+#: the largest share of a prefix's slots that protected tokens may take
+MAX_PROTECTED_SHARE = 0.5
+_WORD = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_\-]*[A-Za-z0-9])?")
+
+
+def check_protect(rule: Any) -> str:
+    """``rule`` if it names a protection rule; ``ValueError`` with the choices otherwise."""
+    if rule not in PROTECT_RULES:
+        raise ValueError(
+            f"protect must be one of {', '.join(PROTECT_RULES)}, got {rule!r}"
+        )
+    return str(rule)
+
+
+def identifier_spans(pieces: Sequence[str]) -> list[list[int]]:
+    """Token indices of each identifier in the text the tokens ``pieces`` spell, in order."""
+    starts, text = [], []
+    at = 0
+    for piece in pieces:
+        starts.append(at)
+        text.append(piece)
+        at += len(piece)
+    joined = "".join(text)
+    ends = starts[1:] + [at]
+    spans, first = [], 0
+    for match in _WORD.finditer(joined):
+        word = match.group()
+        if len(word) < MIN_IDENTIFIER_CHARS or not any(c.isdigit() for c in word):
+            continue
+        # the tokens overlapping the word's characters (tokens are in character order)
+        while ends[first] <= match.start():
+            first += 1
+        last = first
+        while last + 1 < len(pieces) and starts[last + 1] < match.end():
+            last += 1
+        spans.append(list(range(first, last + 1)))
+    return spans
+
+
+def protected_tokens(
+    token_ids: Sequence[int] | torch.Tensor,
+    tokenizer: Any,
+    rule: str,
+    content: torch.Tensor,
+    slots: float,
+) -> torch.Tensor:
+    """``[T]`` bool host mask of the ``content`` tokens that ``rule`` keeps exact, at most
+    ``MAX_PROTECTED_SHARE * slots`` of them (``slots``: the budget per head, in tokens)."""
+    protected = torch.zeros(content.numel(), dtype=torch.bool)
+    if check_protect(rule) == "none" or not bool(content.any()):
+        return protected
+    ids = [int(i) for i in token_ids]
+    pieces = tokenizer.batch_decode(
+        [[i] for i in ids], clean_up_tokenization_spaces=False
+    )
+    allowed = content.tolist()
+    spans = [span for span in identifier_spans(pieces) if all(allowed[i] for i in span)]
+    room = int(MAX_PROTECTED_SHARE * slots)
+    for span in sorted(spans, key=lambda s: (-len(s), s[0])):
+        if len(span) <= room:
+            protected[span] = True
+            room -= len(span)
+    return protected
