@@ -82,7 +82,7 @@ def protected_tokens(
 ) -> torch.Tensor:
     """``[T]`` bool host mask of the ``content`` tokens that ``rule`` keeps exact, at most
     ``MAX_PROTECTED_SHARE * slots`` of them (``slots``: the budget per head, in tokens)."""
-    protected = torch.zeros(content.numel(), dtype=torch.bool)
+    protected = torch.zeros(content.numel(), dtype=torch.bool, device="cpu")
     if check_protect(rule) == "none" or not bool(content.any()):
         return protected
     ids = [int(i) for i in token_ids]
