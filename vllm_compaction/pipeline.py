@@ -379,8 +379,8 @@ class _Compaction:
     chunks_on_device: list[torch.Tensor] = field(init=False)
     #: device mask of the template tokens and the protected ones, which stay exact.
     exact_on_device: torch.Tensor = field(init=False)
-    #: ``[T]`` host mask of the content tokens kept exact (``budgets.protect``).
-    protected: torch.Tensor = field(init=False)
+    #: how many content tokens are kept exact (``budgets.protect``).
+    protected: int = field(init=False)
     #: the ratio the budgets give the fitted content: ``ratio`` less the protected slots.
     fit_ratio: float = field(init=False)
     positions: torch.Tensor = field(init=False)
@@ -404,12 +404,12 @@ class _Compaction:
         mask, n = spec.compact_mask, self.prepared.num_content
         # protected content tokens stay exact, as the template's; their slots come out of the
         # budget, so the rest is fitted at a lower ratio and the prefix keeps its size
-        self.protected = protected_tokens(
+        protected = protected_tokens(
             spec.token_ids, adapter.tokenizer, self.plan.protect, mask, self.ratio * n
         )
-        kept = int(self.protected.sum())
+        kept = self.protected = int(protected.sum())
         self.fit_ratio = (self.ratio * n - kept) / (n - kept) if kept else self.ratio
-        content = mask & ~self.protected
+        content = mask & ~protected
         # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets,
         # so a long tail cannot starve an early span (e.g. facts stated in the first turn).
         self.chunks = content_chunks(content, self.chunk_tokens)
@@ -551,7 +551,7 @@ def _record_stage(run: _Compaction) -> None:
             **plan.budget_options,
             **plan.scoring.as_options(),
             "protect": plan.protect,
-            "protected_tokens": int(run.protected.sum()),
+            "protected_tokens": run.protected,
             "chunk_tokens": run.chunk_tokens,
             "query_cap": prepared.collector.cap,
             "seed": prepared.collector.seed,
