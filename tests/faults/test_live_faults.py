@@ -318,21 +318,34 @@ def test_a_burst_of_1000_posts_from_one_key_is_bounded_and_fair(
             and r.json()["error"]["type"] == "RateLimitError"
             for r in limited
         )
-        # the other key's job is not stuck behind the flood: keys take turns
+        # the other key's job is not stuck behind the flood: keys take turns. Chats go on
+        # while the worker computes it beside key A's accepted jobs (at nice 10)
+        while (
+            other_client.get(f"/compact/{theirs['id']}", cast_to=object)["status"]
+            in ("queued", "running")
+            and len(busy) < 40  # enough for a median; the CI's time is short
+        ):
+            busy.append(_chat_latency(other_client, n=1))
         done = wait_finished(other_client, theirs["id"], timeout_s=300)
         assert done["status"] == "succeeded", done
         during = statistics.median(busy) if busy else idle
-        # a starvation guard, not the 2x target: on two cores the worker computes key A's
-        # accepted jobs beside the engine: under 2x in runs of this file alone, 2.7x in a CI run
-        assert during <= 4 * idle + 0.05, (
-            f"plain chat {during:.3f} s under the burst, {idle:.3f} s idle"
+        # the 429s are answered before any tokenizing, and compactions run at nice 10
+        assert during <= 2 * idle + 0.05, (
+            f"plain chat {during:.3f} s under the burst and its jobs, {idle:.3f} s idle"
         )
     finally:
-        # whatever failed above, the flood's jobs leave the queue: later tests share the key
-        for cid in accepted:
-            client.delete(f"/compact/{cid}", cast_to=object)
+        # whatever failed above, the flood's jobs leave the queue: later tests share the key.
+        # DELETE cancels a job still queued or running and deletes one that finished meanwhile
+        answers = [client.delete(f"/compact/{cid}", cast_to=object) for cid in accepted]
+    deleted = [a["id"] for a in answers if a["deleted"]]
+    assert all(a["status"] == "succeeded" for a in answers if a["deleted"]), answers
+    for cid in deleted:  # a deleted job is gone, not left behind in some other state
+        with pytest.raises(openai.NotFoundError):
+            client.get(f"/compact/{cid}", cast_to=object)
     statuses = {
-        client.get(f"/compact/{cid}", cast_to=object)["status"] for cid in accepted
+        client.get(f"/compact/{cid}", cast_to=object)["status"]
+        for cid in accepted
+        if cid not in deleted
     }
     assert statuses <= {"cancelled", "succeeded"}, statuses
 

@@ -77,6 +77,25 @@ def test_cancel_stops_the_worker_and_a_late_result_is_refused(tmp_path):
     assert info.value.status == 409
 
 
+def test_delete_cancels_a_live_job_and_forgets_a_finished_one(tmp_path):
+    """One step: a job that finished just before the client's DELETE is deleted, not 409."""
+    changes = []
+    book = JobBook(tmp_path, on_change=lambda r: changes.append(r.status))
+    running, done = book.submit(record()), book.submit(record())
+    book.claim("w1"), book.claim("w2")
+    book.succeed(done.id, "w2", {})
+    cancelled, deleted = book.cancel_or_delete(running.id, "a")
+    assert cancelled.status == JobStatus.cancelled and not deleted
+    assert changes[-1] == JobStatus.cancelled
+    assert (tmp_path / f"{done.id}.json").exists()
+    assert book.cancel_or_delete(done.id, "a")[1]
+    assert [r.id for r in book.list("a")] == [running.id]
+    assert not (tmp_path / f"{done.id}.json").exists()
+    with pytest.raises(JobError) as info:
+        book.cancel_or_delete(done.id, "b")  # another key's job stays unknown to it
+    assert info.value.status == 404
+
+
 def test_a_claim_no_worker_acknowledges_goes_back_to_the_queue(tmp_path):
     book = JobBook(tmp_path, lease_s=0.05)
     job = book.submit(record())

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from vllm_compaction.service.config import ServiceConfig
@@ -297,7 +299,21 @@ def test_serve_arguments(tmp_path):
     for flags in (["-pp", "2"], ["--pipeline-parallel-size=4"]):
         with pytest.raises(ValueError, match="pipeline_parallel_size=[24] yet"):
             vllm_serve_argv(["smollm2-135m", *flags], {})
-    assert "-tp" in vllm_serve_argv(["smollm2-135m", "-tp", "2"], {})
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env  # one rank: vLLM binds it
+    env = {}
+    assert "-tp" in vllm_serve_argv(["smollm2-135m", "-tp", "2"], env)
+    if torch.cuda.is_available():
+        return  # GPU ranks bind no cores
+    # two CPU ranks on one NUMA node: each gets half of the cores (vLLM would refuse them)
+    ranks = [
+        set(map(int, r.split(","))) for r in env["VLLM_CPU_OMP_THREADS_BIND"].split("|")
+    ]
+    cores = sorted(os.sched_getaffinity(0))
+    assert len(ranks) == 2 and set().union(*ranks) <= set(cores)
+    assert len(cores) < 2 or not ranks[0] & ranks[1]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # the user's own binding stays
+    vllm_serve_argv(["smollm2-135m", "--tensor-parallel-size=2"], env)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
 
 
 def test_serve_cli_bad_flag_is_a_sentence(capsys):

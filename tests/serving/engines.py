@@ -43,16 +43,10 @@ def start_llm(
     )
     if tensor_parallel_size == 1:
         return LLM(str(resolve(model)), dtype=dtype, **ENGINE_OPTIONS, **extra)
-    # one CPU worker per rank, each bound to its share of this process's cores (vLLM cannot
-    # bind them itself on a single NUMA node)
-    cores = sorted(os.sched_getaffinity(0))
-    share = max(1, len(cores) // tensor_parallel_size)
-    binding = "|".join(
-        ",".join(map(str, cores[r * share : (r + 1) * share] or cores[-1:]))
-        for r in range(tensor_parallel_size)
-    )
+    from vllm_compaction.vllm.engine import cpu_rank_binding
+
     previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_rank_binding(tensor_parallel_size)
     try:
         return LLM(
             str(resolve(model)),

@@ -181,6 +181,11 @@ class JobBook:
         self._changed(record)
         return record
 
+    def check_room(self, owner: str) -> None:
+        """JobError 429 if ``owner`` (or the server) has as many jobs queued as it may."""
+        with self._lock:
+            self._check_room(owner)
+
     def _check_room(self, owner: str) -> None:
         queued = [r for r in self._jobs.values() if r.status == JobStatus.queued]
         mine = sum(r.owner == owner for r in queued)
@@ -269,6 +274,19 @@ class JobBook:
             self._finish(record, JobStatus.cancelled, error="cancelled by the client")
         self._changed(record)
         return record
+
+    def cancel_or_delete(
+        self, job_id: str, owner: str | None = None
+    ) -> tuple[JobRecord, bool]:
+        """Cancel the job if it is queued or running, else forget it: one step under the lock,
+        so a job finishing meanwhile is deleted, never answered 409. -> (job, deleted)."""
+        with self._lock:
+            record = self.get(job_id, owner)
+            if record.status.finished:
+                return self.delete(job_id, owner), True
+            self._finish(record, JobStatus.cancelled, error="cancelled by the client")
+        self._changed(record)  # outside the lock, as every transition's hook
+        return record, False
 
     def delete(self, job_id: str, owner: str | None = None) -> JobRecord:
         """Forget a finished job (the caller removes its store entry)."""

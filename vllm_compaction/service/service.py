@@ -164,6 +164,9 @@ class CompactionService:
                 "Idempotency-Key must be 1 to 256 characters",
                 param="Idempotency-Key",
             )
+        if idempotency_key is None:
+            # refused before the body is tokenized: a flood of 429s costs the server little
+            self.book.check_room(owner)
         if request.messages is not None:
             messages = self._messages(request.messages)
         elif request.prompt is not None:
@@ -289,12 +292,10 @@ class CompactionService:
         self, compaction_id: str, owner: str
     ) -> tuple[JobRecord, bool]:
         """Cancel a queued/running job; delete a finished one (and its cache). -> (job, deleted)."""
-        record = self.book.get(compaction_id, owner)
-        if not record.status.finished:
-            return self.book.cancel(compaction_id, owner), False
-        record = self.book.delete(compaction_id, owner)
-        self.store.delete_id(compaction_id)
-        return record, True
+        record, deleted = self.book.cancel_or_delete(compaction_id, owner)
+        if deleted:
+            self.store.delete_id(compaction_id)
+        return record, deleted
 
     def check_model(self, model: str) -> None:
         if model not in self.served_model_names:

@@ -4,6 +4,7 @@ turn compaction on."""
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,19 @@ def engine_kwargs(
         )
     kwargs.update(overrides)
     return kwargs
+
+
+def cpu_rank_binding(tensor_parallel_size: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tensor_parallel_size`` CPU workers: this process's
+    cores split evenly, one slice per rank (``"0|1"`` on two cores). vLLM 0.32 binds its CPU
+    ranks to NUMA nodes on its own and refuses more ranks than nodes, so on a one-node machine
+    tensor parallelism needs the cores named."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // tensor_parallel_size)
+    return "|".join(
+        ",".join(map(str, cores[r * share : (r + 1) * share] or cores[-1:]))
+        for r in range(tensor_parallel_size)
+    )
 
 
 def kv_bytes_per_token(vllm_config) -> int:

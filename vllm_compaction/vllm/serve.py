@@ -48,7 +48,7 @@ def vllm_serve_argv(argv: Sequence[str], environ: dict[str, str]) -> list[str]:
             "give the model first: vllm-compaction serve MODEL [vllm serve flags]"
         )
     model, flags = rest[0], rest[1:]
-    _refuse_parallel(flags)
+    tensor_parallel_size = _tensor_parallel_size(flags)
     from vllm_compaction.models.prepare import resolve
     from vllm_compaction.models.registry import SPECS
 
@@ -59,12 +59,19 @@ def vllm_serve_argv(argv: Sequence[str], environ: dict[str, str]) -> list[str]:
     # vLLM's CPU executor reserves an extra core when any KV connector is configured (for NIXL
     # transfer threads); the compaction connector has none, so keep the stock reservation.
     environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    from vllm_compaction.vllm.engine import cpu_rank_binding, engine_kwargs
+
+    if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_rank_binding(
+                tensor_parallel_size
+            )
     plugins = [p for p in environ.get("VLLM_PLUGINS", "").split(",") if p]
     environ["VLLM_PLUGINS"] = ",".join(
         dict.fromkeys(plugins + [GENERAL_PLUGIN_NAME, ENDPOINT_PLUGIN_NAME])
     )
-    from vllm_compaction.vllm.engine import engine_kwargs
-
     kwargs = engine_kwargs(environ.get(ENV_PREFIX + "STORE"))
     if not _has_flag(flags, "--kv-transfer-config"):
         flags += ["--kv-transfer-config", json.dumps(kwargs["kv_transfer_config"])]
@@ -77,21 +84,24 @@ def vllm_serve_argv(argv: Sequence[str], environ: dict[str, str]) -> list[str]:
     return [model, *flags]
 
 
-def _refuse_parallel(flags: Sequence[str]) -> None:
-    """Fail before the engine starts for what the connector would refuse in its worker (see
-    ``connector.check_deployment_shape``): one pipeline stage."""
+def _tensor_parallel_size(flags: Sequence[str]) -> int:
+    """The tensor-parallel size of ``flags``, after failing before the engine starts for what
+    the connector would refuse in its worker (see ``connector.check_deployment_shape``): one
+    pipeline stage."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     try:
         sizes, _ = parser.parse_known_args(list(flags))
     except SystemExit:
-        return  # a malformed size: vLLM's own parser says so
+        return 1  # a malformed size: vLLM's own parser says so
     if sizes.pipeline_parallel_size > 1:
         raise ValueError(
             f"compacted prefixes cannot be served with pipeline_parallel_size="
             f"{sizes.pipeline_parallel_size} yet (a cache is written for every layer of one "
             "stage); use 1"
         )
+    return sizes.tensor_parallel_size
 
 
 def serve_main(argv: Sequence[str]) -> int:
