@@ -4,8 +4,8 @@ Run ``python -m benchmarks.load [--sessions 64] [--minutes 10] [--kills 2]``. A 
 serve`` process (SmolLM2-135M, CPU, two API keys, auto-compaction above ``--threshold`` physical
 prompt tokens, one local worker) serves ``--sessions`` concurrent conversations for ``--minutes``:
 each adds an essay excerpt per turn and asks for a short reply (streamed, so the time to the first
-token is measured); a tenth of the sessions send plain prompts without a conversation. The local
-worker is SIGKILLed ``--kills`` times, evenly spaced. Reports, per kind of request (plain,
+token is measured), then pauses as a person would (``--think-s``, exponential); a tenth of the
+sessions send plain prompts without a conversation. The local worker is SIGKILLed ``--kills`` times, evenly spaced. Reports, per kind of request (plain,
 served from a compacted prefix, conversation not yet compacted) and per phase (while a compaction
 runs or not), p50/p99 TTFT, every status code, and at the end checks every succeeded compaction's
 cache in the store (present, checksums sound): zero 5xx and zero lost or corrupt caches are the
@@ -150,6 +150,8 @@ def session(
             if (logical or 0) > args.max_logical:  # start over before the model window
                 history, turn = [], -1
         turn += 1
+        # a person reads the reply and types the next turn (exponential, mean --think-s)
+        stop.wait(rng.expovariate(1.0 / args.think_s) if args.think_s > 0 else 0.0)
 
 
 def kill_worker(store: Path) -> int | None:
@@ -266,6 +268,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--method",
         default="am-highest-attn-fast",
         help="method of the automatic compactions",
+    )
+    parser.add_argument(
+        "--think-s",
+        type=float,
+        default=20.0,
+        help="mean pause of a session between a reply and its next turn (0: none)",
     )
     parser.add_argument("--turn-chars", type=int, default=600)
     parser.add_argument("--max-tokens", type=int, default=8)

@@ -25,6 +25,7 @@ from server.servers import (
     API_KEYS,
     MODEL,
     all_compactions,
+    compute_child,
     job_record,
     store_of,
     wait_finished,
@@ -441,25 +442,13 @@ def _wait_acked(server, compaction_id: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.1)
 
 
-def _compute_child(worker_pid: int) -> int:
-    """The worker's compute process (multiprocessing spawn child holding the model)."""
-    children = (
-        Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split()
-    )
-    for pid in map(int, children):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline:
-            return pid
-    raise AssertionError(f"worker {worker_pid} has no compute child among {children}")
-
-
 def test_a_killed_compute_process_is_restarted_and_the_job_runs_again(server, client):
     """SIGKILL of the worker's compute child mid-job: the worker reports a retryable
     failure, restarts the child, and the job runs again to success. The child is first
     frozen (SIGSTOP) so the kill lands mid-job whatever the job's speed."""
     job = _compact(client, prompt=NOTE * 6)
     wait_status(client, job["id"], ("running",))
-    compute = _compute_child(worker_pid(server, job["id"]))
+    compute = compute_child(worker_pid(server, job["id"]))
     os.kill(compute, signal.SIGSTOP)
     _wait_acked(server, job["id"])  # the worker's own loop still heartbeats
     os.kill(compute, signal.SIGKILL)

@@ -38,9 +38,14 @@ def compaction_server(store: Path, log_path: Path) -> ServerProcess:
 
 
 def open_server(
-    store: Path, log_path: Path, *, store_max_bytes: int, serving_hold_s: float
+    store: Path,
+    log_path: Path,
+    *,
+    store_max_bytes: int,
+    serving_hold_s: float,
+    job_timeout_s: float,
 ) -> ServerProcess:
-    """SmolLM2 without ``--api-key`` and with a store limit."""
+    """SmolLM2 without ``--api-key``, with a store limit and a job deadline."""
     return ServerProcess(
         MODEL,
         [
@@ -51,6 +56,8 @@ def open_server(
             str(store_max_bytes),
             "--compaction-serving-hold-s",
             str(serving_hold_s),
+            "--compaction-job-timeout-s",
+            str(job_timeout_s),
         ],
         log_path,
     )
@@ -104,3 +111,37 @@ def job_record(server: ServerProcess, compaction_id: str) -> dict:
 def worker_pid(server: ServerProcess, compaction_id: str) -> int:
     """The pid of the local worker running the job (its id ends in ``:<pid>``)."""
     return int(job_record(server, compaction_id)["worker_id"].rsplit(":", 1)[1])
+
+
+def compute_child(worker_pid: int) -> int:
+    """The worker's compute process (multiprocessing spawn child holding the model)."""
+    children = (
+        Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split()
+    )
+    for pid in map(int, children):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"spawn_main" in cmdline:
+            return pid
+    raise AssertionError(f"worker {worker_pid} has no compute child among {children}")
+
+
+def local_workers(server: ServerProcess) -> list[int]:
+    """The pids of the server's local worker processes (its session's, by command line)."""
+    import os
+
+    assert server.process is not None
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            session = os.getsid(int(entry.name))
+        except (OSError, ProcessLookupError):
+            continue
+        if (
+            b"vllm_compaction.service.worker" in cmdline
+            and session == server.process.pid
+        ):
+            pids.append(int(entry.name))
+    return pids
