@@ -17,7 +17,6 @@ from scratch at every OMP refit, as Algorithms "OMP Key Selection (Periodic Refi
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.output import pyplot
+from benchmarks.output import pyplot, save_result
 from vllm_compaction.am import CompactedHeads, attention_output_error, compact_heads
 from vllm_compaction.recipes import RECIPES
 
@@ -463,10 +462,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }  # fmt: skip
     if args.scaling:
         result["scaling"] = scaling(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    if args.scaling:
-        plot(result, args.out.with_suffix(".png"))
+    save_result(result, args.out, plot if args.scaling else None)
     lines = [
         f"{'method':<18}{'impl':<10}{'s/head':>9}{'select':>9}{'beta':>9}{'values':>9}{'out err':>9}{'mass err':>9}"
     ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,13 +31,28 @@ def save_result(
     out: str | Path,
     plot: Callable[[dict[str, Any], Path], None] | None = None,
 ) -> Path:
-    """Write ``result`` as JSON at ``out`` (folders created) and, given ``plot``, a PNG beside it."""
+    """Write ``result`` as JSON at ``out`` (folders created) and, given ``plot``, a PNG beside it.
+
+    The JSON starts with the command that produced it (``python -m benchmarks.<script> ...``)
+    unless ``result`` names one itself."""
+    command = command_line()
+    if command is not None and "command" not in result:
+        result = {"command": command, **result}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     if plot is not None:
         plot(result, out.with_suffix(".png"))
     return out
+
+
+def command_line() -> str | None:
+    """This process's command as a person would type it, when it runs a benchmark script
+    (``python -m benchmarks.quality --instances 12``); None otherwise (a test calling ``main``)."""
+    script = Path(sys.argv[0])
+    if script.parent.name != "benchmarks" or script.suffix != ".py":
+        return None
+    return shlex.join(["python", "-m", f"benchmarks.{script.stem}", *sys.argv[1:]])
 
 
 def log_scale(ax, which: str = "x") -> None:
