@@ -283,6 +283,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=3000,
         help="a session starts over above this length",
     )
+    parser.add_argument(
+        "--kv-gib", type=float, default=2.0, help="the engine's KV cache (GiB)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "load.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -299,7 +302,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         MODEL,
         [
             *cpu_engine_flags(
-                kv_cache_bytes=2 << 30, max_num_seqs=min(args.sessions, 64)
+                kv_cache_bytes=int(args.kv_gib * (1 << 30)),
+                max_num_seqs=min(args.sessions, 64),
             ),
             "--api-key",
             *KEYS,

@@ -38,14 +38,9 @@ def compaction_server(store: Path, log_path: Path) -> ServerProcess:
 
 
 def open_server(
-    store: Path,
-    log_path: Path,
-    *,
-    store_max_bytes: int,
-    serving_hold_s: float,
-    job_timeout_s: float,
+    store: Path, log_path: Path, *, store_max_bytes: int, serving_hold_s: float
 ) -> ServerProcess:
-    """SmolLM2 without ``--api-key``, with a store limit and a job deadline."""
+    """SmolLM2 without ``--api-key`` and with a store limit."""
     return ServerProcess(
         MODEL,
         [
@@ -56,8 +51,6 @@ def open_server(
             str(store_max_bytes),
             "--compaction-serving-hold-s",
             str(serving_hold_s),
-            "--compaction-job-timeout-s",
-            str(job_timeout_s),
         ],
         log_path,
     )

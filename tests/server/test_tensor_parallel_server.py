@@ -5,9 +5,18 @@ the compacted prefix agreeing with the reference decoder on the cache the worker
 The model is the small random-weight Llama of ``serving/test_tensor_parallel.py`` (2 KV heads,
 one per rank). The prompt is the prefix the server rendered for the job, the continuation plain
 text, so the reference decoder sees the very tokens the engine does.
+
+Its jobs take seconds even on a busy machine, so this server alone runs with a short job deadline
+(``--compaction-job-timeout-s``), which the frozen-computation test needs; a SmolLM2 server
+under the suite's load would hit it with ordinary jobs.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -18,7 +27,13 @@ from vllm_compaction.corpus import haystack_text
 from vllm_compaction.reference import ReferenceDecoder
 from vllm_compaction.vllm.server_process import ServerProcess, cpu_engine_flags
 
-from server.servers import wait_finished
+from server.servers import (
+    compute_child,
+    local_workers,
+    store_of,
+    wait_finished,
+    wait_status,
+)
 from serving.engines import random_llama_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -26,6 +41,7 @@ pytestmark = pytest.mark.slow
 NAME = "tiny-llama-tp2"
 CONTINUATION = " In summary, the essay"
 STEPS = 8
+JOB_TIMEOUT_S = 45.0
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +58,8 @@ def tp_server(tmp_path_factory):
             NAME,
             "--compaction-store",
             str(root / "store"),
+            "--compaction-job-timeout-s",
+            str(JOB_TIMEOUT_S),
         ],
         root / "server.log",
     )
@@ -52,22 +70,24 @@ def tp_server(tmp_path_factory):
         process.stop()
 
 
-def test_a_compaction_made_and_served_under_tp2_matches_the_reference(tp_server):
-    server, model_dir, store = tp_server
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0)
-    decoder = ReferenceDecoder(model_dir)
-    text = haystack_text(400, decoder.adapter.tokenizer, seed=5)
-    created = client.post(
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0)
+
+
+def _compact(client: openai.OpenAI, text: str) -> dict:
+    return client.post(
         "/compact",
-        body={
-            "model": NAME,
-            "prompt": text,
-            "ratio": 0.2,
-            "method": "am-highest-attn",
-        },
+        body={"model": NAME, "prompt": text, "ratio": 0.2, "method": "am-highest-attn"},
         cast_to=object,
     )
-    job = wait_finished(client, created["id"], timeout_s=600)
+
+
+def test_a_compaction_made_and_served_under_tp2_matches_the_reference(tp_server):
+    server, model_dir, store = tp_server
+    client = _client(server)
+    decoder = ReferenceDecoder(model_dir)
+    text = haystack_text(400, decoder.adapter.tokenizer, seed=5)
+    job = wait_finished(client, _compact(client, text)["id"], timeout_s=600)
     assert job["status"] == "succeeded", (job, server.log_tail())
     cache = LocalDiskStore(store).get_id(job["id"])
     assert cache is not None and cache.logical_length == job["original_tokens"]
@@ -105,3 +125,32 @@ def test_a_compaction_made_and_served_under_tp2_matches_the_reference(tp_server)
     )
     assert chat.choices[0].message.content == reference.text
     assert chat.usage.model_dump()["logical_prompt_tokens"] > cache.logical_length
+
+
+def test_a_frozen_computation_fails_at_its_deadline_and_the_worker_goes_on(tp_server):
+    """The worker's compute process hangs (SIGSTOP before the job reaches it): the worker
+    still heartbeats, so only the job's deadline can end it. It fails with the reason, the
+    worker kills the frozen process and starts a fresh one, the next job succeeds and the
+    failed one left nothing in the store."""
+    server, _, _ = tp_server
+    client = _client(server)
+    (worker,) = local_workers(server)
+    frozen = compute_child(worker)
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        job = _compact(client, "A note on the frozen computation. " * 20)
+        wait_status(client, job["id"], ("running",), timeout_s=60)
+        done = wait_finished(client, job["id"], timeout_s=JOB_TIMEOUT_S + 60)
+    finally:
+        if Path(f"/proc/{frozen}").exists():
+            os.kill(frozen, signal.SIGCONT)
+    assert done["status"] == "failed" and "deadline" in done["error"], done
+    for _ in range(60):  # the worker reaps the frozen process at its next heartbeat
+        if not Path(f"/proc/{frozen}").exists():
+            break
+        time.sleep(0.5)
+    assert not Path(f"/proc/{frozen}").exists()
+    assert local_workers(server) == [worker] and compute_child(worker) != frozen
+    again = _compact(client, "A note on the frozen computation. " * 20)
+    assert wait_finished(client, again["id"], 300)["status"] == "succeeded"
+    assert not list(store_of(server).glob(f"{job['id']}*"))
