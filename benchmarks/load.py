@@ -5,11 +5,12 @@ serve`` process (SmolLM2-135M, CPU, two API keys, auto-compaction above ``--thre
 prompt tokens, one local worker) serves ``--sessions`` concurrent conversations for ``--minutes``:
 each adds an essay excerpt per turn and asks for a short reply (streamed, so the time to the first
 token is measured), then pauses as a person would (``--think-s``, exponential); a tenth of the
-sessions send plain prompts without a conversation. The local worker is SIGKILLed ``--kills`` times, evenly spaced. Reports, per kind of request (plain,
-served from a compacted prefix, conversation not yet compacted) and per phase (while a compaction
-runs or not), p50/p99 TTFT, every status code, and at the end checks every succeeded compaction's
-cache in the store (present, checksums sound): zero 5xx and zero lost or corrupt caches are the
-acceptance. Writes ``benchmarks/results/load.json`` and a plot of TTFT over time with the kills.
+sessions send plain prompts without a conversation. The local worker is SIGKILLed ``--kills``
+times, evenly spaced. Reports, per kind of request (plain, served from a compacted prefix,
+conversation not yet compacted) and per phase (while a compaction runs or not), p50/p99 TTFT,
+every status code, and at the end checks every succeeded compaction's cache in the store
+(present, checksums sound): zero 5xx and zero lost or corrupt caches are the acceptance. Writes
+``benchmarks/results/load.json`` and a plot of TTFT over time with the kills.
 """
 
 from __future__ import annotations

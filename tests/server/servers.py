@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -120,8 +121,6 @@ def compute_child(worker_pid: int) -> int:
 
 def local_workers(server: ServerProcess) -> list[int]:
     """The pids of the server's local worker processes (its session's, by command line)."""
-    import os
-
     assert server.process is not None
     pids = []
     for entry in Path("/proc").iterdir():

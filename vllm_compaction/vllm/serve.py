@@ -3,8 +3,8 @@
 Runs vLLM's own ``vllm serve`` in this process with what a plain deployment would set by hand:
 ``VLLM_PLUGINS`` naming both entry points, ``--kv-transfer-config`` for the compaction
 connector, prefix caching, the compaction attention backend on CUDA, each rank's cores on a CPU
-under tensor parallelism, and the service settings as ``VLLM_COMPACTION_*`` variables. ``MODEL`` may be a known name (``smollm2-135m``): it is
-prepared, and served under that name.
+under tensor parallelism, and the service settings as ``VLLM_COMPACTION_*`` variables.
+``MODEL`` may be a known name (``smollm2-135m``): it is prepared, and served under that name.
 """
 
 from __future__ import annotations
