@@ -8,7 +8,14 @@ import torch
 
 from benchmarks.source_tree import alias_kernels
 
+from lifetimes import release_after_last_use, release_finished
+
 alias_kernels()  # a bare checkout (the GPU machines) imports the kernels like an installed one
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    release_finished(item)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -145,6 +152,7 @@ def server(tmp_path_factory):
     )
     process = compaction_server(disk / "store", root / "server.log")
     process.disk = disk if mounted else None
+    release_after_last_use("server", process.stop)
     try:
         process.start()
         yield process

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from vllm_compaction.cache import CompactedCache
 
@@ -61,6 +63,39 @@ def start_llm(
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         else:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
+
+
+def start_llms(*specs: dict[str, Any]) -> list:
+    """Start engines side by side (``start_llm``'s arguments, one dict each), in order.
+
+    Most of a start is the engine's two processes importing vLLM and torch, one core each, so on
+    two cores three engines start in about the time of two. Engines that set the process
+    environment while they start (tensor parallelism's rank binding) cannot start beside others.
+    If one fails, the others are stopped and its error raised.
+    """
+    if any(spec.get("tensor_parallel_size", 1) != 1 for spec in specs):
+        raise ValueError(
+            "tensor-parallel engines set the environment: start them alone"
+        )
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(start_llm, **spec) for spec in specs]
+    engines, errors = [], []
+    for future in futures:
+        try:
+            engines.append(future.result())
+        except Exception as error:  # re-raised below, once the others are stopped
+            errors.append(error)
+    if errors:
+        stop_llms(*engines)
+        raise errors[0]
+    return engines
+
+
+def stop_llms(*engines) -> None:
+    """Stop engines side by side (each waits seconds for its processes to exit)."""
+    if engines:
+        with ThreadPoolExecutor(len(engines)) as pool:
+            list(pool.map(stop_llm, engines))
 
 
 def random_llama_checkpoint(path, *, num_kv_heads: int = 2, seed: int = 0):

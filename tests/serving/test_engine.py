@@ -14,7 +14,7 @@ from vllm_compaction.reference import ReferenceDecoder
 from vllm_compaction.vllm import CompactedRef, compacted_prompt
 from vllm_compaction.vllm.prompt import PLACEHOLDER_TOKEN_ID
 
-from serving.engines import exact_cache, start_llm, stop_llm
+from serving.engines import exact_cache
 
 pytestmark = pytest.mark.slow
 
@@ -37,14 +37,6 @@ def essay_messages(adapter, tokens: int, seed: int) -> list[dict]:
             + haystack_text(tokens, adapter.tokenizer, seed=seed),
         }
     ]
-
-
-@pytest.fixture(scope="module")
-def vanilla():
-    """A stock engine: no connector, so the plugin's backend behaves exactly like vLLM's."""
-    engine = start_llm("float32", compaction=False)
-    yield engine
-    stop_llm(engine)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from vllm_compaction.corpus import haystack_text
 from vllm_compaction.vllm import compacted_prompt
 from vllm_compaction.vllm.snapshot import identity_cache, snapshot_kv
 
-from serving.engines import start_llm, stop_llm
+from serving.engines import start_llms, stop_llms
 
 pytestmark = pytest.mark.slow
 
@@ -93,36 +93,40 @@ def test_bf16_plain_traffic_and_identity_caches_are_exact_where_the_kernel_is_sh
             use_tqdm=False,
         )[0].outputs[0]
 
-    def serve(pages: str, *layouts: str):
+    def serve(engine, pages: str, *layouts: str):
         """The plain prompt, and the identity cache from the engine's own snapshot in each layout,
         on one engine."""
-        engine = start_llm(
-            "bfloat16", store=tmp_path / pages, kv_snapshots=True, pages=pages
-        )
-        try:
-            plain = from_prefix_cache(engine)
-            cache = identity_cache(engine, snapshot_kv(engine, prefix_ids))
-            prompts = [
-                compacted_prompt(
-                    cache, question, llm=engine, store=tmp_path / pages, layout=layout
-                )
-                for layout in layouts
-            ]
-            # one at a time, as stock vLLM runs it: the batch's shape could change GEMM rounding
-            return plain, *(
-                engine.generate([p], params, use_tqdm=False)[0].outputs[0]
-                for p in prompts
+        plain = from_prefix_cache(engine)
+        cache = identity_cache(engine, snapshot_kv(engine, prefix_ids))
+        prompts = [
+            compacted_prompt(
+                cache, question, llm=engine, store=tmp_path / pages, layout=layout
             )
-        finally:
-            stop_llm(engine)
+            for layout in layouts
+        ]
+        # one at a time, as stock vLLM runs it: the batch's shape could change GEMM rounding
+        return plain, *(
+            engine.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts
+        )
 
-    stock_plain, varlen, stock_padded = serve("stock", "varlen", "padded")
-    widened_plain, padded = serve("widened", "padded")
-    vanilla = start_llm("bfloat16", compaction=False)
+    # started side by side, run one after another (each takes both cores)
+    engines = start_llms(
+        *(
+            dict(
+                dtype="bfloat16", store=tmp_path / pages, kv_snapshots=True, pages=pages
+            )
+            for pages in ("stock", "widened")
+        ),
+        dict(dtype="bfloat16", compaction=False),
+    )
     try:
-        stock = from_prefix_cache(vanilla)
+        stock_plain, varlen, stock_padded = serve(
+            engines[0], "stock", "varlen", "padded"
+        )
+        widened_plain, padded = serve(engines[1], "widened", "padded")
+        stock = from_prefix_cache(engines[2])
     finally:
-        stop_llm(vanilla)
+        stop_llms(*engines)
 
     # stock-width pages: plain traffic is stock vLLM's computation, bit for bit
     assert len(stock.token_ids) == 64 and stock_plain.token_ids == stock.token_ids
