@@ -106,19 +106,22 @@ def test_the_least_recently_used_cache_is_evicted_and_a_stream_from_it_finishes(
     stream = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "Tell me about the meeting."}],
-        max_tokens=600,  # a minute or two on two cores: it outlasts the third compaction
+        # Two cores shared with the third compaction: 600 tokens outlasted it by 7 s here and
+        # fell 0.4 s short on a CI run, so twice that (the remainder runs alone, fast).
+        max_tokens=1200,
         temperature=0,
         stream=True,
         extra_body={"compaction_id": first["id"], "ignore_eos": True},
     )
     chunks = iter(stream)
     pieces = [next(chunks)]
-    finished: dict[str, float] = {}
+
+    arrived: list[float] = []
 
     def drain() -> None:
         for chunk in chunks:
             pieces.append(chunk)
-        finished["at"] = time.time()  # the server's clock: the job's finished_at is one
+            arrived.append(time.time())  # the server's clock: the job's finished_at is one
 
     reader = threading.Thread(target=drain)
     reader.start()
@@ -132,8 +135,9 @@ def test_the_least_recently_used_cache_is_evicted_and_a_stream_from_it_finishes(
     kept = sorted(p.stem for p in store.glob("cmp_*.safetensors"))
     assert kept == sorted([second["id"], third["id"]]), kept
     reader.join(timeout=600)
-    assert finished["at"] > evicted_by, (
-        "the stream ended before the eviction: no overlap"
+    after_eviction = sum(at > evicted_by for at in arrived)
+    assert after_eviction >= 100, (
+        f"only {after_eviction} of {len(arrived)} chunks came after the eviction"
     )
     assert pieces[-1].choices[0].finish_reason == "length"
     text = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
