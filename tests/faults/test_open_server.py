@@ -121,7 +121,8 @@ def test_the_least_recently_used_cache_is_evicted_and_a_stream_from_it_finishes(
     def drain() -> None:
         for chunk in chunks:
             pieces.append(chunk)
-            arrived.append(time.time())  # the server's clock: the job's finished_at is one
+            # the server's clock: the job's finished_at is one
+            arrived.append(time.time())
 
     reader = threading.Thread(target=drain)
     reader.start()
