@@ -79,6 +79,22 @@ def test_multikey_distractors_are_near_duplicates(smollm2):
         # one key per turn: the asked one is in the turn the details name
         users = [m["content"] for m in inst.messages if m["role"] == "user"]
         assert answer in users[inst.details["fact_turn"]]
+        # naming every candidate is not picking the right one
+        assert inst.distractors == tuple(distractors)
+        assert inst.score(f"The code is {answer}.") == 1.0
+        assert inst.score(f"{answer}, or maybe {distractors[0]}") == 0.0
+
+
+def test_an_agent_answer_that_names_both_commits_or_both_tickets_is_wrong(smollm2):
+    for seed in (1, 2):  # the commit, then the ticket
+        inst = make_task("agent-trace", smollm2.tokenizer, 600, seed=seed)
+        (answer,) = inst.answers
+        (other,) = inst.distractors
+        assert other != answer and other in inst.context
+        assert inst.score(f"commit {answer}: Add retry") == 1.0
+        assert inst.score(f"{other} or {answer}") == 0.0
+    line = make_task("agent-trace", smollm2.tokenizer, 600, seed=0)
+    assert line.details["asked"] == "line" and line.distractors == ()
 
 
 def test_agent_traces_hold_their_tool_outputs(smollm2):

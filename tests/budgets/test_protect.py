@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from vllm_compaction.budgets.protect import (
+    LEAD_TOKENS,
     MAX_PROTECTED_SHARE,
     identifier_spans,
+    lead_spans,
     protected_tokens,
 )
 from vllm_compaction.pipeline import compact
@@ -92,6 +94,64 @@ def test_the_tokens_of_each_identifier_are_protected_and_nothing_else(smollm2):
         ids, smollm2.tokenizer, "identifiers", torch.ones_like(content), 30
     )
     assert 0 < few.sum() <= MAX_PROTECTED_SHARE * 30
+
+
+def _kept_text(smollm2, text: str, rule: str, slots: int) -> str:
+    ids = smollm2.tokenizer(text, add_special_tokens=False)["input_ids"]
+    content = torch.ones(len(ids), dtype=torch.bool)
+    mask = protected_tokens(ids, smollm2.tokenizer, rule, content, slots)
+    return smollm2.tokenizer.decode([i for i, keep in zip(ids, mask.tolist()) if keep])
+
+
+def test_phrases_keep_the_key_an_identifier_belongs_to_within_its_sentence(smollm2):
+    text = (
+        "We talked about gardens. The door code for the back door is 481736. "
+        "The door code for the side door is 481763. Then we had lunch."
+    )
+    assert _kept_text(smollm2, text, "identifiers", 100) == "481736481763"
+    assert _kept_text(smollm2, text, "identifier-phrases", 100) == (
+        " The door code for the back door is 481736"
+        " The door code for the side door is 481763"
+    )
+    # identifiers take the room first: with room for both numbers and one phrase, the first
+    # phrase is kept whole and the second not at all
+    phrase = len(smollm2.tokenizer(" The door code for the back door is ")["input_ids"])
+    assert (
+        _kept_text(smollm2, text, "identifier-phrases", 2 * (12 + phrase))
+        == " The door code for the back door is 481736481763"
+    )
+
+
+def test_a_phrase_stops_at_a_line_another_identifier_a_template_token_or_its_length():
+    pieces = ["ok", ".", " The", " code", " is", " 4", "8", "1", "7", "3", "6"]
+    spans = identifier_spans(pieces)
+    assert lead_spans(pieces, spans, [True] * len(pieces)) == [[2, 3, 4]]
+    allowed = [True] * len(pieces)
+    allowed[3] = False  # a chat-template token
+    assert lead_spans(pieces, spans, allowed) == [[4]]
+    lines = [
+        "commit",
+        " a",
+        "3",
+        "f",
+        "9",
+        "c",
+        "2",
+        "\n",
+        "commit",
+        " 9",
+        "f",
+        "8",
+        "e",
+        "7",
+        "d",
+    ]
+    assert lead_spans(lines, identifier_spans(lines), [True] * len(lines)) == [[0], [8]]
+    adjacent = ["x", " 1", "2", "3", "4", "5", "6", " 6", "5", "4", "3", "2", "1"]
+    assert lead_spans(adjacent, identifier_spans(adjacent), [True] * 13)[1] == []
+    words = [" word"] * (LEAD_TOKENS + 5) + [" 1", "2", "3", "4", "5", "6"]
+    (lead,) = lead_spans(words, identifier_spans(words), [True] * len(words))
+    assert lead == list(range(5, LEAD_TOKENS + 5))
 
 
 def test_unknown_rules_are_refused():

@@ -12,6 +12,12 @@ digit) at least ``MIN_IDENTIFIER_CHARS`` long with at least one digit: ``5245335
 ``AB1C-D2EF-GH3I``, ``531-354-7468``, ``a3f9c2e1b7d4``, not ``2005`` or ``Krakow``. Protected
 tokens never take more than ``MAX_PROTECTED_SHARE`` of the budget; past it, the longest
 identifiers are kept first (ties: the earlier one).
+
+``protect="identifier-phrases"`` also keeps the words that lead up to each identifier in its
+sentence, at most ``LEAD_TOKENS`` tokens back ("the door code for the back door is"): with
+near-duplicate keys the value alone is not enough, the model must still tell which key it
+belongs to. The identifiers take the room first, then the phrases, in order. Measured on the
+conversation tasks at 10% it answers as ``identifiers`` does (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -23,17 +29,24 @@ from typing import Any
 import torch
 
 __all__ = [
+    "LEAD_TOKENS",
     "MAX_PROTECTED_SHARE",
     "MIN_IDENTIFIER_CHARS",
     "PROTECT_RULES",
     "check_protect",
     "identifier_spans",
+    "lead_spans",
     "protected_tokens",
 ]
 
-#: ``none``: nothing is protected; ``identifiers``: see the module doc.
-PROTECT_RULES = ("none", "identifiers")
+#: ``none``: nothing is protected; ``identifiers``, ``identifier-phrases``: see the module doc.
+PROTECT_RULES = ("none", "identifiers", "identifier-phrases")
 MIN_IDENTIFIER_CHARS = 6
+#: how far back a phrase reaches from its identifier, in tokens: a key of a few words and its
+#: verb ("The door code for the back door is" is 9)
+LEAD_TOKENS = 10
+#: a phrase stops after the token that ends the previous sentence or line
+_SENTENCE_END = re.compile(r"[.!?\n]")
 #: the largest share of a prefix's slots that protected tokens may take
 MAX_PROTECTED_SHARE = 0.5
 _WORD = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_\-]*[A-Za-z0-9])?")
@@ -73,6 +86,30 @@ def identifier_spans(pieces: Sequence[str]) -> list[list[int]]:
     return spans
 
 
+def lead_spans(
+    pieces: Sequence[str], spans: Sequence[Sequence[int]], allowed: Sequence[bool]
+) -> list[list[int]]:
+    """For each identifier span, the token indices of the phrase before it: back to the end of
+    the previous sentence or line, another identifier, a token not in ``allowed`` (template
+    tokens), or ``LEAD_TOKENS`` tokens, whichever comes first."""
+    taken = {i for span in spans for i in span}
+    leads = []
+    for span in spans:
+        lead: list[int] = []
+        at = span[0] - 1
+        while (
+            at >= 0
+            and len(lead) < LEAD_TOKENS
+            and allowed[at]
+            and at not in taken
+            and not _SENTENCE_END.search(pieces[at])
+        ):
+            lead.insert(0, at)
+            at -= 1
+        leads.append(lead)
+    return leads
+
+
 def protected_tokens(
     token_ids: Sequence[int] | torch.Tensor,
     tokenizer: Any,
@@ -96,4 +133,9 @@ def protected_tokens(
         if len(span) <= room:
             protected[span] = True
             room -= len(span)
+    if rule == "identifier-phrases":
+        for span, lead in zip(spans, lead_spans(pieces, spans, allowed), strict=True):
+            if lead and bool(protected[span[0]]) and len(lead) <= room:
+                protected[lead] = True
+                room -= len(lead)
     return protected

@@ -211,7 +211,15 @@ def _chat(
 
 
 def _task(
-    name: str, seed: int, messages, question, prefix, answers, exact=False, **details
+    name: str,
+    seed: int,
+    messages,
+    question,
+    prefix,
+    answers,
+    exact=False,
+    distractors=(),
+    **details,
 ) -> TaskInstance:
     return TaskInstance(
         name,
@@ -221,8 +229,12 @@ def _task(
         prefix,
         tuple(answers),
         messages=tuple(messages),
-        details=details,
+        details={
+            **details,
+            **({"distractors": list(distractors)} if distractors else {}),
+        },
         exact=exact,
+        distractors=tuple(distractors),
     )
 
 
@@ -352,26 +364,29 @@ def _agent_trace(tokenizer, n_tokens: int, seed: int):
         messages.append({"role": "assistant", "content": f"Calling {call}"})
         messages.append({"role": "tool", "content": output})
     asked = ("line", "commit", "ticket")[seed % 3]
-    question, prefix, answer = {
+    question, prefix, answer, other = {
         "line": (
             f"At which line did test_{word} fail?",
             f"test_{word} failed at line",
             str(line),
+            (),
         ),
         "commit": (
             "What is the hash of the commit that added retry to the refund worker?",
             "The commit that added retry to the refund worker is",
             commits[0],
+            (commits[1],),
         ),
         "ticket": (
             "Which ticket is the open one about refunds?",
             "The open ticket about refunds is ticket",
             tickets[0],
+            (tickets[1],),
         ),
     }[asked]
     return _task(
         "agent-trace", seed, messages, question, prefix, [answer], exact=True,
-        asked=asked,
+        distractors=other, asked=asked,
     )  # fmt: skip
 
 

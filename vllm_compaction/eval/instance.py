@@ -30,6 +30,9 @@ class TaskInstance:
     details: Mapping[str, Any] = field(default_factory=dict)
     #: score case-sensitively: identifiers must come back character for character
     exact: bool = False
+    #: values beside the answer that the question rules out (near-duplicate keys, the other
+    #: commit): an answer naming one scores 0, so listing every candidate is not a right answer
+    distractors: tuple[str, ...] = ()
 
     @property
     def scored(self) -> bool:
@@ -39,6 +42,10 @@ class TaskInstance:
     def score(self, text: str) -> float | None:
         if not self.scored:
             return None
+        if self.distractors and score_text(
+            text, self.distractors, case_sensitive=self.exact
+        ):
+            return 0.0
         return score_text(text, self.answers, case_sensitive=self.exact)
 
 
