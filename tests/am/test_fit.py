@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from vllm_compaction.am import fit as fit_module
 from vllm_compaction.am import lstsq_values, nnls_pgd
 from vllm_compaction.am.fit import (
     SelectedFeatures,
@@ -100,12 +101,15 @@ def test_bad_bounds_and_shapes_raise():
 
 
 @pytest.mark.parametrize("n", [6000, 30001])
-def test_fits_are_the_same_when_rows_are_split_for_threads(n):
+def test_fits_are_the_same_when_rows_are_split_for_threads(n, monkeypatch):
     """3 heads on 2 threads: the kept keys' features and the Gram products of ``fit_beta`` and
     ``fit_values`` cut each chunk's rows into blocks (``SelectedFeatures.split``). One even chunk,
     or two with an odd last one, must give the features, the NNLS objective and the fitted
     outputs of 1 thread (the fitted numbers themselves carry the normal equations'
     conditioning, so the test compares what they are fitted for)."""
+    # chunks of 2 MiB of logits per head (26,214 rows of 20 keys), the size on a core with
+    # 512 KiB of L2, whatever this machine's L2: the row counts above are chosen for it
+    monkeypatch.setattr(fit_module, "chunk_bytes_per_head", lambda queries: 2 << 20)
     gen = torch.Generator().manual_seed(7)
     h, t, d = 3, 20, 8
     q, kept = torch.randn(h, n, d, generator=gen), torch.randn(h, t, d, generator=gen)
