@@ -425,10 +425,14 @@ def _answered_by(args: argparse.Namespace) -> str:
 
 def _about(inst, text: str) -> dict:
     """What a record of an instance carries besides its score: how the instance was built
-    (where its fact sits) and, for identifiers, whether the answer named only a prefix."""
+    (where its fact sits, the distractors beside its answer) and, for identifiers, whether the
+    answer named only a prefix."""
     from vllm_compaction.eval.conversations import cut_short
 
-    out: dict = {"details": dict(inst.details)} if inst.details else {}
+    details = dict(inst.details)
+    if inst.distractors:
+        details["distractors"] = list(inst.distractors)
+    out: dict = {"details": details} if details else {}
     if inst.exact:
         out["cut_short"] = cut_short(text, inst.answers)
     return out

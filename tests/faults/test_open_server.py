@@ -115,7 +115,6 @@ def test_the_least_recently_used_cache_is_evicted_and_a_stream_from_it_finishes(
     )
     chunks = iter(stream)
     pieces = [next(chunks)]
-
     arrived: list[float] = []
 
     def drain() -> None:

@@ -229,10 +229,7 @@ def _task(
         prefix,
         tuple(answers),
         messages=tuple(messages),
-        details={
-            **details,
-            **({"distractors": list(distractors)} if distractors else {}),
-        },
+        details=details,
         exact=exact,
         distractors=tuple(distractors),
     )
