@@ -34,11 +34,12 @@ happens on first call; ``compacted_attention_reference`` is the plain-torch twin
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from vllm_compaction_kernels.runtime import interpreting
 
 __all__ = [
     "PrefixTables",
@@ -92,13 +93,6 @@ class PrefixTables:
     offset_multiple: int = 1
 
 
-def _interpreting(triton: Any) -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _build() -> tuple[Any, Any]:
     try:
         import triton
@@ -107,7 +101,7 @@ def _build() -> tuple[Any, Any]:
         raise RuntimeError(
             "compacted_attention needs Triton; without it use compacted_attention_reference"
         ) from exc
-    interpret = _interpreting(triton)
+    interpret = interpreting(triton)
     if interpret in _KERNELS:
         return _KERNELS[interpret]
 
@@ -561,7 +555,7 @@ def compacted_attention(
     attend, merge = _build()
     import triton
 
-    if query.device.type == "cpu" and not _interpreting(triton):
+    if query.device.type == "cpu" and not interpreting(triton):
         raise RuntimeError(
             "compacted_attention got CPU tensors: the Triton kernel needs a GPU, or TRITON_INTERPRET=1 "
             "for the (slow) interpreter; on a CPU use compacted_attention_reference"
@@ -598,7 +592,7 @@ def compacted_attention(
         raise ValueError(f"num_splits must be a power of two, got {splits}")
     # keys per split, a whole number of tiles: the longest program fills its splits
     split_keys = -(-max(max_keys, 1) // splits // block_n) * block_n
-    interpret = _interpreting(triton)
+    interpret = interpreting(triton)
     part = stat = out
     if splits > 1:
         part = torch.empty(

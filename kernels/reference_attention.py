@@ -12,11 +12,14 @@ memory traffic dominates on a GPU. Here:
 2. ``_scores`` (one program per block of keys and head): recomputes the logits of its keys
    against every query, turns them into attention weights with (1)'s shift and mass, and reduces
    them over the queries (``sum w a^2`` for rms, ``sum w a`` for mean, ``max w a`` for max and
-   weighted-max); optionally stores the shifted features ``exp(l - s)`` key-major in fp16.
+   weighted-max); optionally stores the shifted features ``exp(l - s)`` key-major, times a
+   scale, in the feature matrix's dtype (fp16, or fp8 for OMP on CUDA).
 
 Logits use ``tl.dot`` with the given input precision on fp32 operands: ``"ieee"`` (exact fp32
 products, slow on tensor-core GPUs), ``"tf32"`` (10-bit mantissas) or ``"tf32x3"`` (three tf32
-products, about fp32 accuracy). Both kernels compute every logit with the same precision.
+products, about fp32 accuracy), or on fp16 operands (``"fp16"``: the same 10-bit mantissas as
+tf32, twice the tensor-core rate and half the shared memory; inputs beyond ``FP16_INPUT_LIMIT``
+fall back to tf32). Both kernels compute every logit with the same precision; sums are fp32.
 
 ``import triton`` happens on first call, so this module imports on machines without Triton.
 Tests run it on the CPU with ``TRITON_INTERPRET=1`` against the torch pass.
@@ -31,9 +34,14 @@ from typing import Any
 
 import torch
 
+from vllm_compaction_kernels.runtime import interpreting
+
 __all__ = ["DOT_PRECISIONS", "ReferenceStats", "reference_attention_triton"]
 
-DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
+DOT_PRECISIONS = ("ieee", "tf32", "tf32x3", "fp16")
+#: Largest magnitude an input may have for ``"fp16"`` (fp16's largest finite is 65504); inputs
+#: beyond it run with ``"tf32"`` instead.
+FP16_INPUT_LIMIT = 3.0e4
 AGGREGATION_CODES = {None: 0, "rms": 1, "mean": 2, "max": 3, "weighted-max": 3}
 LOG2_E = 1.0 / math.log(2.0)
 LN_2 = math.log(2.0)
@@ -50,7 +58,8 @@ class ReferenceStats:
         mass: ``[H, n]`` fp32 shifted mass.
         output: ``[H, n, d]`` fp32 outputs or ``None``.
         scores: ``[H, T]`` fp32 raw per-key reductions (sums, not yet divided or rooted), or ``None``.
-        features: ``[H, T, n]`` fp16 key-major shifted features, or ``None``.
+        features: ``[H, T, n]`` key-major shifted features times ``feature_scale``, or ``None``.
+        feature_scale: what the features were multiplied by before storing.
     """
 
     shift: torch.Tensor
@@ -58,13 +67,7 @@ class ReferenceStats:
     output: torch.Tensor | None
     scores: torch.Tensor | None
     features: torch.Tensor | None
-
-
-def _interpreting(triton: Any) -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    feature_scale: float = 1.0
 
 
 #: Shared memory a configuration may need by ``_smem_estimate`` (Hopper has 227 KiB; the
@@ -87,14 +90,17 @@ def _configs(
     ]
 
 
-def _smem_estimate(config: Any, d_pad: int, kernel: str) -> float:
-    """Bytes of the fp32 tiles a configuration keeps in shared memory, with slack."""
+def _smem_estimate(
+    config: Any, d_pad: int, kernel: str, precision: str | None = None
+) -> float:
+    """Bytes of the tiles a configuration keeps in shared memory (fp32, or fp16 operands
+    under ``"fp16"``), with slack."""
     m, n, stages = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_stages
     if kernel == "forward":  # the query tile stays; keys and values stream
         tiles = m * d_pad + stages * 2 * n * d_pad + m * n
     else:  # the key tile stays; queries stream
         tiles = n * d_pad + stages * m * d_pad + m * n
-    return 4 * tiles * SMEM_SLACK
+    return (2 if precision == "fp16" else 4) * tiles * SMEM_SLACK
 
 
 def _pruner(kernel: str):
@@ -105,10 +111,15 @@ def _pruner(kernel: str):
 
     def prune(configs: list[Any], named_args: dict, **kwargs: Any) -> list[Any]:
         d_pad = kwargs.get("D_PAD", named_args.get("D_PAD"))
+        precision = kwargs.get("PRECISION", named_args.get("PRECISION"))
         if d_pad is None:
             raise ValueError("the autotuner's pruner needs the kernel's D_PAD")
-        fits = [c for c in configs if _smem_estimate(c, d_pad, kernel) <= SMEM_BUDGET]
-        fits = fits or [min(configs, key=lambda c: _smem_estimate(c, d_pad, kernel))]
+
+        def size(c: Any) -> float:
+            return _smem_estimate(c, d_pad, kernel, precision)
+
+        fits = [c for c in configs if size(c) <= SMEM_BUDGET]
+        fits = fits or [min(configs, key=size)]
         return fits[:1] if os.environ.get("VLLM_COMPACTION_TUNE", "1") == "0" else fits
 
     return prune
@@ -124,7 +135,7 @@ def _build() -> tuple[Any, Any]:
         raise RuntimeError(
             "the fused reference pass needs Triton; use the torch pass instead"
         ) from exc
-    interpret = _interpreting(triton)
+    interpret = interpreting(triton)
     if interpret in _KERNELS:
         return _KERNELS[interpret]
 
@@ -139,6 +150,8 @@ def _build() -> tuple[Any, Any]:
             (64, 32, 4, 1),
             (32, 32, 4, 2),
             (64, 16, 4, 2),
+            (128, 64, 8, 2),  # fp16 operands: twice the tiles fit
+            (128, 32, 8, 2),
         ],
     )
     score_configs = _configs(
@@ -151,6 +164,8 @@ def _build() -> tuple[Any, Any]:
             (64, 32, 4, 2),
             (32, 64, 4, 2),
             (32, 32, 4, 2),
+            (128, 64, 8, 2),  # fp16 operands
+            (64, 128, 8, 2),
         ],
     )
 
@@ -207,7 +222,11 @@ def _build() -> tuple[Any, Any]:
                 mask=col_ok[None, :] & d_ok[:, None],
                 other=0.0,
             )
-            logits = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale  # log2 units
+            # fp16 operands: 10-bit mantissas like tf32, twice its tensor-core rate
+            if PRECISION == "fp16":
+                logits = tl.dot(q, k_t) * qk_scale  # log2 units
+            else:
+                logits = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
             logits = tl.where(col_ok[None, :], logits, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logits, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -222,7 +241,11 @@ def _build() -> tuple[Any, Any]:
                     mask=col_ok[:, None] & d_ok[None, :],
                     other=0.0,
                 )  # [BLOCK_N, D_PAD]
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+                if PRECISION == "fp16":
+                    pv = tl.dot(p.to(tl.float16), v)
+                else:
+                    pv = tl.dot(p, v, input_precision=PRECISION)
+                acc = acc * alpha[:, None] + pv
             m_i = m_new
         stat = head * n + rows
         tl.store(shift_ptr + stat, m_i, mask=row_ok)
@@ -252,6 +275,7 @@ def _build() -> tuple[Any, Any]:
         n,
         t,
         qk_scale,
+        feat_scale,
         s_qh,
         s_qn,
         s_kh,
@@ -286,7 +310,10 @@ def _build() -> tuple[Any, Any]:
                 other=0.0,
             )
             shift = tl.load(shift_ptr + head * n + rows, mask=row_ok, other=0.0)
-            logits = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
+            if PRECISION == "fp16":
+                logits = tl.dot(q, k_t) * qk_scale
+            else:
+                logits = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
             ok = row_ok[:, None] & col_ok[None, :]
             # shifted features exp(l - s)
             p = tl.where(ok, tl.exp2(logits - shift[:, None]), 0.0)
@@ -296,7 +323,7 @@ def _build() -> tuple[Any, Any]:
                     + head * t * n
                     + cols[:, None].to(tl.int64) * n
                     + rows[None, :],
-                    tl.trans(p).to(tl.float16),
+                    (tl.trans(p) * feat_scale).to(feat_ptr.dtype.element_ty),
                     mask=tl.trans(ok),
                 )
             if AGGREGATION != 0:
@@ -334,12 +361,16 @@ def reference_attention_triton(
     keep_features: bool,
     row_weights: torch.Tensor | None = None,
     precision: str = "tf32x3",
+    feature_dtype: torch.dtype = torch.float16,
+    feature_scale: float = 1.0,
 ) -> ReferenceStats:
     """The reference pass over ``keys``/``values [H, T, d]`` and ``queries [H, n, d]`` (fp32).
 
     ``row_weights [H, n]`` weigh each query in the sums (rms, mean) or scale its weights before
     the max (weighted-max); ``None`` weighs every query 1. ``scores`` come back as the raw
-    reductions: the caller divides by the weight total (and takes the root for rms).
+    reductions: the caller divides by the weight total (and takes the root for rms). Kept
+    features are ``exp(l - s) * feature_scale`` in ``feature_dtype`` (a power of two keeps fp8's
+    few bits on the small entries: ``exp(l - s) <= 1``).
     """
     import triton
 
@@ -351,8 +382,17 @@ def reference_attention_triton(
         raise ValueError(f"unknown aggregation {aggregation!r}")
     h, t, d = keys.shape
     n = queries.shape[1]
-    keys, queries = keys.float().contiguous(), queries.float().contiguous()
-    values = values.float().contiguous() if values is not None else None
+    dtype = torch.float32
+    if precision == "fp16":
+        # one reduction decides: fp16 operands need every input within fp16's range
+        inputs = [keys, queries] + ([values] if values is not None else [])
+        peak = max(float(x.abs().amax()) for x in inputs) if keys.numel() and n else 0.0
+        if peak <= FP16_INPUT_LIMIT:
+            dtype = torch.float16
+        else:
+            precision = "tf32"
+    keys, queries = keys.to(dtype).contiguous(), queries.to(dtype).contiguous()
+    values = values.to(dtype).contiguous() if values is not None else None
     device = keys.device
     forward, scores_kernel = _build()
     shift = torch.empty(h, n, dtype=torch.float32, device=device)
@@ -393,7 +433,7 @@ def reference_attention_triton(
     code = AGGREGATION_CODES[aggregation]
     scores = torch.zeros(h, t, dtype=torch.float32, device=device) if code else None
     features = (
-        torch.empty(h, t, n, dtype=torch.float16, device=device)
+        torch.empty(h, t, n, dtype=feature_dtype, device=device)
         if keep_features
         else None
     )
@@ -414,6 +454,7 @@ def reference_attention_triton(
             n,
             t,
             qk_scale,
+            float(feature_scale),
             queries.stride(0),
             queries.stride(1),
             keys.stride(0),
@@ -426,5 +467,10 @@ def reference_attention_triton(
             PRECISION=precision,
         )
     return ReferenceStats(
-        shift=shift * LN_2, mass=mass, output=output, scores=scores, features=features
+        shift=shift * LN_2,
+        mass=mass,
+        output=output,
+        scores=scores,
+        features=features,
+        feature_scale=float(feature_scale) if keep_features else 1.0,
     )

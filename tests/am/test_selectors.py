@@ -7,14 +7,17 @@ import math
 import pytest
 import torch
 
+import vllm_compaction.am.attention as attention
 from vllm_compaction.am import (
     SELECTORS,
     MethodSpec,
+    attention_output_error,
     compact_heads,
     resolve_method,
     score_keys,
 )
 from vllm_compaction.am.attention import reference_attention
+from vllm_compaction.am.fit import solve_normal_equations
 from vllm_compaction.am.presets import EVICTION_FIT
 from vllm_compaction.am.selectors import KVMergerSelector, OMPSelector, SelectionProblem
 from vllm_compaction.am.selectors.omp import _GreedyMassFit
@@ -100,11 +103,19 @@ def test_omp_mass_residual_never_increases():
     assert (norms[1:] <= norms[:-1] * (1 + 1e-4) + 1e-6).all()
 
 
-def test_omp_ranks_with_half_features_but_fits_exact_columns():
+@pytest.mark.parametrize(("storage", "rounding"), [("fp16", 2e-3), ("fp8", 7e-2)])
+def test_omp_ranks_with_low_precision_features_but_fits_exact_columns(
+    storage, rounding, monkeypatch
+):
     """The correlation pass reads fp16 features (scaled residual: no overflow even for a huge
-    residual), within fp16 rounding of the fp32 product; the kept columns the fits use are
-    the exact fp32 features, recomputed from the keys."""
+    residual) or fp8 ones (CUDA's storage, scaled by a power of two; fp32 residual), within
+    their rounding of the fp32 product (fp16's relative 2^-11 on sums, fp8's 2^-4 per
+    entry); the kept columns the fits use are the exact fp32 features, recomputed from the
+    keys."""
+    monkeypatch.setattr(attention, "FEATURE_STORAGE", storage)
     p = _problem(5, budget=24, features=True)
+    stored = p.reference.features.dtype
+    assert stored == (torch.float16 if storage == "fp16" else torch.float8_e4m3fn)
     # [H, n, T]
     phi = torch.exp(
         p.scale * p.queries @ p.keys.transpose(1, 2) - p.reference.shift[..., None]
@@ -118,13 +129,55 @@ def test_omp_ranks_with_half_features_but_fits_exact_columns():
     ):
         exact = (phi * resid[..., None]).sum(1)
         err = (state._correlation(resid) - exact).abs()
-        assert (err <= 2e-3 * resid.abs().sum(-1, keepdim=True)).all()
+        size = (phi * resid.abs()[..., None]).sum(1) if storage == "fp8" else None
+        bound = (
+            rounding * size + 1e-5 * resid.abs().sum(-1, keepdim=True)
+            if size is not None
+            else rounding * resid.abs().sum(-1, keepdim=True)
+        )
+        assert (err <= bound).all()
     state.add_keys()
     kept = state.idx[:, :4]
     torch.testing.assert_close(
         state.phi_s[:, :4],
         phi.gather(2, kept[:, None, :].expand(3, 300, 4)).transpose(1, 2),
     )
+
+
+def test_omp_refits_solve_only_the_used_slots_and_agree_with_the_whole_budget():
+    """A refit solves the normal equations of the slots filled so far; the free slots above
+    them are decoupled in the budget-sized system and solve to 0, so both give one answer."""
+    p = _problem(8, budget=40, features=True)
+    state = _GreedyMassFit(p, per_round=6)
+    for _ in range(3):
+        state.add_keys()
+        t = state.t_max
+        whole = solve_normal_equations(
+            state.gram[:, :t, :t], state.rhs[:, :t, None], state.valid
+        )[..., 0]
+        assert state.high == int(state.count.max()) < t
+        torch.testing.assert_close(state._solve(), whole, rtol=1e-10, atol=1e-12)
+        state.update_residual(state.refit(lower=0.0))
+
+
+@pytest.mark.parametrize("method", ["am-omp", "am-omp-fast"])
+def test_omp_with_fp8_features_fits_as_well_as_with_fp16(method, monkeypatch):
+    """CUDA ranks OMP's candidates with fp8 features; on the CPU the same storage (a torch
+    correlation over the widened fp8 features) gives caches as good as fp16's on held-out
+    queries."""
+    p = _problem(3, h=2, t=400, n=900, d=32)
+    keys, values, queries = p.keys, p.values, p.queries
+    errors = {}
+    for storage in ("fp16", "fp8"):
+        monkeypatch.setattr(attention, "FEATURE_STORAGE", storage)
+        heads = compact_heads(
+            keys, values, queries[:, :600], [40, 25], method=RECIPES[method].math
+        )
+        assert heads.head_budgets.tolist() == [40, 25]
+        errors[storage] = attention_output_error(
+            heads, keys, values, queries[:, 600:]
+        ).output_rel
+    assert (errors["fp8"] <= errors["fp16"] * 1.05 + 1e-3).all(), errors
 
 
 def test_omp_refit_interval_equals_bigger_steps():

@@ -30,6 +30,7 @@ from vllm_compaction.am.heads import CompactedHeads
 __all__ = [
     "AGGREGATIONS",
     "check_query_weights",
+    "feature_storage",
     "AttentionResult",
     "OutputError",
     "ReferenceAttention",
@@ -58,18 +59,31 @@ LOG2_E = 1.0 / LN_2
 MIN_SPLIT_ROWS = 64
 #: How ``reference_attention`` runs: ``"auto"`` (the fused Triton kernels on CUDA with
 #: ``FUSED_PRECISION``, torch elsewhere), ``"torch"``, or ``"triton:<precision>"`` (one of
-#: ``ieee``, ``tf32``, ``tf32x3``; on the CPU only under ``TRITON_INTERPRET=1``).
+#: ``ieee``, ``tf32``, ``tf32x3``, ``fp16``; on the CPU only under ``TRITON_INTERPRET=1``).
 REFERENCE_BACKEND = "auto"
-#: Input precision of the fused kernels' logits on CUDA. On an H100, one layer of the paper's
-#: setting (8 heads, 60,000 keys, 40,000 queries, d = 256): ``tf32`` 0.36 s with held-out output
-#: error 0.69059, ``tf32x3`` 1.48 s and 0.69068, exact fp32 (``ieee``) 4.91 s and 0.69068, the
-#: torch pass 0.88 s and 0.69068 (benchmarks/results/gpu_check.json): rounding the operands to
-#: 10 bits changes the fitted caches' error by less than the run-to-run spread of the inputs.
-FUSED_PRECISION = "tf32"
+#: Input precision of the fused kernels' logits on CUDA. On an H100, 8 layers of the paper's
+#: setting (8 heads, 60,000 keys, 40,000 fitting queries, d = 256) with ``am-highest-attn``:
+#: reference pass 2.92 s with ``tf32``, 0.67 s with ``fp16`` operands (the same 10-bit
+#: mantissas, twice the tensor-core rate, larger tiles), held-out output error 0.67452 and
+#: 0.67455. On layer 0: ``tf32x3`` and exact fp32 (``ieee``) 0.69068, ``tf32`` 0.69059
+#: (benchmarks/results/gpu_check.json): rounding the operands to 10 bits changes the fitted
+#: caches' error by less than the run-to-run spread of the inputs.
+FUSED_PRECISION = "fp16"
 #: Storage of the kept feature matrix. Only OMP's correlation passes read it (each one a
-#: memory-bound GEMV over all of it), so half precision halves their cost; every fit uses
-#: fp32 features recomputed from the keys.
+#: memory-bound GEMV over all of it), to rank candidate keys; every fit uses fp32 features
+#: recomputed from the keys. Half precision on the CPU (its fast GEMV). On CUDA (sm_89 and
+#: later, under the fused pass) ``float8_e4m3fn`` of ``exp(l - s) * FP8_FEATURE_SCALE``: half
+#: the bytes again, which halves OMP's selection on an H100 (each round reads 19 GB instead of
+#: 38 GB at the paper's setting); ranking with fp8 features left the held-out error of
+#: ``am-omp-fast`` where fp16 had it (0.6306 vs 0.6310 over 12 synthetic heads, T = 8,000,
+#: 50x, the CPU emulating the rounding). The scale (a power of two) moves fp8's range onto
+#: ``[0, 1]`` features: entries down to ``2^-17`` survive instead of ``2^-9``.
 FEATURE_DTYPE = torch.float16
+FP8_FEATURE_DTYPE = torch.float8_e4m3fn
+FP8_FEATURE_SCALE = 256.0
+#: ``"auto"`` (fp8 where the fused CUDA pass runs on sm_89+, fp16 elsewhere), ``"fp16"`` or
+#: ``"fp8"`` (any device; the tests run the fp8 path on the CPU through the interpreter).
+FEATURE_STORAGE = "auto"
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:
@@ -137,8 +151,10 @@ class ReferenceAttention:
         output: ``[H, n, d]`` fp32 attention outputs ``Y`` (``None`` when not requested).
         scores: ``[H, T]`` fp32 aggregated attention weights per key (``None`` when not
             requested).
-        features: ``[H, T, n]`` key-major shifted features ``Phi^T``, ``Phi = exp(l - s)``, in
-            ``FEATURE_DTYPE`` (``None`` when not requested; OMP ranks keys with them).
+        features: ``[H, T, n]`` key-major shifted features ``Phi^T``, ``Phi = exp(l - s)``,
+            times ``feature_scale``, in the dtype of ``feature_storage`` (``None`` when not
+            requested; OMP ranks keys with them).
+        feature_scale: the factor the stored features carry (1 in fp16).
     """
 
     shift: torch.Tensor
@@ -146,6 +162,7 @@ class ReferenceAttention:
     output: torch.Tensor | None = None
     scores: torch.Tensor | None = None
     features: torch.Tensor | None = None
+    feature_scale: float = 1.0
 
     @property
     def log_mass(self) -> torch.Tensor:
@@ -160,19 +177,49 @@ class ReferenceAttention:
         lowering it by ``log row_scale_i`` scales the row's shifted features and mass by
         ``row_scale_i``, which weighs its squared residual by ``w_i``: the same normal equations
         as ``w_i`` copies of the row. ``row_scale [H, n]`` in ``(0, 1]`` keeps the features in
-        ``[0, 1]`` (OMP's half-precision range). The kept feature matrix is scaled in place;
+        ``[0, 1]`` (the stored features' range). The kept feature matrix is scaled in place;
         outputs and scores are shared (the value fit normalises its rows, so it takes the
         scale itself, and the scores were weighted in the pass).
         """
         if self.features is not None:
-            self.features.mul_(row_scale[:, None, :].to(self.features.dtype))
+            _scale_rows_(self.features, row_scale)
         return ReferenceAttention(
             shift=self.shift - row_scale.log(),
             mass=self.mass * row_scale,
             output=self.output,
             scores=self.scores,
             features=self.features,
+            feature_scale=self.feature_scale,
         )
+
+
+def _scale_rows_(features: torch.Tensor, row_scale: torch.Tensor) -> None:
+    """``features [H, T, n] *= row_scale [H, 1, n]`` in place; fp8 has no arithmetic, so its
+    blocks of keys are widened to fp16 one at a time."""
+    if features.dtype != FP8_FEATURE_DTYPE:
+        features.mul_(row_scale[:, None, :].to(features.dtype))
+        return
+    scale = row_scale[:, None, :].to(torch.float16)
+    for start in range(0, features.shape[1], 4096):
+        block = features[:, start : start + 4096]
+        block.copy_(block.to(torch.float16).mul_(scale))
+
+
+def feature_storage(device: torch.device) -> tuple[torch.dtype, float]:
+    """``(dtype, scale)`` of the feature matrix a reference pass on ``device`` keeps."""
+    storage = FEATURE_STORAGE
+    if storage not in ("auto", "fp16", "fp8"):
+        raise ValueError(f"FEATURE_STORAGE must be auto, fp16 or fp8, got {storage!r}")
+    if storage == "auto":
+        fp8 = (
+            device.type == "cuda"
+            and _fused_precision(device) is not None
+            and torch.cuda.get_device_capability(device) >= (8, 9)
+        )
+        storage = "fp8" if fp8 else "fp16"
+    if storage == "fp8":
+        return FP8_FEATURE_DTYPE, FP8_FEATURE_SCALE
+    return FEATURE_DTYPE, 1.0
 
 
 def row_split(num_heads: int, rows: int, device: torch.device | str = "cpu") -> int:
@@ -246,8 +293,8 @@ def reference_attention(
     scale : softmax scale.
     aggregation : ``"rms" | "mean" | "max" | "weighted-max"`` aggregation of the attention
         weights ``softmax(l)`` over queries into per-key scores, or ``None`` to skip scoring.
-    keep_features : keep the whole shifted-feature matrix, key-major ``[H, T, n]`` in
-        ``FEATURE_DTYPE``.
+    keep_features : keep the whole shifted-feature matrix, key-major ``[H, T, n]``, stored
+        as ``feature_storage(device)`` says.
     query_weights : ``[H, n]`` positive weight of each query in the ``rms`` and ``mean``
         scores (a weighted mean over queries, as if query ``i`` were there ``w_i`` times) and
         the ``weighted-max`` (scaled by the head's largest weight); ``None`` weighs every query
@@ -276,7 +323,8 @@ def reference_attention(
     kt, qs = keys.transpose(1, 2), queries * (scale * LOG2_E)  # [H, d, T], [H, n, d]
     shift, mass = keys.new_empty(h, n), keys.new_empty(h, n)
     output = keys.new_empty(h, n, values.shape[-1]) if values is not None else None
-    features = keys.new_empty(h, t, n, dtype=FEATURE_DTYPE) if keep_features else None
+    feature_dtype, feature_scale = feature_storage(keys.device)
+    features = keys.new_empty(h, t, n, dtype=feature_dtype) if keep_features else None
     chunks, split = block_chunks(
         n, min(n, max(1, chunk_bytes_per_head(keys) // (4 * t))), h, keys.device
     )
@@ -302,7 +350,11 @@ def reference_attention(
         shift[:, sl], mass[:, sl] = s[..., 0] * LN_2, m[..., 0]
         # key-major, so that OMP's correlation is a fast half GEMV
         if features is not None:
-            features[:, :, sl] = p.transpose(1, 2)
+            features[:, :, sl] = (
+                p.transpose(1, 2)
+                if feature_scale == 1.0
+                else p.transpose(1, 2) * feature_scale
+            )
         inv_m = m.reciprocal()  # [H, c, 1]
         if output is not None and v_rep is not None:  # both there with the values
             torch.mul(bmm_row_split(p, v_rep, split), inv_m, out=output[:, sl])
@@ -338,6 +390,7 @@ def reference_attention(
         output=output,
         scores=scores if aggregation else None,
         features=features,
+        feature_scale=feature_scale if features is not None else 1.0,
     )
 
 
@@ -382,6 +435,7 @@ def _fused_reference(
         row_weights = query_weights / query_weights.amax(-1, keepdim=True).clamp_min(
             TINY
         )
+    feature_dtype, feature_scale = feature_storage(keys.device)
     stats = reference_attention_triton(
         keys,
         values,
@@ -391,6 +445,8 @@ def _fused_reference(
         keep_features=keep_features,
         row_weights=row_weights,
         precision=precision,
+        feature_dtype=feature_dtype,
+        feature_scale=feature_scale,
     )
     scores = stats.scores
     if aggregation in ("rms", "mean"):
@@ -408,6 +464,7 @@ def _fused_reference(
         output=stats.output,
         scores=scores,
         features=stats.features,
+        feature_scale=stats.feature_scale,
     )
 
 

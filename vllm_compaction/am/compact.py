@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from vllm_compaction.am.attention import (
-    FEATURE_DTYPE,
     check_query_weights,
+    feature_storage,
     reference_attention,
     resolve_scale,
 )
@@ -379,7 +379,7 @@ def compact_heads(
     n, per_head = queries.shape[1], 0
     if plan.selector.needs_features:
         # features [T, n] and kept fp32 columns [t + 1, n]
-        per_head = n * (total * FEATURE_DTYPE.itemsize + 4 * (t_max + 1))
+        per_head = n * (total * feature_storage(dev)[0].itemsize + 4 * (t_max + 1))
     for group in _head_groups(work.to(dev), budgets, per_head, memory_limit):
         # fmt: skip
         fitted = _compact_group(

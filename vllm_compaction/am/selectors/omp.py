@@ -14,9 +14,10 @@ Speed: the Gram matrix ``Phi_S^T Phi_S`` and ``Phi_S^T m`` grow by the new colum
 (fp32 products kept in float64), each refit is one small batched Cholesky solve instead of a
 least-squares solve from scratch, and the only pass over the whole ``Phi`` per round is the
 correlation ``Phi^T r`` (a memory-bound GEMV: OMP costs about ``t / (k tau)`` reads of
-``Phi``). That pass reads the reference's key-major half-precision copy of ``Phi`` (half the
-bytes; it only ranks candidates), while the kept columns that every fit uses are recomputed
-in fp32 from their keys.
+``Phi``). That pass reads the reference's key-major low-precision copy of ``Phi`` (fp16 on the
+CPU, fp8 on CUDA: it only ranks candidates), while the kept columns that every fit uses are
+recomputed in fp32 from their keys. Each refit solves only the slots used so far (the Gram
+grows by ``k tau`` columns a round), not the head's whole budget.
 
 Stabilisers (paper, "Stabilizing beta"): a refit drops kept keys whose unconstrained weight
 is below ``e^min_beta`` (they are banned and selection continues until every kept key has
@@ -46,6 +47,10 @@ logger = logging.getLogger(__name__)
 
 #: ``sum |r|`` of the residual in the half-precision correlation pass (fp16 max is 65504).
 CORRELATION_RANGE = 3.0e4
+#: Re-solves a refit may spend on dropping keys under the floor; keys a re-solve pushes under
+#: it in turn are dropped at the next round's refit (the rounds go on until every head is
+#: full), and a key left under it at the very end has its weight clamped to the floor.
+DROP_SOLVES = 4
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,7 @@ class _GreedyMassFit:
         ref = problem.reference
         assert ref is not None and ref.features is not None
         phi_t, budgets = ref.features, problem.budgets
+        self.feature_scale = ref.feature_scale
         h, total, n = phi_t.shape
         # [H, T, n], [H, n] x2
         self.phi_t, self.mass, self.shift, self.budgets = (
@@ -191,9 +197,14 @@ class _GreedyMassFit:
         self.corr = self._correlation(self.mass)  # [H, T] correlation with r = m
 
     def _correlation(self, resid: torch.Tensor) -> torch.Tensor:
-        """``[H, T]`` fp32 ``Phi^T r`` for ``resid [H, n]``, from the half-precision features.
-        ``r`` is scaled so that ``sum |r| = CORRELATION_RANGE``: since ``0 <= Phi <= 1`` every
-        product then fits the half range, and most entries stay normal numbers."""
+        """``[H, T]`` fp32 ``Phi^T r`` for ``resid [H, n]``, from the stored features: fp8 ones
+        by the Triton GEMV (fp32 residual and sums); fp16 ones by a half GEMV with ``r``
+        scaled so that ``sum |r| = CORRELATION_RANGE``: since ``0 <= Phi <= 1`` every product
+        then fits the half range, and most entries stay normal numbers."""
+        if self.phi_t.dtype != torch.float16:
+            from vllm_compaction_kernels.feature_correlation import feature_correlation
+
+            return feature_correlation(self.phi_t, resid, self.feature_scale)
         # [H, 1]
         norm = (
             resid.abs().sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
@@ -202,7 +213,7 @@ class _GreedyMassFit:
         # r^T Phi as a row vector times Phi^T: CPU torch runs this layout as a half-precision GEMV
         # (fp32 accumulation); Phi^T @ r[..., None] takes a generic GEMM path 5x slower
         corr = torch.bmm(scaled[:, None, :], self.phi_t.transpose(1, 2))[:, 0]
-        return corr.float() * (norm / CORRELATION_RANGE)
+        return corr.float() * (norm / (CORRELATION_RANGE * self.feature_scale))
 
     @property
     def count(self) -> torch.Tensor:
@@ -272,16 +283,23 @@ class _GreedyMassFit:
         )
 
     def _solve(self) -> torch.Tensor:
-        t = self.t_max
-        return solve_normal_equations(
-            self.gram[:, :t, :t], self.rhs[:, :t, None], self.valid
+        """Weights ``[H, t_max]``: the normal equations of the slots below ``high`` (the free
+        slots above it are decoupled and would solve to 0), padded with zeros. A factorisation
+        costs the cube of its size, so early rounds are cheap."""
+        used = min(self.high, self.t_max)
+        w = self.rhs.new_zeros(self.rhs.shape[0], self.t_max)
+        w[:, :used] = solve_normal_equations(
+            self.gram[:, :used, :used],
+            self.rhs[:, :used, None],
+            self.valid[:, :used],
         )[..., 0]
+        return w
 
     def refit(self, lower: float) -> torch.Tensor:
         """Unconstrained least-squares weights ``[H, t_max]`` (0 on free slots); frees the
         slots of keys whose weight falls below ``lower`` (they stay excluded) and re-solves."""
         w = self._solve()
-        for _ in range(4):
+        for _ in range(DROP_SOLVES):
             drop = self.valid & (w < lower) & ~self.done[:, None]
             remaining = (~self.excluded).sum(1)
             # only if enough keys can replace them
@@ -297,9 +315,11 @@ class _GreedyMassFit:
         """Record ``w`` for unfinished heads, mark finished ones, refresh the correlation."""
         self.final_w = torch.where(self.done[:, None], self.final_w, w)
         self.done = self.done | (self.count >= self.budgets)
-        t = self.t_max
+        used = min(self.high, self.t_max)  # weights above are 0
         # [H, n]
-        resid = self.mass - torch.bmm(w.float()[:, None, :], self.phi_s[:, :t])[:, 0]
+        resid = (
+            self.mass - torch.bmm(w[:, None, :used].float(), self.phi_s[:, :used])[:, 0]
+        )
         self.corr = self._correlation(resid)
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
