@@ -43,7 +43,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Relative diagonal jitter of the normal equations (times the mean diagonal).
+#: Relative diagonal jitter of the normal equations (times the mean diagonal). The equations
+#: are factored in fp64, the one place the fits use it: this ridge is below fp32's resolution
+#: (2^-23), and on an H100 a batched fp64 Cholesky of ``[8, p, p]`` cost what fp32's did
+#: (0.86 vs 0.81 ms at p = 600, 2.55 vs 2.27 ms at p = 1,200).
 JITTER = 1e-9
 #: Dtype of the Gram products. fp32 products, factored in fp64, gave the same held-out errors as
 #: fp64 products (and as QR least squares) at half the cost.
