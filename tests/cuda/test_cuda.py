@@ -9,41 +9,14 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 
-from kernels.test_kernel_cases import CASES, INLINE_ENV, run_cases
+from kernels.test_kernel_cases import CASES, case_ids, run_cases
 
 pytestmark = pytest.mark.cuda
-
-
-def _case_ids(path: Path) -> list[str]:
-    """The node ids of a case file's cases, as its own subprocess collects them."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "--collect-only",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(path),
-        ],
-        cwd=path.parents[2],
-        env={**os.environ, INLINE_ENV: "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    ids = [line for line in proc.stdout.splitlines() if "::" in line]
-    assert ids, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return ids
 
 
 def test_kernel_cases_compiled():
@@ -51,19 +24,17 @@ def test_kernel_cases_compiled():
     one file's cases in one process took most of the GPU check's two minutes of tests."""
     workers = max(len(CASES), os.cpu_count() or 1)
     with ThreadPoolExecutor(workers) as pool:
-        ids = dict(zip(CASES, pool.map(_case_ids, CASES)))
+        ids = dict(zip(CASES, pool.map(case_ids, CASES)))
         total = sum(map(len, ids.values()))
-        shards = [
-            (path, chunk)
-            for path, node_ids in ids.items()
+        shards = []
+        for path, node_ids in ids.items():
             # each file gets shards in proportion to its cases
-            for size in [
-                math.ceil(
-                    len(node_ids) / max(1, round(workers * len(node_ids) / total))
-                )
+            size = math.ceil(
+                len(node_ids) / max(1, round(workers * len(node_ids) / total))
+            )
+            shards += [
+                (path, node_ids[i : i + size]) for i in range(0, len(node_ids), size)
             ]
-            for chunk in (node_ids[i : i + size] for i in range(0, len(node_ids), size))
-        ]
         procs = list(
             pool.map(
                 lambda shard: run_cases(shard[0], interpret=False, node_ids=shard[1]),

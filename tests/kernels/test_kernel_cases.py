@@ -41,9 +41,11 @@ def run_cases(
     interpret: bool,
     node_ids: list[str] | None = None,
     report: Path | None = None,
+    collect_only: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run the cases of ``path`` (or only ``node_ids`` of it) in a fresh interpreter; with
-    ``report``, each phase's outcome is written there as JSON lines."""
+    ``report``, each phase's outcome is written there as JSON lines; with ``collect_only``,
+    list their node ids instead (``case_ids``)."""
     # one tile configuration: fewer compiles
     env = {
         **os.environ,
@@ -65,6 +67,7 @@ def run_cases(
             "-rfE",
             "-p",
             "no:cacheprovider",
+            *(["--collect-only"] if collect_only else []),
             *(node_ids or [str(path)]),
         ],
         cwd=path.parents[2],
@@ -73,6 +76,17 @@ def run_cases(
         text=True,
         timeout=900,
     )
+
+
+def case_ids(path: Path) -> list[str]:
+    """The node ids of a case file's cases, as its own subprocess collects them."""
+    proc = run_cases(path, interpret=False, collect_only=True)
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    if not ids:
+        raise RuntimeError(
+            f"no cases collected from {path}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        )
+    return ids
 
 
 @dataclass
