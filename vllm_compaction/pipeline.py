@@ -379,9 +379,13 @@ class _Compaction:
     chunks_on_device: list[torch.Tensor] = field(init=False)
     #: device mask of the template tokens and the protected ones, which stay exact.
     exact_on_device: torch.Tensor = field(init=False)
-    #: how many content tokens are kept exact (``budgets.protect``).
+    #: how many content tokens are protected (``budgets.protect``).
     protected: int = field(init=False)
-    #: the ratio the budgets give the fitted content: ``ratio`` less the protected slots.
+    #: per chunk, ``[chunk tokens]`` device mask of the protected tokens each head's selection
+    #: keeps first (``protect_by="selection"``), or ``None``.
+    priorities: list[torch.Tensor | None] = field(init=False)
+    #: the ratio the budgets give the fitted content: ``ratio`` less the slots of the tokens
+    #: protected exact.
     fit_ratio: float = field(init=False)
     positions: torch.Tensor = field(init=False)
     scales: list[float] = field(init=False)
@@ -402,19 +406,27 @@ class _Compaction:
         self.compacted = [None] * adapter.num_layers
         spec = self.prepared.spec
         mask, n = spec.compact_mask, self.prepared.num_content
-        # protected content tokens stay exact, as the template's; their slots come out of the
-        # budget, so the rest is fitted at a lower ratio and the prefix keeps its size
         protected = protected_tokens(
             spec.token_ids, adapter.tokenizer, self.plan.protect, mask, self.ratio * n
         )
         kept = self.protected = int(protected.sum())
-        self.fit_ratio = (self.ratio * n - kept) / (n - kept) if kept else self.ratio
-        content = mask & ~protected
+        self.fit_ratio, content = self.ratio, mask
+        if self.plan.protect_by == "exact" and kept:
+            # protected content tokens stay exact, as the template's; their slots come out of
+            # the budget, so the rest is fitted at a lower ratio and the prefix keeps its size
+            self.fit_ratio = (self.ratio * n - kept) / (n - kept)
+            content = mask & ~protected
+        # by selection, each head keeps them first within its own budget
+        priority = protected if self.plan.protect_by == "selection" and kept else None
         # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets,
         # so a long tail cannot starve an early span (e.g. facts stated in the first turn).
         self.chunks = content_chunks(content, self.chunk_tokens)
         self.exact_on_device = (~content).to(adapter.device)
         self.chunks_on_device = [chunk.to(adapter.device) for chunk in self.chunks]
+        self.priorities = [
+            None if priority is None else priority[chunk].to(adapter.device)
+            for chunk in self.chunks
+        ]
         self.positions = torch.arange(self.prepared.spec.length, device=adapter.device)
         self.scales = adapter.layer_scales()
         self.windows = adapter.layer_windows
@@ -477,7 +489,9 @@ def _fit_layer(
     exact, positions = run.exact_on_device, run.positions
     parts = [CompactedHeads.exact(keys[:, exact], values[:, exact], positions[exact])]
     query_weights = run.prepared.collector.weights(layer)
-    for chunk, budgets in zip(run.chunks_on_device, run.budgets):
+    for chunk, budgets, priority in zip(
+        run.chunks_on_device, run.budgets, run.priorities, strict=True
+    ):
         parts.append(
             compact_heads(
                 keys[:, chunk],
@@ -488,6 +502,7 @@ def _fit_layer(
                 scale=run.scales[layer],
                 positions=positions[chunk],
                 query_weights=query_weights,
+                priority=priority,
             )
         )
     heads = CompactedHeads.concat_slots(parts)
@@ -551,6 +566,7 @@ def _record_stage(run: _Compaction) -> None:
             **plan.budget_options,
             **plan.scoring.as_options(),
             "protect": plan.protect,
+            "protect_by": plan.protect_by,
             "protected_tokens": run.protected,
             "chunk_tokens": run.chunk_tokens,
             "query_cap": prepared.collector.cap,

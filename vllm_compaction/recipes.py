@@ -37,11 +37,13 @@ from vllm_compaction.am.presets import (
     resolve_method,
 )
 from vllm_compaction.budgets import (
+    PROTECT_MODES,
     PROTECT_RULES,
     SCORE_OPTIONS,
     ScoreOptions,
     check_budget_options,
     check_protect,
+    check_protect_by,
     resolve_score_options,
 )
 from vllm_compaction.queries import parse_sources, resolve_spacing
@@ -138,7 +140,7 @@ RECIPE_KEYS = ("queries", "budgets", "on_policy")
 #: Options of the head budgets, and with the global ranking's, the options the pipeline takes;
 #: every other option goes to the math, which refuses unknown ones.
 BUDGET_OPTIONS = ("max_head_ratio", "min_head_slots", "min_layer_share")
-PIPELINE_OPTIONS = (*BUDGET_OPTIONS, *SCORE_OPTIONS, "protect")
+PIPELINE_OPTIONS = (*BUDGET_OPTIONS, *SCORE_OPTIONS, "protect", "protect_by")
 
 
 def _value(text: str) -> Any:
@@ -189,7 +191,8 @@ class ResolvedRecipe:
         math_options: the options that went to the math, as given.
         budget_options: the ``BUDGET_OPTIONS`` given, for ``resolve_budgets``.
         scoring: the global ranking, resolved (defaults filled in).
-        protect: which content tokens stay exact (``budgets.protect``, one of ``PROTECT_RULES``).
+        protect: which content tokens are protected (``budgets.protect``, one of
+            ``PROTECT_RULES``), and ``protect_by`` how (one of ``PROTECT_MODES``).
     """
 
     name: str
@@ -199,6 +202,7 @@ class ResolvedRecipe:
     budget_options: Mapping[str, Any]
     scoring: ScoreOptions
     protect: str = PROTECT_RULES[0]
+    protect_by: str = PROTECT_MODES[0]
 
 
 def resolve(
@@ -247,15 +251,25 @@ def resolve(
     )
     scoring = resolve_score_options(merged)
     protect = check_protect(merged.get("protect", PROTECT_RULES[0]))
+    protect_by = check_protect_by(merged.get("protect_by", PROTECT_MODES[0]))
     math_options = {k: v for k, v in merged.items() if k not in PIPELINE_OPTIONS}
+    method_math = resolve_method(base.math, math_options, name=name)
+    if protect != "none" and protect_by == "selection":
+        if not method_math.selector.takes_priority:
+            raise ValueError(
+                f"protect_by=selection needs a selector that ranks keys by score; method "
+                f"{method!r} selects with {method_math.selector.name!r} (use "
+                "protect_by=exact, or a highest-attention method such as am)"
+            )
     return ResolvedRecipe(
         name,
         recipe,
-        resolve_method(base.math, math_options, name=name),
+        method_math,
         MappingProxyType(math_options),
         MappingProxyType(budget_options),
         scoring,
         protect,
+        protect_by,
     )
 
 

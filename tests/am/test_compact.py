@@ -392,6 +392,12 @@ BAD_CALLS = {
         dict(query_weights=torch.ones(N, dtype=torch.bool)),
         "query_weights",
     ),
+    "priority not bool": (dict(priority=torch.ones(T)), "priority"),
+    "priority shape": (dict(priority=torch.ones(T - 1, dtype=torch.bool)), "priority"),
+    "priority with omp": (
+        dict(method=MATH["am-omp-fast"], priority=torch.ones(T, dtype=torch.bool)),
+        "cannot keep priority keys",
+    ),
 }
 
 

@@ -20,6 +20,7 @@ from vllm_compaction.am.attention import reference_attention
 from vllm_compaction.am.fit import solve_normal_equations
 from vllm_compaction.am.presets import EVICTION_FIT
 from vllm_compaction.am.selectors import KVMergerSelector, OMPSelector, SelectionProblem
+from vllm_compaction.am.selectors.base import PRIORITY_SHARE
 from vllm_compaction.am.selectors.omp import _GreedyMassFit
 from vllm_compaction.recipes import RECIPES
 
@@ -262,6 +263,35 @@ def test_highest_attention_keeps_the_top_scored_keys(method, aggregation):
     for h in range(3):
         want = torch.topk(scores[h], 12).indices.sort().values
         assert torch.equal(heads.head(h)[3], want)
+
+
+def test_priority_keys_are_kept_first_up_to_their_share_then_the_best_scored_others():
+    p = _problem(5)
+    scores = score_keys(p.keys, p.queries, aggregation="rms")
+    # the 6 lowest-scored keys of head 0 have priority: with 12 slots every head keeps them
+    # all (half its budget), and its other slots are its best-scored other keys
+    priority = torch.zeros(p.keys.shape[1], dtype=torch.bool)
+    priority[scores[0].argsort()[:6]] = True
+    method = RECIPES["am-highest-attn"].math
+
+    def kept(budget: int, keys: torch.Tensor = priority) -> torch.Tensor:
+        return compact_heads(
+            p.keys, p.values, p.queries, budget, method=method, priority=keys
+        ).indices.view(3, budget)
+
+    assert PRIORITY_SHARE == 0.5
+    for h in range(3):
+        others = scores[h].masked_fill(priority, -1.0)
+        want = torch.cat([priority.nonzero()[:, 0], torch.topk(others, 6).indices])
+        assert torch.equal(kept(12)[h], want.sort().values)
+    # with 6 slots, the 3 best-scored priority keys and the 3 best of the rest
+    for h in range(3):
+        first = torch.topk(scores[h].masked_fill(~priority, -1.0), 3).indices
+        rest = torch.topk(scores[h].index_fill(0, first, -1.0), 3).indices
+        assert torch.equal(kept(6)[h], torch.cat([first, rest]).sort().values)
+    # no priority key: the plain selection
+    plain = compact_heads(p.keys, p.values, p.queries, 12, method=method)
+    assert torch.equal(kept(12, torch.zeros_like(priority)).flatten(), plain.indices)
 
 
 def test_omp_round_bound_only_changes_large_heads():

@@ -157,11 +157,18 @@ def test_a_phrase_stops_at_a_line_another_identifier_a_template_token_or_its_len
 def test_unknown_rules_are_refused():
     with pytest.raises(ValueError, match="protect must be one of none, identifiers"):
         resolve("am:protect=digits")
-    assert resolve("am:protect=identifiers").protect == "identifiers"
+    with pytest.raises(ValueError, match="protect_by must be one of exact, selection"):
+        resolve("am:protect=identifiers,protect_by=fit")
+    # only a selector that ranks keys can keep protected tokens first
+    with pytest.raises(ValueError, match="protect_by=selection needs a selector"):
+        resolve("am-omp-fast:protect=identifiers,protect_by=selection")
+    assert resolve("am-omp-fast:protect=identifiers").protect_by == "exact"
+    chosen = resolve("am:protect=identifiers,protect_by=selection")
+    assert (chosen.protect, chosen.protect_by) == ("identifiers", "selection")
     assert resolve("am").protect == "none"
 
 
-def test_protected_tokens_stay_exact_in_every_head_and_the_prefix_keeps_its_size(
+def test_protected_tokens_stay_exact_in_every_head_or_first_in_each_selection(
     smollm2,
 ):
     messages = [
@@ -194,3 +201,23 @@ def test_protected_tokens_stay_exact_in_every_head_and_the_prefix_keeps_its_size
             assert int(at.sum()) == len(number), (layer, h)
             assert not beta[at].any()
             torch.testing.assert_close(keys[at], kv.keys[layer][h, idx[at]])
+    # by selection: the same budgets as without protection, and each head keeps as many of
+    # the number's tokens as half its content slots hold, where the plain selection drops most
+    chosen = compact(
+        smollm2,
+        messages,
+        method="am-highest-attn:protect=identifiers,protect_by=selection",
+        **common,
+    )
+    assert chosen.options["protected_tokens"] == protected
+    assert chosen.physical_slots == plain.physical_slots
+    template = int((~smollm2.chat_content(messages)[1]).sum())
+    kept_by_selection = kept_by_plain = 0
+    for selected, unprotected in zip(chosen.layers, plain.layers, strict=True):
+        for h in range(selected.num_heads):
+            idx = selected.head(h)[3]
+            at = int(torch.isin(idx, positions).sum())
+            assert at >= min(len(number), (len(idx) - template) // 2)
+            kept_by_selection += at
+            kept_by_plain += int(torch.isin(unprotected.head(h)[3], positions).sum())
+    assert kept_by_plain < kept_by_selection / 2

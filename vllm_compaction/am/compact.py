@@ -166,6 +166,37 @@ def _clock(device: torch.device):
     return now
 
 
+def _check_priority(
+    priority: torch.Tensor | None,
+    plan: ResolvedMethod,
+    total: int,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """``priority`` on ``device`` if it is a ``[T]`` bool mask and the selector honours one;
+    ``ValueError`` with a sentence otherwise; ``None`` when no key has priority."""
+    if priority is None:
+        return None
+    if (
+        not isinstance(priority, torch.Tensor)
+        or priority.dtype != torch.bool
+        or priority.shape != (total,)
+    ):
+        raise ValueError(
+            f"priority must be a [T] = [{total}] bool tensor, got "
+            f"{getattr(priority, 'dtype', type(priority).__name__)} "
+            f"{tuple(getattr(priority, 'shape', ()))}"
+        )
+    if not bool(priority.any()):
+        return None
+    if not plan.selector.takes_priority:
+        raise ValueError(
+            f"method {plan.name!r} selects its keys with {plan.selector.name!r}, which cannot "
+            "keep priority keys first; use a highest-attention method (am, am-highest-attn, "
+            "kvzip, ...)"
+        )
+    return priority.to(device)
+
+
 def _compact_group(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -176,10 +207,12 @@ def _compact_group(
     memory_limit: int,
     clock: dict[str, float],
     weights: torch.Tensor | None,
+    priority: torch.Tensor | None = None,
 ) -> Selection:
     """Compact fp32 heads with ``0 < t_h < T``: kept indices with their fitted (or selector-
     given, or zero) ``beta`` and values, padded to the group's ``t_max``. ``weights [H, n]``
-    (largest 1) count each query that many times in the scores and every fit."""
+    (largest 1) count each query that many times in the scores and every fit; ``priority
+    [T]`` keys are kept first (``SelectionProblem.priority``)."""
     now = _clock(keys.device)
     start = now()
     ref = None
@@ -199,7 +232,7 @@ def _compact_group(
         ref = ref.weighted_rows(row_scale)
     clock["reference_s"] += (mark := now()) - start
     sel = plan.selector.select(
-        SelectionProblem(keys, values, queries, scale, budgets, ref)
+        SelectionProblem(keys, values, queries, scale, budgets, ref, priority)
     )
     if ref is not None:
         ref.features = None  # release the [H, T, n] features early
@@ -312,6 +345,7 @@ def compact_heads(
     memory_limit: int | None = None,
     timings: dict[str, float] | None = None,
     query_weights: torch.Tensor | None = None,
+    priority: torch.Tensor | None = None,
     **options: Any,
 ) -> CompactedHeads:
     """Compact ``H`` KV heads to ``t_h`` slots each by Attention Matching or a baseline.
@@ -337,6 +371,9 @@ def compact_heads(
     query_weights : ``[n]`` or ``[H, n]`` positive weights: query ``i`` counts ``w_i`` times
         in the key scores (rms, mean), the beta fit, OMP and the value fit, exactly as if its
         row were repeated ``w_i`` times (integer weights), at the cost of one row.
+    priority : ``[T]`` bool keys every head keeps before any other, up to half its budget
+        (``PRIORITY_SHARE``; the best-scored of them), then fitted as any kept key; for
+        selectors that rank keys by score (``takes_priority``).
     **options : overrides of the ``MethodSpec``: selector fields (``aggregation``, ``pool_kernel``,
         ``keys_per_step``, ``refit_interval``, ``seed``, ``keep``, ``sigma``...), fit fields
         (``beta``, ``beta_bounds``, ``beta_iters``, ``values``) or ``selector``.
@@ -352,6 +389,7 @@ def compact_heads(
     weights = check_query_weights(query_weights, queries)
     pos = _check_positions(positions, total, keys.device)
     plan = _resolve(method, options)
+    priority = _check_priority(priority, plan, total, keys.device)
     scale = resolve_scale(scale, d)
     if memory_limit is None:
         memory_limit = device_limits(keys.device).memory_limit
@@ -392,6 +430,7 @@ def compact_heads(
             memory_limit,
             clock,
             None if weights is None else weights[group],
+            priority,
         )
         width = fitted.indices.shape[1]
         # _compact_group fits (or takes from its selector) both

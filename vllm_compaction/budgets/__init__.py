@@ -18,8 +18,10 @@ from vllm_compaction.budgets.allocate import (
     uniform_budgets,
 )
 from vllm_compaction.budgets.protect import (
+    PROTECT_MODES,
     PROTECT_RULES,
     check_protect,
+    check_protect_by,
     protected_tokens,
 )
 from vllm_compaction.budgets.schedule import Schedule, load_schedule, packaged_schedule
@@ -38,6 +40,7 @@ from vllm_compaction.budgets.scoring import (
 
 __all__ = [
     "BUDGET_MODES",
+    "PROTECT_MODES",
     "PROTECT_RULES",
     "DEFAULT_SCORE_SOFTMAX",
     "DEFAULT_SCORE_WEIGHT_POWER",
@@ -49,6 +52,7 @@ __all__ = [
     "cap_and_fill",
     "check_budget_options",
     "check_protect",
+    "check_protect_by",
     "check_score_aggregation",
     "check_score_softmax",
     "check_score_weight_power",

@@ -18,6 +18,13 @@ sentence, at most ``LEAD_TOKENS`` tokens back ("the door code for the back door 
 near-duplicate keys the value alone is not enough, the model must still tell which key it
 belongs to. The identifiers take the room first, then the phrases, in order. Measured on the
 conversation tasks at 10% it answers as ``identifiers`` does (benchmarks/README.md).
+
+How they are kept is ``protect_by``: ``"exact"`` (the default above: their own slots in every
+head, outside the fit) or ``"selection"``: each head's selector keeps them before any other
+key, up to half of that head's budget (the ones it scores best), and they are fitted as any
+kept key. A token the selection would keep anyway then costs nothing, and a head with a small
+budget keeps only the protected tokens it scores best, where ``exact`` pays for every
+protected token in every head.
 """
 
 from __future__ import annotations
@@ -32,8 +39,10 @@ __all__ = [
     "LEAD_TOKENS",
     "MAX_PROTECTED_SHARE",
     "MIN_IDENTIFIER_CHARS",
+    "PROTECT_MODES",
     "PROTECT_RULES",
     "check_protect",
+    "check_protect_by",
     "identifier_spans",
     "lead_spans",
     "protected_tokens",
@@ -41,6 +50,9 @@ __all__ = [
 
 #: ``none``: nothing is protected; ``identifiers``, ``identifier-phrases``: see the module doc.
 PROTECT_RULES = ("none", "identifiers", "identifier-phrases")
+#: how protected tokens are kept (``protect_by``): their own exact slots, or first in each
+#: head's selection
+PROTECT_MODES = ("exact", "selection")
 MIN_IDENTIFIER_CHARS = 6
 #: how far back a phrase reaches from its identifier, in tokens: a key of a few words and its
 #: verb ("The door code for the back door is" is 9)
@@ -59,6 +71,15 @@ def check_protect(rule: Any) -> str:
             f"protect must be one of {', '.join(PROTECT_RULES)}, got {rule!r}"
         )
     return str(rule)
+
+
+def check_protect_by(mode: Any) -> str:
+    """``mode`` if it names a way to keep protected tokens; ``ValueError`` otherwise."""
+    if mode not in PROTECT_MODES:
+        raise ValueError(
+            f"protect_by must be one of {', '.join(PROTECT_MODES)}, got {mode!r}"
+        )
+    return str(mode)
 
 
 def identifier_spans(pieces: Sequence[str]) -> list[list[int]]:

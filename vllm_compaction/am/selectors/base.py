@@ -9,6 +9,7 @@ with some aggregation, or the full shifted-feature matrix), so no selector recom
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -23,6 +24,7 @@ __all__ = [
     "Selector",
     "SelectorBase",
     "top_by_score",
+    "PRIORITY_SHARE",
     "slot_mask",
 ]
 
@@ -38,6 +40,9 @@ class SelectionProblem:
         budgets: ``[H]`` int64 slots per head, ``0 < t_h < T``.
         reference: the original attention's statistics (``scores`` / ``features`` present
             when the selector asked for them).
+        priority: ``[T]`` bool keys each head keeps before any other, up to
+            ``PRIORITY_SHARE`` of its budget (the best-scored of them), or ``None``; only
+            selectors that declare ``takes_priority`` are given one.
     """
 
     keys: torch.Tensor
@@ -46,6 +51,7 @@ class SelectionProblem:
     scale: float
     budgets: torch.Tensor
     reference: ReferenceAttention | None
+    priority: torch.Tensor | None = None
 
 
 @dataclass
@@ -73,12 +79,14 @@ class Selector(Protocol):
     Class attributes declare the inputs: ``score_aggregation`` (an ``AGGREGATIONS`` name or
     ``None``) asks for ``reference.scores``; ``needs_features`` for ``reference.features``;
     ``needs_reference`` for any reference pass at all. ``provides_beta`` / ``provides_values``
-    say whether ``select`` also returns fitted biases / built values.
+    say whether ``select`` also returns fitted biases / built values; ``takes_priority``
+    whether it honours ``SelectionProblem.priority``.
     """
 
     name: ClassVar[str]
     provides_beta: ClassVar[bool]
     provides_values: ClassVar[bool]
+    takes_priority: ClassVar[bool]
 
     @property
     def score_aggregation(self) -> str | None: ...
@@ -95,13 +103,14 @@ class Selector(Protocol):
 class SelectorBase:
     """Default ``Selector`` declarations, so that a selector states only what differs.
 
-    By default a selector returns neither biases nor values and needs no reference pass (so
-    neither scores nor features).
+    By default a selector returns neither biases nor values, needs no reference pass (so
+    neither scores nor features) and takes no priority keys.
     """
 
     name: ClassVar[str]
     provides_beta: ClassVar[bool] = False
     provides_values: ClassVar[bool] = False
+    takes_priority: ClassVar[bool] = False
     needs_features: ClassVar[bool] = False
     needs_reference: ClassVar[bool] = False
 
@@ -128,20 +137,47 @@ class ScoredSelector(SelectorBase):
             )
 
 
+#: the largest share of a head's budget that priority keys take, so that a head with a small
+#: budget keeps its own best keys too (the sink among them)
+PRIORITY_SHARE = 0.5
+
+
 def slot_mask(lengths: torch.Tensor, t_max: int) -> torch.Tensor:
     """``[H, t_max]`` bool: slot ``i`` of head ``h`` is real iff ``i < lengths[h]``."""
     return torch.arange(t_max, device=lengths.device)[None, :] < lengths[:, None]
 
 
 def top_by_score(
-    scores: torch.Tensor, budgets: torch.Tensor, tiebreak: torch.Tensor | None = None
+    scores: torch.Tensor,
+    budgets: torch.Tensor,
+    tiebreak: torch.Tensor | None = None,
+    priority: torch.Tensor | None = None,
 ) -> Selection:
     """Keep the ``budgets[h]`` highest-scoring keys of each head (``scores [H, T]``).
 
-    Ties (e.g. the plateaus of max-pooled scores) go to the higher ``tiebreak [H, T]`` score,
-    then to the earlier position, so the result never depends on the batch shape.
+    Keys in ``priority [T]`` (bool) rank above every other key, among themselves by score, up
+    to ``PRIORITY_SHARE`` of each head's budget (the best-scored of them); the rest of the
+    budget goes to the best-scored keys left. Ties (e.g. the plateaus of max-pooled scores) go
+    to the higher ``tiebreak [H, T]`` score, then to the earlier position, so the result never
+    depends on the batch shape.
     """
     t_max = int(budgets.max()) if budgets.numel() else 0
+    if priority is not None and bool(priority.any()):
+        # each head's best-scored priority keys, at most its share, are lifted above the
+        # best other key, keeping their own order
+        prio = priority.to(scores.device).expand_as(scores)
+        by_score = torch.sort(
+            scores.masked_fill(~prio, -math.inf), dim=-1, descending=True, stable=True
+        ).indices
+        rank = torch.empty_like(by_score).scatter_(
+            -1,
+            by_score,
+            torch.arange(scores.shape[-1], device=scores.device).expand_as(by_score),
+        )
+        room = (budgets.to(scores.device) * PRIORITY_SHARE).long()[:, None]
+        lift = prio & (rank < room)
+        span = (scores.amax(-1, keepdim=True) - scores.amin(-1, keepdim=True)) + 1
+        scores = torch.where(lift, scores + span, scores)
     order = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
     if tiebreak is not None:
         order = torch.sort(tiebreak, dim=-1, descending=True, stable=True).indices

@@ -32,6 +32,7 @@ class HighestAttentionSelector(ScoredSelector):
     """
 
     name: ClassVar[str] = "highest-attention"
+    takes_priority: ClassVar[bool] = True
     aggregation: str = "rms"
     pool_kernel: int | None = None
 
@@ -49,12 +50,15 @@ class HighestAttentionSelector(ScoredSelector):
             )
 
     def select(self, problem: SelectionProblem) -> Selection:
-        """Keep the ``budgets[h]`` best-scored keys of each head."""
+        """Keep the ``budgets[h]`` best-scored keys of each head (the priority keys first)."""
         if problem.reference is None or problem.reference.scores is None:
             raise ValueError("highest-attention selection needs the reference scores")
         raw = problem.reference.scores  # [H, T]
         if self.pool_kernel is None or self.pool_kernel == 1:
-            return top_by_score(raw, problem.budgets)
+            return top_by_score(raw, problem.budgets, priority=problem.priority)
         return top_by_score(
-            max_pool_scores(raw, self.pool_kernel), problem.budgets, tiebreak=raw
+            max_pool_scores(raw, self.pool_kernel),
+            problem.budgets,
+            tiebreak=raw,
+            priority=problem.priority,
         )
