@@ -64,22 +64,20 @@ MAX_PROTECTED_SHARE = 0.5
 _WORD = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_\-]*[A-Za-z0-9])?")
 
 
+def _one_of(option: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{option} must be one of {', '.join(choices)}, got {value!r}")
+    return str(value)
+
+
 def check_protect(rule: Any) -> str:
     """``rule`` if it names a protection rule; ``ValueError`` with the choices otherwise."""
-    if rule not in PROTECT_RULES:
-        raise ValueError(
-            f"protect must be one of {', '.join(PROTECT_RULES)}, got {rule!r}"
-        )
-    return str(rule)
+    return _one_of("protect", rule, PROTECT_RULES)
 
 
 def check_protect_by(mode: Any) -> str:
     """``mode`` if it names a way to keep protected tokens; ``ValueError`` otherwise."""
-    if mode not in PROTECT_MODES:
-        raise ValueError(
-            f"protect_by must be one of {', '.join(PROTECT_MODES)}, got {mode!r}"
-        )
-    return str(mode)
+    return _one_of("protect_by", mode, PROTECT_MODES)
 
 
 def identifier_spans(pieces: Sequence[str]) -> list[list[int]]:
