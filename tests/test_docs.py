@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-AM = "am-highest-attn-fast:queries=repeat-prefill+surprise-quote/auto*4,min_layer_share=0.3"
+#: the default ``am`` as its needle run names it
+AM = "am:protect=identifiers,protect_by=selection"
 ESSAY = "am-omp-fast:queries=repeat-prefill+surprise-quote*4,min_layer_share=0.3"
 RATIOS = ("0.1", "0.05", "0.02")
 

@@ -15,7 +15,10 @@ from vllm_compaction.recipes import (
     resolve_recipe,
 )
 
-LONG_FORM = "am-highest-attn-fast:queries=repeat-prefill+surprise-quote/auto*4,min_layer_share=0.3"
+LONG_FORM = (
+    "am-highest-attn-fast:queries=repeat-prefill+surprise-quote/auto*4,min_layer_share=0.3,"
+    "protect=identifiers,protect_by=selection"
+)
 
 
 def test_specs_parse_into_a_name_and_typed_overrides():
@@ -106,8 +109,13 @@ def test_the_default_is_the_recommended_configuration():
     assert DEFAULT_METHOD == "am"
     short, long = resolve_recipe("am"), resolve_recipe(LONG_FORM)
     assert short == long
-    # the layer floor belongs to global budgets
-    assert resolve_recipe("am", budgets="uniform")[1] == {}
+    # the layer floor belongs to global budgets; the protection does not
+    assert resolve_recipe("am", budgets="uniform")[1] == {
+        "protect": "identifiers",
+        "protect_by": "selection",
+    }
+    plain = resolve("am:protect=none")
+    assert (plain.protect, plain.protect_by) == ("none", "selection")
     assert (
         resolve_recipe("am:queries=repeat-prefill", queries="context-prefill")[
             0
@@ -131,6 +139,8 @@ def test_compact_takes_the_spec_and_the_default_is_the_long_form():
         for a, b in zip(by_default.layers, other.layers):
             assert torch.equal(a.indices, b.indices) and torch.equal(a.beta, b.beta)
     assert by_spec.method == LONG_FORM and by_default.options["min_layer_share"] == 0.3
+    assert by_default.options["protect"] == "identifiers"
+    assert by_default.options["protect_by"] == "selection"
 
 
 def test_every_entry_point_takes_the_same_string(tmp_path):
@@ -146,7 +156,9 @@ def test_every_entry_point_takes_the_same_string(tmp_path):
     assert ServiceConfig(auto_compact_method=LONG_FORM).auto_compact_method == LONG_FORM
     [variant] = parse_variants(LONG_FORM, known=RECIPES)
     assert variant.method == "am-highest-attn-fast" and variant.options == {
-        "min_layer_share": 0.3
+        "min_layer_share": 0.3,
+        "protect": "identifiers",
+        "protect_by": "selection",
     }
     with pytest.raises(ValueError, match="unknown option"):
         CompactRequest.model_validate(
