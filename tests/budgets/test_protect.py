@@ -165,7 +165,11 @@ def test_unknown_rules_are_refused():
     assert resolve("am-omp-fast:protect=identifiers").protect_by == "exact"
     chosen = resolve("am:protect=identifiers,protect_by=selection")
     assert (chosen.protect, chosen.protect_by) == ("identifiers", "selection")
-    assert resolve("am").protect == "none"
+    # the default keeps identifiers first in each head's selection; protect=none turns it off
+    default = resolve("am")
+    assert (default.protect, default.protect_by) == ("identifiers", "selection")
+    assert resolve("am:protect=none").protect == "none"
+    assert resolve("am-highest-attn").protect == "none"
 
 
 def test_protected_tokens_stay_exact_in_every_head_or_first_in_each_selection(
