@@ -154,6 +154,13 @@ def test_a_phrase_stops_at_a_line_another_identifier_a_template_token_or_its_len
     assert lead == list(range(5, LEAD_TOKENS + 5))
 
 
+def test_without_a_tokenizer_nothing_is_protected_and_a_warning_says_why(caplog):
+    content = torch.ones(8, dtype=torch.bool)
+    with caplog.at_level("WARNING", logger="vllm_compaction.budgets.protect"):
+        mask = protected_tokens(list(range(8)), None, "identifiers", content, 4.0)
+    assert not mask.any() and "needs the model's tokenizer" in caplog.text
+
+
 def test_unknown_rules_are_refused():
     with pytest.raises(ValueError, match="protect must be one of none, identifiers"):
         resolve("am:protect=digits")

@@ -29,11 +29,14 @@ protected token in every head.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "LEAD_TOKENS",
@@ -140,6 +143,15 @@ def protected_tokens(
     ``MAX_PROTECTED_SHARE * slots`` of them (``slots``: the budget per head, in tokens)."""
     protected = torch.zeros(content.numel(), dtype=torch.bool, device="cpu")
     if check_protect(rule) == "none" or not bool(content.any()):
+        return protected
+    if tokenizer is None:
+        # identifiers are found in the text; a model loaded without its tokenizer compacts as
+        # the unprotected method does (the cache records protected_tokens = 0)
+        logger.warning(
+            "protect=%s needs the model's tokenizer to find identifiers; this model has "
+            "none, so nothing is protected (pass protect=none to silence this)",
+            rule,
+        )
         return protected
     ids = [int(i) for i in token_ids]
     pieces = tokenizer.batch_decode(
