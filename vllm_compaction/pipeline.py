@@ -23,6 +23,7 @@ from vllm_compaction.budgets import (
     check_score_softmax,
     protected_tokens,
     resolve_budgets,
+    span_ids,
 )
 from vllm_compaction.cache import CompactedCache
 from vllm_compaction.models import (
@@ -382,7 +383,7 @@ class _Compaction:
     #: how many content tokens are protected (``budgets.protect``).
     protected: int = field(init=False)
     #: per chunk, ``[chunk tokens]`` device mask of the protected tokens each head's selection
-    #: keeps first (``protect_by="selection"``), or ``None``.
+    #: keeps first (``protect_by="selection"``), or int64 span ids (``"whole"``), or ``None``.
     priorities: list[torch.Tensor | None] = field(init=False)
     #: the ratio the budgets give the fitted content: ``ratio`` less the slots of the tokens
     #: protected exact.
@@ -416,8 +417,13 @@ class _Compaction:
             # the budget, so the rest is fitted at a lower ratio and the prefix keeps its size
             self.fit_ratio = (self.ratio * n - kept) / (n - kept)
             content = mask & ~protected
-        # by selection, each head keeps them first within its own budget
-        priority = protected if self.plan.protect_by == "selection" and kept else None
+        # by selection, each head keeps them first within its own budget (whole spans or
+        # token by token)
+        priority = {"selection": protected, "whole": span_ids(protected)}.get(
+            self.plan.protect_by
+        )
+        if not kept:
+            priority = None
         # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets,
         # so a long tail cannot starve an early span (e.g. facts stated in the first turn).
         self.chunks = content_chunks(content, self.chunk_tokens)

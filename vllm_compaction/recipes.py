@@ -258,10 +258,10 @@ def resolve(
     protect_by = check_protect_by(merged.get("protect_by", PROTECT_MODES[0]))
     math_options = {k: v for k, v in merged.items() if k not in PIPELINE_OPTIONS}
     method_math = resolve_method(base.math, math_options, name=name)
-    if protect != "none" and protect_by == "selection":
+    if protect != "none" and protect_by != "exact":
         if not method_math.selector.takes_priority:
             raise ValueError(
-                f"protect_by=selection needs a selector that ranks keys by score; method "
+                f"protect_by={protect_by} needs a selector that ranks keys by score; method "
                 f"{method!r} selects with {method_math.selector.name!r} (use "
                 "protect_by=exact, or a highest-attention method such as am)"
             )

@@ -294,6 +294,46 @@ def test_priority_keys_are_kept_first_up_to_their_share_then_the_best_scored_oth
     assert torch.equal(kept(12, torch.zeros_like(priority)).flatten(), plain.indices)
 
 
+def test_priority_spans_are_kept_whole_best_first_while_they_fit():
+    """Span ids: each head ranks the spans by their best-scored key and takes each whole while
+    it fits half its budget (skipping one that no longer fits), then its best other keys; the
+    same choice as a plain Python greedy over the spans."""
+    p = _problem(4, t=64)
+    scores = score_keys(p.keys, p.queries, aggregation="rms")
+    spans = torch.full((64,), -1, dtype=torch.int64)
+    for i, (start, size) in enumerate([(3, 5), (12, 2), (20, 6), (40, 3), (50, 1)]):
+        spans[start : start + size] = i
+    method = RECIPES["am-highest-attn"].math
+    for budget in (4, 9, 16, 40):
+        kept = compact_heads(
+            p.keys, p.values, p.queries, budget, method=method, priority=spans
+        ).indices.view(3, budget)
+        room = int(budget * PRIORITY_SHARE)
+        for h in range(3):
+            best = {
+                int(i): float(scores[h][spans == i].max()) for i in spans.unique()[1:]
+            }
+            lifted: list[int] = []
+            for i in sorted(best, key=lambda i: -best[i]):
+                members = (spans == i).nonzero()[:, 0].tolist()
+                if len(lifted) + len(members) <= room:
+                    lifted += members
+            others = scores[h].clone()
+            others[lifted] = -1.0
+            rest = torch.topk(others, budget - len(lifted)).indices.tolist()
+            assert kept[h].tolist() == sorted(lifted + rest), (budget, h)
+            assert 0 < len(lifted) <= room
+    # no span: the plain selection
+    plain = compact_heads(p.keys, p.values, p.queries, 12, method=method)
+    none = torch.full_like(spans, -1)
+    assert torch.equal(
+        compact_heads(
+            p.keys, p.values, p.queries, 12, method=method, priority=none
+        ).indices,
+        plain.indices,
+    )
+
+
 def test_omp_round_bound_only_changes_large_heads():
     p = _problem(3, budget=16, features=True)
     plain = OMPSelector(keys_per_step=2, refit_interval=1).select(p)

@@ -12,6 +12,7 @@ from vllm_compaction.budgets.protect import (
     identifier_spans,
     lead_spans,
     protected_tokens,
+    span_ids,
 )
 from vllm_compaction.pipeline import compact
 from vllm_compaction.recipes import resolve
@@ -154,6 +155,13 @@ def test_a_phrase_stops_at_a_line_another_identifier_a_template_token_or_its_len
     assert lead == list(range(5, LEAD_TOKENS + 5))
 
 
+def test_span_ids_number_the_runs_of_protected_tokens():
+    mask = torch.tensor([1, 1, 0, 0, 1, 0, 1, 1, 1], dtype=torch.bool)
+    assert span_ids(mask).tolist() == [0, 0, -1, -1, 1, -1, 2, 2, 2]
+    assert span_ids(torch.zeros(3, dtype=torch.bool)).tolist() == [-1, -1, -1]
+    assert span_ids(torch.zeros(0, dtype=torch.bool)).tolist() == []
+
+
 def test_without_a_tokenizer_nothing_is_protected_and_a_warning_says_why(caplog):
     content = torch.ones(8, dtype=torch.bool)
     with caplog.at_level("WARNING", logger="vllm_compaction.budgets.protect"):
@@ -170,8 +178,11 @@ def test_unknown_rules_are_refused():
     with pytest.raises(ValueError, match="protect_by=selection needs a selector"):
         resolve("am-omp-fast:protect=identifiers,protect_by=selection")
     assert resolve("am-omp-fast:protect=identifiers").protect_by == "exact"
+    with pytest.raises(ValueError, match="protect_by=whole needs a selector"):
+        resolve("am-omp-fast:protect=identifiers,protect_by=whole")
     chosen = resolve("am:protect=identifiers,protect_by=selection")
     assert (chosen.protect, chosen.protect_by) == ("identifiers", "selection")
+    assert resolve("am:protect=identifiers,protect_by=whole").protect_by == "whole"
     # the default keeps identifiers first in each head's selection; protect=none turns it off
     default = resolve("am")
     assert (default.protect, default.protect_by) == ("identifiers", "selection")
@@ -232,3 +243,22 @@ def test_protected_tokens_stay_exact_in_every_head_or_first_in_each_selection(
             kept_by_selection += at
             kept_by_plain += int(torch.isin(unprotected.head(h)[3], positions).sum())
     assert kept_by_plain < kept_by_selection / 2
+    # whole: a head whose half holds the number keeps all of it; any other head selects as
+    # without protection
+    whole = compact(
+        smollm2,
+        messages,
+        method="am-highest-attn:protect=identifiers,protect_by=whole",
+        **common,
+    )
+    assert whole.physical_slots == plain.physical_slots
+    holds = 0
+    for selected, unprotected in zip(whole.layers, plain.layers, strict=True):
+        for h in range(selected.num_heads):
+            idx = selected.head(h)[3]
+            if (len(idx) - template) // 2 >= len(number):
+                assert int(torch.isin(idx, positions).sum()) == len(number)
+                holds += 1
+            else:
+                assert torch.equal(idx, unprotected.head(h)[3])
+    assert holds > 0

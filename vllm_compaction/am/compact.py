@@ -32,7 +32,12 @@ from vllm_compaction.am.presets import (
     ResolvedMethod,
     resolve_method,
 )
-from vllm_compaction.am.selectors.base import Selection, SelectionProblem, slot_mask
+from vllm_compaction.am.selectors.base import (
+    Selection,
+    SelectionProblem,
+    has_priority,
+    slot_mask,
+)
 
 __all__ = ["STAGES", "compact_heads"]
 
@@ -172,21 +177,22 @@ def _check_priority(
     total: int,
     device: torch.device,
 ) -> torch.Tensor | None:
-    """``priority`` on ``device`` if it is a ``[T]`` bool mask and the selector honours one;
-    ``ValueError`` with a sentence otherwise; ``None`` when no key has priority."""
+    """``priority`` on ``device`` if it is a ``[T]`` bool mask or int64 span ids (``-1``:
+    none) and the selector honours one; ``ValueError`` with a sentence otherwise; ``None`` when
+    no key has priority."""
     if priority is None:
         return None
     if (
         not isinstance(priority, torch.Tensor)
-        or priority.dtype != torch.bool
+        or priority.dtype not in (torch.bool, torch.int64)
         or priority.shape != (total,)
     ):
         raise ValueError(
-            f"priority must be a [T] = [{total}] bool tensor, got "
+            f"priority must be a [T] = [{total}] bool mask or int64 span ids, got "
             f"{getattr(priority, 'dtype', type(priority).__name__)} "
             f"{tuple(getattr(priority, 'shape', ()))}"
         )
-    if not bool(priority.any()):
+    if not has_priority(priority):
         return None
     if not plan.selector.takes_priority:
         raise ValueError(
@@ -371,9 +377,10 @@ def compact_heads(
     query_weights : ``[n]`` or ``[H, n]`` positive weights: query ``i`` counts ``w_i`` times
         in the key scores (rms, mean), the beta fit, OMP and the value fit, exactly as if its
         row were repeated ``w_i`` times (integer weights), at the cost of one row.
-    priority : ``[T]`` bool keys every head keeps before any other, up to half its budget
-        (``PRIORITY_SHARE``; the best-scored of them), then fitted as any kept key; for
-        selectors that rank keys by score (``takes_priority``).
+    priority : keys every head keeps before any other, up to half its budget
+        (``PRIORITY_SHARE``), then fitted as any kept key: a ``[T]`` bool mask (the
+        best-scored of them) or ``[T]`` int64 span ids, ``-1`` for none (the best whole
+        spans); for selectors that rank keys by score (``takes_priority``).
     **options : overrides of the ``MethodSpec``: selector fields (``aggregation``, ``pool_kernel``,
         ``keys_per_step``, ``refit_interval``, ``seed``, ``keep``, ``sigma``...), fit fields
         (``beta``, ``beta_bounds``, ``beta_iters``, ``values``) or ``selector``.

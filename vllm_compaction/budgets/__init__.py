@@ -23,6 +23,7 @@ from vllm_compaction.budgets.protect import (
     check_protect,
     check_protect_by,
     protected_tokens,
+    span_ids,
 )
 from vllm_compaction.budgets.schedule import Schedule, load_schedule, packaged_schedule
 from vllm_compaction.budgets.scoring import (
@@ -63,6 +64,7 @@ __all__ = [
     "pyramid_budgets",
     "resolve_budgets",
     "resolve_score_options",
+    "span_ids",
     "shares_to_budgets",
     "total_budget",
     "uniform_budgets",

@@ -24,7 +24,9 @@ head, outside the fit) or ``"selection"``: each head's selector keeps them befor
 key, up to half of that head's budget (the ones it scores best), and they are fitted as any
 kept key. A token the selection would keep anyway then costs nothing, and a head with a small
 budget keeps only the protected tokens it scores best, where ``exact`` pays for every
-protected token in every head.
+protected token in every head. ``"whole"`` is ``selection`` by identifier: each head ranks the
+protected spans by their best-scored token and keeps the best ones whole while they fit its
+half, so a head keeps all of a number's digits or none of them (``span_ids``).
 """
 
 from __future__ import annotations
@@ -49,13 +51,14 @@ __all__ = [
     "identifier_spans",
     "lead_spans",
     "protected_tokens",
+    "span_ids",
 ]
 
 #: ``none``: nothing is protected; ``identifiers``, ``identifier-phrases``: see the module doc.
 PROTECT_RULES = ("none", "identifiers", "identifier-phrases")
-#: how protected tokens are kept (``protect_by``): their own exact slots, or first in each
-#: head's selection
-PROTECT_MODES = ("exact", "selection")
+#: how protected tokens are kept (``protect_by``): their own exact slots, first in each head's
+#: selection token by token, or whole identifiers first
+PROTECT_MODES = ("exact", "selection", "whole")
 MIN_IDENTIFIER_CHARS = 6
 #: how far back a phrase reaches from its identifier, in tokens: a key of a few words and its
 #: verb ("The door code for the back door is" is 9)
@@ -170,3 +173,10 @@ def protected_tokens(
                 protected[lead] = True
                 room -= len(lead)
     return protected
+
+
+def span_ids(protected: torch.Tensor) -> torch.Tensor:
+    """``[T]`` int64 ids of the runs of adjacent ``protected`` tokens (``-1`` elsewhere): the
+    spans ``protect_by="whole"`` keeps whole (``SelectionProblem.priority``)."""
+    starts = protected & ~torch.cat([protected.new_zeros(1), protected[:-1]])
+    return torch.where(protected, starts.cumsum(0) - 1, -1)

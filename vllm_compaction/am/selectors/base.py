@@ -23,6 +23,7 @@ __all__ = [
     "SelectionProblem",
     "Selector",
     "SelectorBase",
+    "has_priority",
     "top_by_score",
     "PRIORITY_SHARE",
     "slot_mask",
@@ -40,9 +41,11 @@ class SelectionProblem:
         budgets: ``[H]`` int64 slots per head, ``0 < t_h < T``.
         reference: the original attention's statistics (``scores`` / ``features`` present
             when the selector asked for them).
-        priority: ``[T]`` bool keys each head keeps before any other, up to
-            ``PRIORITY_SHARE`` of its budget (the best-scored of them), or ``None``; only
-            selectors that declare ``takes_priority`` are given one.
+        priority: the keys each head keeps before any other, up to ``PRIORITY_SHARE`` of
+            its budget, or ``None``: a ``[T]`` bool mask (the best-scored of them, key by
+            key) or ``[T]`` int64 span ids, ``-1`` for none (the best whole spans: a span is
+            kept whole or not at all). Only selectors that declare ``takes_priority`` are
+            given one.
     """
 
     keys: torch.Tensor
@@ -147,24 +150,20 @@ def slot_mask(lengths: torch.Tensor, t_max: int) -> torch.Tensor:
     return torch.arange(t_max, device=lengths.device)[None, :] < lengths[:, None]
 
 
-def top_by_score(
-    scores: torch.Tensor,
-    budgets: torch.Tensor,
-    tiebreak: torch.Tensor | None = None,
-    priority: torch.Tensor | None = None,
-) -> Selection:
-    """Keep the ``budgets[h]`` highest-scoring keys of each head (``scores [H, T]``).
+def has_priority(priority: torch.Tensor) -> bool:
+    """Whether a ``SelectionProblem.priority`` (bool mask or int64 span ids) names any key."""
+    return bool((priority if priority.dtype == torch.bool else priority >= 0).any())
 
-    Keys in ``priority [T]`` (bool) rank above every other key, among themselves by score, up
-    to ``PRIORITY_SHARE`` of each head's budget (the best-scored of them); the rest of the
-    budget goes to the best-scored keys left. Ties (e.g. the plateaus of max-pooled scores) go
-    to the higher ``tiebreak [H, T]`` score, then to the earlier position, so the result never
-    depends on the batch shape.
-    """
-    t_max = int(budgets.max()) if budgets.numel() else 0
-    if priority is not None and bool(priority.any()):
-        # each head's best-scored priority keys, at most its share, are lifted above the
-        # best other key, keeping their own order
+
+def _priority_lift(
+    scores: torch.Tensor, budgets: torch.Tensor, priority: torch.Tensor
+) -> torch.Tensor:
+    """``[H, T]`` bool: the priority keys each head keeps first, at most ``PRIORITY_SHARE`` of
+    its budget. A bool ``priority`` ranks keys one by one (the best-scored first); int64 span
+    ids rank whole spans by their best key and take each one whole while it fits the room left,
+    so a head that keeps part of a number keeps all of it."""
+    room = (budgets.to(scores.device) * PRIORITY_SHARE).long()
+    if priority.dtype == torch.bool:
         prio = priority.to(scores.device).expand_as(scores)
         by_score = torch.sort(
             scores.masked_fill(~prio, -math.inf), dim=-1, descending=True, stable=True
@@ -174,8 +173,50 @@ def top_by_score(
             by_score,
             torch.arange(scores.shape[-1], device=scores.device).expand_as(by_score),
         )
-        room = (budgets.to(scores.device) * PRIORITY_SHARE).long()[:, None]
-        lift = prio & (rank < room)
+        return prio & (rank < room[:, None])
+    member = priority >= 0
+    spans, inverse = torch.unique(priority[member], return_inverse=True)
+    heads = scores.shape[0]
+    span_of = inverse.to(scores.device).expand(heads, -1)
+    sizes = torch.bincount(inverse, minlength=spans.numel()).to(scores.device)
+    best = torch.full(
+        (heads, spans.numel()), -math.inf, device=scores.device
+    ).scatter_reduce(-1, span_of, scores[:, member.to(scores.device)], "amax")
+    order = torch.sort(best, dim=-1, descending=True, stable=True).indices
+    taken = torch.zeros_like(best, dtype=torch.bool)
+    used = torch.zeros_like(room)
+    rows = torch.arange(heads, device=scores.device)
+    # greedy over spans in each head's order, skipping one that no longer fits (a loop over
+    # the spans, batched over heads: a prefix holds tens of identifiers)
+    for k in range(spans.numel()):
+        size = sizes[order[:, k]]
+        fits = used + size <= room
+        taken[rows, order[:, k]] = fits
+        used += size * fits
+    lift = torch.zeros_like(scores, dtype=torch.bool)
+    lift[:, member.to(scores.device)] = taken.gather(-1, span_of)
+    return lift
+
+
+def top_by_score(
+    scores: torch.Tensor,
+    budgets: torch.Tensor,
+    tiebreak: torch.Tensor | None = None,
+    priority: torch.Tensor | None = None,
+) -> Selection:
+    """Keep the ``budgets[h]`` highest-scoring keys of each head (``scores [H, T]``).
+
+    Keys in ``priority [T]`` rank above every other key, up to ``PRIORITY_SHARE`` of each
+    head's budget: a bool mask lifts the best-scored of them, int64 span ids (``-1``: none)
+    the best whole spans (``SelectionProblem.priority``); the rest of the budget goes to the
+    best-scored keys left. Ties (e.g. the plateaus of max-pooled scores) go to the higher
+    ``tiebreak [H, T]`` score, then to the earlier position, so the result never depends on
+    the batch shape.
+    """
+    t_max = int(budgets.max()) if budgets.numel() else 0
+    if priority is not None and has_priority(priority):
+        # the lifted keys rank above the best other key, keeping their own order
+        lift = _priority_lift(scores, budgets, priority)
         span = (scores.amax(-1, keepdim=True) - scores.amin(-1, keepdim=True)) + 1
         scores = torch.where(lift, scores + span, scores)
     order = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)
