@@ -3,7 +3,8 @@
 Run ``python -m benchmarks.agent_session [--threshold 512] [--ratio 0.1 | --target-tokens N]
 [--rounds 8 | --target-multiple 4]``.
 A ``vllm-compaction serve`` process (SmolLM2-135M, CPU) runs with auto-compaction above
-``--threshold`` physical prompt tokens (the KV cap of the session). Turn 0 plants three facts;
+``--threshold`` physical prompt tokens (the KV cap of the session). Turn 0 plants three facts
+(and two identifiers with ``--identifiers``);
 every later turn adds an essay excerpt (a tool output) and the model's one-line reply. After every
 turn the benchmark asks each fact question on the current state: compacted (the conversation's
 newest compaction + the turns after it) and, while it fits the model window, with the full history.
@@ -46,6 +47,19 @@ FACTS = [
     ),
     ("The team meets in room 42.", "In which room does the team meet?", "42"),
 ]
+#: ``--identifiers``: facts an agent reads from tool outputs, copied exactly (every character)
+IDENTIFIER_FACTS = [
+    (
+        "The customer's account number is 524533559245.",
+        "What is the customer's account number?",
+        "524533559245",
+    ),
+    (
+        "The deploy key is QW7B-3PDK-HX4P.",
+        "What is the deploy key?",
+        "QW7B-3PDK-HX4P",
+    ),
+]
 
 
 def main() -> None:
@@ -77,6 +91,17 @@ def main() -> None:
         help="stop instead when the logical length reaches this multiple of the threshold",
     )
     parser.add_argument("--max-turns", type=int, default=40)
+    parser.add_argument(
+        "--identifiers",
+        action="store_true",
+        help="plant two identifiers too (an account number, a deploy key), asked exactly",
+    )
+    parser.add_argument(
+        "--probe-tokens",
+        type=int,
+        default=16,
+        help="answer length of each fact question",
+    )
     parser.add_argument("--out", default=str(RESULTS / "agent_session.json"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -88,6 +113,7 @@ def main() -> None:
     from vllm_compaction.models import resolve
     from vllm_compaction.vllm.server_process import ServerProcess, cpu_engine_flags
 
+    facts = FACTS + (IDENTIFIER_FACTS if args.identifiers else [])
     tokenizer = AutoTokenizer.from_pretrained(resolve(MODEL))
     essay = haystack_text(args.turn_tokens * (args.max_turns + 2), tokenizer, seed=7)
     chunks = _chunks(essay, tokenizer, args.turn_tokens)
@@ -122,7 +148,7 @@ def main() -> None:
         {
             "role": "user",
             "content": "Remember these facts: "
-            + " ".join(f for f, _, _ in FACTS)
+            + " ".join(f for f, _, _ in facts)
             + " Then we will read some essays together.",
         }
     ]
@@ -155,7 +181,9 @@ def main() -> None:
                 ),
                 "served_from": usage.get("compaction_id"),
                 "compaction_wait_s": waited,
-                "probes": _probe(client, history, compaction_id),
+                "probes": _probe(
+                    client, history, compaction_id, facts, args.probe_tokens
+                ),
             }
             turns.append(record)
             logger.warning(
@@ -183,9 +211,9 @@ def main() -> None:
     result = {
         "command": "python -m benchmarks.agent_session "
         + " ".join(
-            f"--{k.replace('_', '-')} {v}"
+            f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
             for k, v in vars(args).items()
-            if k != "out" and v is not None
+            if k != "out" and v is not None and v is not False
         ),
         "model": MODEL,
         "threshold_tokens": args.threshold,
@@ -193,6 +221,7 @@ def main() -> None:
         "target_tokens": args.target_tokens,
         "method": args.method,
         "queries": args.queries,
+        "facts": [answer for _, _, answer in facts],
         "turns": turns,
         "compactions": [
             {
@@ -263,18 +292,24 @@ def _wait_for_compaction(client, conversation: str) -> tuple[str | None, float]:
         time.sleep(1.0)
 
 
-def _probe(client, history, compaction_id: str | None) -> list[dict]:
+def _probe(
+    client,
+    history,
+    compaction_id: str | None,
+    facts: list[tuple[str, str, str]],
+    max_tokens: int,
+) -> list[dict]:
     probes = []
-    for _, question, answer in FACTS:
+    for _, question, answer in facts:
         messages = history + [{"role": "user", "content": question}]
         compacted = _chat(
             client,
             messages,
-            16,
+            max_tokens,
             **({"compaction_id": compaction_id} if compaction_id else {}),
         )
         try:
-            full = _chat(client, messages, 16).choices[0].message.content
+            full = _chat(client, messages, max_tokens).choices[0].message.content
         except (
             Exception
         ) as exc:  # longer than the model window: only the compacted prefix can answer
@@ -372,7 +407,7 @@ def _plot(result: dict, path: Path) -> None:
         if after.get("round", 0) > before.get("round", 0):
             for ax in (top, bottom):
                 ax.axvline(after["turn"] - 0.5, color="gray", ls=":", lw=0.8)
-    bottom.set_ylabel(f"facts right / {len(FACTS)}")
+    bottom.set_ylabel(f"facts right / {len(turns[0]['probes'])}")
     bottom.set_xlabel("turn (dotted: a new compaction round)")
     bottom.legend()
     fig.tight_layout()
