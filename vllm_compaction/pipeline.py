@@ -417,13 +417,13 @@ class _Compaction:
             # the budget, so the rest is fitted at a lower ratio and the prefix keeps its size
             self.fit_ratio = (self.ratio * n - kept) / (n - kept)
             content = mask & ~protected
-        # by selection, each head keeps them first within its own budget (whole spans or
-        # token by token)
-        priority = {"selection": protected, "whole": span_ids(protected)}.get(
-            self.plan.protect_by
-        )
-        if not kept:
-            priority = None
+        # by selection, each head keeps them first within its own budget (token by token, or
+        # whole spans)
+        priority = None
+        if kept and self.plan.protect_by == "selection":
+            priority = protected
+        elif kept and self.plan.protect_by == "whole":
+            priority = span_ids(protected)
         # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets,
         # so a long tail cannot starve an early span (e.g. facts stated in the first turn).
         self.chunks = content_chunks(content, self.chunk_tokens)

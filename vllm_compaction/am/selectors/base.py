@@ -163,8 +163,9 @@ def _priority_lift(
     ids rank whole spans by their best key and take each one whole while it fits the room left,
     so a head that keeps part of a number keeps all of it."""
     room = (budgets.to(scores.device) * PRIORITY_SHARE).long()
+    priority = priority.to(scores.device)
     if priority.dtype == torch.bool:
-        prio = priority.to(scores.device).expand_as(scores)
+        prio = priority.expand_as(scores)
         by_score = torch.sort(
             scores.masked_fill(~prio, -math.inf), dim=-1, descending=True, stable=True
         ).indices
@@ -177,11 +178,11 @@ def _priority_lift(
     member = priority >= 0
     spans, inverse = torch.unique(priority[member], return_inverse=True)
     heads = scores.shape[0]
-    span_of = inverse.to(scores.device).expand(heads, -1)
-    sizes = torch.bincount(inverse, minlength=spans.numel()).to(scores.device)
+    span_of = inverse.expand(heads, -1)
+    sizes = torch.bincount(inverse, minlength=spans.numel())
     best = torch.full(
         (heads, spans.numel()), -math.inf, device=scores.device
-    ).scatter_reduce(-1, span_of, scores[:, member.to(scores.device)], "amax")
+    ).scatter_reduce(-1, span_of, scores[:, member], "amax")
     order = torch.sort(best, dim=-1, descending=True, stable=True).indices
     taken = torch.zeros_like(best, dtype=torch.bool)
     used = torch.zeros_like(room)
@@ -194,7 +195,7 @@ def _priority_lift(
         taken[rows, order[:, k]] = fits
         used += size * fits
     lift = torch.zeros_like(scores, dtype=torch.bool)
-    lift[:, member.to(scores.device)] = taken.gather(-1, span_of)
+    lift[:, member] = taken.gather(-1, span_of)
     return lift
 
 
