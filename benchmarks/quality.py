@@ -199,6 +199,11 @@ def run(
     if summarizing:
         per_instance += 1 + len(variants) * len(ratios)
     bar = tqdm(total=remaining * per_instance, desc="quality", unit="run")
+    # the kept instances go into every save, the partial ones too: a sweep stopped again
+    # loses none of them, even those its task order has not reached yet
+    for kept in done.values():
+        baselines += kept["baselines"]
+        rows += kept["rows"]
     for task in tasks:
         for seed in seeds:
             inst = make_task(task, adapter.tokenizer, args.tokens, seed=seed)
@@ -215,8 +220,6 @@ def run(
                         f"cannot resume: {task} seed {seed} has another prompt now "
                         f"({digest}) than in the earlier result ({kept['prompt']})"
                     )
-                baselines += kept["baselines"]
-                rows += kept["rows"]
                 continue
             # free-form tasks answer at length
             answer_tokens = inst.answer_tokens or args.max_new_tokens

@@ -105,6 +105,26 @@ def test_quick_mode_meets_its_floors():
     with pytest.raises(SweepError, match="another prompt"):
         run(args, previous=tampered)
 
+    # stopped again after its first new instance, a resumed sweep has saved every instance it
+    # resumed from, those its task order had not reached included
+    class Stopped(Exception):
+        pass
+
+    saved: list[dict] = []
+
+    def stop(partial: dict) -> None:
+        saved.append(partial)
+        raise Stopped
+
+    args.tasks = "niah-ruler,niah"
+    with pytest.raises(Stopped):
+        run(args, previous=result, on_instance=stop)
+    assert {(r["task"], r["seed"]) for r in saved[0]["rows"]} == {
+        ("niah-ruler", 0),
+        ("niah", 0),
+        ("niah", 1),
+    }
+
 
 def test_resume_refuses_other_settings_and_keeps_only_complete_instances():
     from benchmarks.quality import SweepError, completed_instances, parser
