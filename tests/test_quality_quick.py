@@ -108,7 +108,7 @@ def test_quick_mode_meets_its_floors():
     # stopped again after its first new instance, a resumed sweep has saved every instance it
     # resumed from, those its task order had not reached included
     class Stopped(Exception):
-        pass
+        """Raised from ``on_instance`` to stop the sweep after its first new instance."""
 
     saved: list[dict] = []
 
