@@ -191,6 +191,34 @@ def test_beta_bounds_box_the_fitted_beta_and_parse_from_text():
     assert wide.beta.max() > 0.5
 
 
+def test_priority_beta_floor_bounds_only_the_kept_priority_keys():
+    """``priority_beta_floor`` lifts the lower bound of the kept priority keys' ``beta`` and
+    of no other slot; at the box's ``lo`` it is the plain fit."""
+    keys, values, queries = _inputs(10)
+    am = MATH["am-highest-attn"]
+    priority = torch.zeros(T, dtype=torch.bool)
+    priority[T // 2 :] = True  # half the keys, so every head keeps some of each kind
+    kw = dict(method=am, priority=priority, beta_bounds=(-3, 3))
+    plain = compact_heads(keys, values, queries, 12, **kw)
+    floored = compact_heads(keys, values, queries, 12, priority_beta_floor=0.0, **kw)
+    _assert_heads_equal(
+        plain, compact_heads(keys, values, queries, 12, priority_beta_floor=-3, **kw)
+    )
+    assert torch.equal(floored.indices, plain.indices)  # the selection is the same
+    kept_priority = priority[plain.indices]
+    assert kept_priority.any() and (~kept_priority).any()
+    # the plain fit mutes some kept priority keys; the floor keeps them at their own weight
+    assert plain.beta[kept_priority].min() < -0.5
+    assert floored.beta[kept_priority].min() >= -1e-6
+    assert floored.beta[~kept_priority].min() < 0  # the others keep the whole box
+    # span ids (whole identifiers) name the same keys as the mask
+    spans = torch.where(priority, torch.arange(T) // 4, -1)
+    by_span = compact_heads(
+        keys, values, queries, 12, priority_beta_floor=0.0, **(kw | {"priority": spans})
+    )
+    assert by_span.beta[priority[by_span.indices]].min() >= -1e-6
+
+
 def test_value_anchor_interpolates_between_lstsq_and_direct_values():
     """``value_anchor=lam`` solves ``min ||X C - Y||^2 + lam g ||C - V||^2`` (its gradient is 0);
     0 is plain least squares, a huge ``lam`` gives the original values."""
@@ -369,6 +397,18 @@ BAD_CALLS = {
     "value_anchor without lstsq": (
         dict(method=MATH["h2o+"], value_anchor=1.0),
         "lstsq",
+    ),
+    "priority_beta_floor outside the box": (
+        dict(method=MATH["am-highest-attn"], priority_beta_floor=4.0),
+        "priority_beta_floor",
+    ),
+    "priority_beta_floor without nnls": (
+        dict(method=MATH["h2o+"], priority_beta_floor=0.0),
+        "nnls",
+    ),
+    "priority_beta_floor nan": (
+        dict(method=MATH["am-highest-attn"], priority_beta_floor=float("nan")),
+        "priority_beta_floor",
     ),
     "beta_bounds reversed": (
         dict(method=MATH["am-highest-attn"], beta_bounds="3:-3"),

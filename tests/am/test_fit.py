@@ -34,6 +34,25 @@ def test_nnls_respects_bounds(iters):
     assert (w >= lo * (1 - 1e-6)).all() and (w <= hi * (1 + 1e-6)).all()
 
 
+@pytest.mark.parametrize("iters", [0, 2])
+def test_per_weight_lower_bounds_hold_and_a_uniform_one_is_the_scalar(iters):
+    m = _features(0)
+    y = torch.randn(3, 200, generator=torch.Generator().manual_seed(1)) * 10
+    gram = m.double().transpose(1, 2) @ m.double()
+    rhs = (m.double().transpose(1, 2) @ y.double()[..., None])[..., 0]
+    lo, hi = math.exp(-3), math.exp(3)
+    scalar = nnls_pgd_gram(gram, rhs, lower=lo, upper=hi, iters=iters)
+    uniform = torch.full((3, 12), lo, dtype=torch.float64)
+    torch.testing.assert_close(
+        nnls_pgd_gram(gram, rhs, lower=uniform, upper=hi, iters=iters), scalar
+    )
+    lifted = uniform.clone()
+    lifted[:, ::2] = 1.0  # every other weight at least 1
+    w = nnls_pgd_gram(gram, rhs, lower=lifted, upper=hi, iters=iters)
+    assert (w >= lifted * (1 - 1e-9)).all() and (w <= hi).all()
+    assert (scalar[:, ::2] < 1).any()  # the bound is active somewhere
+
+
 def test_nnls_recovers_a_feasible_solution_and_all_ones():
     m = _features(2)
     w_true = torch.rand(3, 12, generator=torch.Generator().manual_seed(3)) + 0.5
@@ -96,6 +115,15 @@ def test_singular_normal_equations_fall_back():
 def test_bad_bounds_and_shapes_raise():
     with pytest.raises(ValueError, match="lower <= upper"):
         nnls_pgd_gram(torch.eye(2)[None], torch.ones(1, 2), lower=2.0, upper=1.0)
+    with pytest.raises(ValueError, match="lower <= upper"):
+        nnls_pgd_gram(
+            torch.eye(2)[None],
+            torch.ones(1, 2),
+            lower=torch.full((1, 2), 2.0),
+            upper=1.0,
+        )
+    with pytest.raises(ValueError, match=r"\[B, p\]"):
+        nnls_pgd_gram(torch.eye(2)[None], torch.ones(1, 2), lower=torch.zeros(2))
     with pytest.raises(ValueError, match="matrix"):
         nnls_pgd(torch.ones(2, 3, 4), torch.ones(2, 4))
 

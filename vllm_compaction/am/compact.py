@@ -203,6 +203,19 @@ def _check_priority(
     return priority.to(device)
 
 
+def _priority_floor(
+    plan: ResolvedMethod, priority: torch.Tensor | None, indices: torch.Tensor
+) -> torch.Tensor | None:
+    """``[H, t_max]`` lower bounds on the kept slots' ``beta``: ``priority_beta_floor`` on the
+    kept priority keys, the box's ``lo`` on the others; ``None`` when no floor applies."""
+    floor = plan.fit.priority_beta_floor
+    if floor is None or priority is None:
+        return None
+    member = priority if priority.dtype == torch.bool else priority >= 0
+    kept = member[indices]
+    return torch.where(kept, floor, plan.fit.beta_bounds[0]).to(torch.float32)
+
+
 def _compact_group(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -260,6 +273,7 @@ def _compact_group(
             valid,
             bounds=plan.fit.beta_bounds,
             iters=plan.fit.beta_iters,
+            floor=_priority_floor(plan, priority, sel.indices),
         )
     elif plan.fit.beta == "selector":
         if sel.beta is None:

@@ -125,7 +125,7 @@ def nnls_pgd_gram(
     gram: torch.Tensor,
     rhs: torch.Tensor,
     *,
-    lower: float = 0.0,
+    lower: float | torch.Tensor = 0.0,
     upper: float | None = None,
     iters: int = 0,
     valid: torch.Tensor | None = None,
@@ -140,17 +140,30 @@ def nnls_pgd_gram(
     Parameters
     ----------
     gram : ``[B, p, p]``; rhs : ``[B, p]``; valid : ``[B, p]`` bool (invalid slots -> 0).
+    lower : one bound for every weight, or ``[B, p]`` bounds, one per weight.
 
     Returns
     -------
     ``[B, p]`` float64 weights, inside the box on valid slots.
     """
     hi = float("inf") if upper is None else upper
-    if not lower <= hi:
+    if isinstance(lower, torch.Tensor):
+        if lower.shape != rhs.shape:
+            raise ValueError(
+                f"per-weight NNLS bounds must be [B, p] = {tuple(rhs.shape)}, got {tuple(lower.shape)}"
+            )
+        lower = lower.to(torch.float64)
+        if bool((lower > hi).any()):
+            raise ValueError(f"NNLS bounds must satisfy lower <= upper = {upper}")
+    elif not lower <= hi:
         raise ValueError(
             f"NNLS bounds must satisfy lower <= upper, got [{lower}, {upper}]"
         )
-    w = solve_normal_equations(gram, rhs[..., None], valid)[..., 0].clamp(lower, hi)
+
+    def project(x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(min=lower).clamp(max=hi)
+
+    w = project(solve_normal_equations(gram, rhs[..., None], valid)[..., 0])
     if iters > 0:
         g = _masked_gram(gram, valid)
         b = rhs.to(torch.float64)
@@ -159,7 +172,7 @@ def nnls_pgd_gram(
         )
         for _ in range(iters):
             grad = (g @ w[..., None])[..., 0] - b
-            w = (w - step * grad).clamp(lower, hi)
+            w = project(w - step * grad)
     return w if valid is None else torch.where(valid, w, 0.0)
 
 
@@ -318,6 +331,7 @@ def fit_beta(
     *,
     bounds: tuple[float, float],
     iters: int,
+    floor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mass-matching biases: bounded NNLS of shifted features onto the shifted mass.
 
@@ -328,6 +342,8 @@ def fit_beta(
     valid : ``[H, t]`` bool real slots.
     bounds : ``(lo, hi)`` bounds on ``beta`` (``w = exp(beta)`` in ``[e^lo, e^hi]``).
     iters : projected-gradient steps.
+    floor : ``[H, t]`` per-slot lower bounds on ``beta`` in ``bounds`` (replacing ``lo``), or
+        ``None``.
 
     Returns
     -------
@@ -342,7 +358,7 @@ def fit_beta(
     w = nnls_pgd_gram(
         gram,
         rhs[..., 0],
-        lower=math.exp(lo),
+        lower=math.exp(lo) if floor is None else floor.to(GRAM_DTYPE).exp(),
         upper=math.exp(hi),
         iters=iters,
         valid=valid,

@@ -56,6 +56,11 @@ class FitOptions:
             ``lam`` tends to ``"direct"``. Slots the reference queries barely attend stay near
             their original values (they cannot be fitted from those queries anyway), so exact
             copying of rarely-probed tokens survives the refit.
+        priority_beta_floor: for ``"nnls"`` only: the lowest ``beta`` a kept priority key (an
+            identifier ``compact_heads`` was told to keep first) may get, inside
+            ``beta_bounds``; ``None`` gives it the box's ``lo`` like every other slot. ``0``
+            means no kept identifier weighs less than it did in the full context, so the mass
+            fit cannot mute the digits the selection kept on purpose.
     """
 
     beta: str = "zero"
@@ -63,6 +68,7 @@ class FitOptions:
     beta_iters: int = 2
     values: str = "direct"
     value_anchor: float = 0.0
+    priority_beta_floor: float | None = None
 
     def __post_init__(self) -> None:
         if self.beta not in BETA_MODES:
@@ -109,6 +115,22 @@ class FitOptions:
                 f"value_anchor applies to values='lstsq' only, not {self.values!r}"
             )
         object.__setattr__(self, "value_anchor", float(self.value_anchor))
+        floor = self.priority_beta_floor
+        if floor is not None:
+            if (
+                isinstance(floor, bool)
+                or not isinstance(floor, (int, float))
+                or not lo <= floor <= hi
+            ):
+                raise ValueError(
+                    f"priority_beta_floor must be a number inside beta_bounds [{lo}, {hi}], "
+                    f"got {floor!r}"
+                )
+            if self.beta != "nnls":
+                raise ValueError(
+                    f"priority_beta_floor applies to beta='nnls' only, not {self.beta!r}"
+                )
+            object.__setattr__(self, "priority_beta_floor", float(floor))
 
 
 @dataclass(frozen=True)
