@@ -125,6 +125,11 @@ def test_identifiers_score_on_every_character():
     assert key.score('"QW7B-3PDK-HX4P-YA"') == 0.0  # a longer key is another key
     assert cut_short("QW7B-3PDK was it", ("QW7B-3PDK-HX4P",))
     assert not cut_short("QW7B", ("QW7B-3PDK-HX4P",))  # under half: not a copy at all
+    # the whole copy, then a repeat that runs out of tokens: not cut short
+    assert not cut_short(
+        "30877432d102. The original was 30877432d10", ("30877432d102",)
+    )
+    assert not cut_short("168: refund counted twice\n1. The test", ("168",))
 
 
 def make_task_exact(value: str):

@@ -149,13 +149,17 @@ _IDENTIFIERS = {
 
 def cut_short(text: str, answers: tuple[str, ...]) -> bool:
     """Whether ``text`` names a strict prefix (at least half) of an expected identifier instead
-    of the whole: the exact-copy failure ("48553" for "485538")."""
-    for answer in answers:
-        for m in re.finditer(r"[\w-]+", text):
-            word = m.group()
-            if len(answer) // 2 <= len(word) < len(answer) and answer.startswith(word):
-                return True
-    return False
+    of the whole: the exact-copy failure ("48553" for "485538"). An answer that names the whole
+    identifier somewhere is not cut short, even where it goes on to repeat it and the repeat
+    runs out of new tokens, or a list after it starts with a digit of it."""
+    words = [m.group() for m in re.finditer(r"[\w-]+", text)]
+    if any(word in answers for word in words):
+        return False
+    return any(
+        len(answer) // 2 <= len(word) < len(answer) and answer.startswith(word)
+        for answer in answers
+        for word in words
+    )
 
 
 def _turn_texts(tokenizer, n_tokens: int, seed: int, turns: int) -> list[str]:
