@@ -35,8 +35,29 @@ def serving() -> dict:
     return load("serving.json")
 
 
+def conversations() -> str:
+    """Of the full history's right answers on the four conversation families, how many the
+    default keeps at 10%, and the range of the per-family retention."""
+    result = load("conversations_default_48.json")
+    full = {
+        (b["task"], b["seed"])
+        for b in result["baselines"]
+        if b["method"] == "full-context" and b["score"] == 1
+    }
+    right = [r for r in result["rows"] if (r["task"], r["seed"]) in full]
+    kept = sum(r["score"] == 1 for r in right)
+    shares = [
+        result["summary"][task]["am"]["0.1"]["retention"] for task in result["summary"]
+    ]
+    return (
+        f"**{kept}/{len(right)} = {kept / len(right):.0%}** of the full history's right "
+        f"answers | {min(shares):.0%}-{max(shares):.0%}".replace("%-", "-")
+    )
+
+
 #: (text the README must contain, how it is computed from the result file)
 HEADLINES = [
+    (conversations, "conversation facts at 10%"),
     (lambda: f"**{needles(AM)}**", "AM's needles at 10/5/2%"),
     (
         lambda: (
