@@ -36,6 +36,7 @@ from vllm_compaction.am.selectors.base import (
     Selection,
     SelectionProblem,
     has_priority,
+    priority_members,
     slot_mask,
 )
 
@@ -211,8 +212,7 @@ def _priority_floor(
     floor = plan.fit.priority_beta_floor
     if floor is None or priority is None:
         return None
-    member = priority if priority.dtype == torch.bool else priority >= 0
-    kept = member[indices]
+    kept = priority_members(priority)[indices]
     return torch.where(kept, floor, plan.fit.beta_bounds[0]).to(torch.float32)
 
 

@@ -25,7 +25,7 @@ import string
 from collections.abc import Callable
 
 from vllm_compaction.corpus import haystack_text
-from vllm_compaction.eval.instance import TaskInstance
+from vllm_compaction.eval.instance import TaskInstance, score_text
 
 __all__ = ["CONVERSATION_TASKS", "TURNS", "POSITIONS", "cut_short"]
 
@@ -152,9 +152,9 @@ def cut_short(text: str, answers: tuple[str, ...]) -> bool:
     of the whole: the exact-copy failure ("48553" for "485538"). An answer that names the whole
     identifier somewhere is not cut short, even where it goes on to repeat it and the repeat
     runs out of new tokens, or a list after it starts with a digit of it."""
-    words = [m.group() for m in re.finditer(r"[\w-]+", text)]
-    if any(word in answers for word in words):
+    if score_text(text, answers, case_sensitive=True):
         return False
+    words = [m.group() for m in re.finditer(r"[\w-]+", text)]
     return any(
         len(answer) // 2 <= len(word) < len(answer) and answer.startswith(word)
         for answer in answers

@@ -24,6 +24,7 @@ __all__ = [
     "Selector",
     "SelectorBase",
     "has_priority",
+    "priority_members",
     "top_by_score",
     "PRIORITY_SHARE",
     "slot_mask",
@@ -150,9 +151,15 @@ def slot_mask(lengths: torch.Tensor, t_max: int) -> torch.Tensor:
     return torch.arange(t_max, device=lengths.device)[None, :] < lengths[:, None]
 
 
+def priority_members(priority: torch.Tensor) -> torch.Tensor:
+    """``[T]`` bool: the keys a ``SelectionProblem.priority`` (bool mask or int64 span ids,
+    ``-1`` for none) names."""
+    return priority if priority.dtype == torch.bool else priority >= 0
+
+
 def has_priority(priority: torch.Tensor) -> bool:
     """Whether a ``SelectionProblem.priority`` (bool mask or int64 span ids) names any key."""
-    return bool((priority if priority.dtype == torch.bool else priority >= 0).any())
+    return bool(priority_members(priority).any())
 
 
 def _priority_lift(
