@@ -35,29 +35,42 @@ def serving() -> dict:
     return load("serving.json")
 
 
-def conversations() -> str:
-    """Of the full history's right answers on the four conversation families, how many the
-    default keeps at 10%, and the range of the per-family retention."""
-    result = load("conversations_default_48.json")
+def kept_answers(name: str) -> tuple[int, int]:
+    """Of the full history's right answers in a conversation result (one method at one ratio),
+    how many the compacted prefix keeps, and how many there are."""
+    result = load(name)
     full = {
         (b["task"], b["seed"])
         for b in result["baselines"]
         if b["method"] == "full-context" and b["score"] == 1
     }
     right = [r for r in result["rows"] if (r["task"], r["seed"]) in full]
-    kept = sum(r["score"] == 1 for r in right)
+    return sum(r["score"] == 1 for r in right), len(right)
+
+
+def conversations() -> str:
+    """The default's kept answers on the four conversation families at 10%, and the range of
+    the per-family retention."""
+    kept, total = kept_answers("conversations_default_48.json")
     shares = [
-        result["summary"][task]["am"]["0.1"]["retention"] for task in result["summary"]
+        family["am"]["0.1"]["retention"]
+        for family in load("conversations_default_48.json")["summary"].values()
     ]
     return (
-        f"**{kept}/{len(right)} = {kept / len(right):.0%}** of the full history's right "
+        f"**{kept}/{total} = {kept / total:.0%}** of the full history's right "
         f"answers | {min(shares):.0%}-{max(shares):.0%}".replace("%-", "-")
     )
+
+
+def conversations_5pct() -> str:
+    kept, total = kept_answers("conversations_default_5pct_24.json")
+    return f"at 5%, {kept}/{total} = {kept / total:.0%}"
 
 
 #: (text the README must contain, how it is computed from the result file)
 HEADLINES = [
     (conversations, "conversation facts at 10%"),
+    (conversations_5pct, "conversation facts at 5%"),
     (lambda: f"**{needles(AM)}**", "AM's needles at 10/5/2%"),
     (
         lambda: (
