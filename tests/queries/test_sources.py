@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vllm_compaction.eval.niah import make_needle, needle_prompt
+from vllm_compaction.eval.tasks import make_task, task_prompt
 from vllm_compaction.pipeline import PreparedPrefix, compact_prefix, compact_prepared
 from vllm_compaction.queries import (
     QueryCollector,
@@ -18,7 +19,12 @@ from vllm_compaction.queries.base import PrefixSpec
 from vllm_compaction.queries.quote_prefill import QuotePrefill
 from vllm_compaction.queries.repeat_prefill import REPEAT_INSTRUCTION
 from vllm_compaction.queries.self_study import SelfStudy
-from vllm_compaction.queries.surprise_quote import SurpriseQuote, surprising_spans
+from vllm_compaction.queries.surprise_quote import (
+    SurpriseNumberQuote,
+    SurpriseQuote,
+    number_starts,
+    surprising_spans,
+)
 
 IDS = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(4)).tolist()
 
@@ -415,3 +421,60 @@ def test_real_surprise_quote_probes_the_needle(smollm2):
     dense = parse_sources("surprise-quote/80")[0].plan(smollm2, spec).continuations
     assert len(dense) == round(len(content) / 80) > len(plan.continuations)
     assert {tuple(c) for c in plan.continuations} <= {tuple(c) for c in dense}
+
+
+def test_number_starts_finds_each_word_with_two_digits_at_its_first_token():
+    # tokens joined by "|": a code then a stop (3), a time (11), one digit (not a number), a line
+    # number (19), a file name's digits (23), a key whose first digit comes later (28)
+    joined = (
+        "The| code| is| 4|8|5|5|3|8|.| At| 1|2|:|3|0| v|2| line| 4|1|2| in| run|_|0|7|.log"
+        "| AB|1|C|-|D|2|EF"
+    )
+    pieces = joined.split("|")
+    assert number_starts(pieces) == [3, 11, 19, 23, 28]
+    assert number_starts(["no", " digits", " here", " 7"]) == []
+
+
+@pytest.mark.slow
+def test_real_surprise_number_quote_adds_a_probe_for_each_number_the_spans_miss(
+    smollm2,
+):
+    """On an agent trace (numbers in predictable tool lines), the numbers' probes come after the
+    span probes, which they leave unchanged, and between them every number is quoted."""
+    inst = make_task("agent-trace", smollm2.tokenizer, 1500, seed=3)
+    prompt = task_prompt(smollm2, inst)
+    spec = PrefixSpec(
+        torch.tensor(prompt.prefix_ids),
+        prompt.compact_mask,
+        smollm2.prefill(prompt.prefix_ids),
+    )
+    spans = SurpriseQuote().plan(smollm2, spec).continuations
+    source = SurpriseNumberQuote()
+    plan = source.plan(smollm2, spec).continuations
+    assert plan[: len(spans)] == spans and plan[len(spans) :]
+    assert len(plan) - len(spans) <= len(spans)  # at most as many as the spans
+    assert parse_sources("surprise-number-quote/80*4")[0].source.numbers
+    content = spec.content_ids
+    window = source.window
+
+    def start_of(
+        answer,
+    ):  # where in the content a probe's teacher-forced answer comes from
+        return next(s for s in range(len(content)) if content[s : s + window] == answer)
+
+    starts = [start_of(c[-window:]) for c in plan]
+    quoted = {at for s in starts for at in range(s, s + window)}
+    pieces = smollm2.tokenizer.batch_decode([[t] for t in content])
+    numbers = number_starts(pieces)
+    missed = [at for at in numbers if at not in quoted]
+    assert not missed or len(plan) == 2 * len(
+        spans
+    )  # all quoted, unless the limit binds
+    # each added probe starts a margin before a number the span probes did not quote
+    span_quoted = {at for s in starts[: len(spans)] for at in range(s, s + window)}
+    for s in starts[len(spans) :]:
+        assert s + source.margin in numbers and s + source.margin not in span_quoted
+    # the asked number is among the quoted ones
+    assert any(
+        a in smollm2.tokenizer.decode(c[-window:]) for c in plan for a in inst.answers
+    )

@@ -158,36 +158,16 @@ def test_compact_request_defaults_and_query_names():
         req.model_copy(update={"queries": "mix+repeat-prefill"}).query_source()
         == "self-study+repeat-prefill"
     )
-    weighted = CompactRequest.model_validate(
-        {
-            "model": "m",
-            "prompt": "x",
-            "ratio": 0.5,
-            "queries": "repeat-prefill+surprise-quote*4",
-        }
-    )
-    # the pipeline parses the weight
-    assert weighted.query_source() == "repeat-prefill+surprise-quote*4"
-    spaced = CompactRequest.model_validate(
-        {
-            "model": "m",
-            "prompt": "x",
-            "ratio": 0.5,
-            "queries": "repeat-prefill+surprise-quote/80*4",
-        }
-    )
-    # and the spacing
-    assert spaced.query_source() == "repeat-prefill+surprise-quote/80*4"
-    auto = CompactRequest.model_validate(
-        {
-            "model": "m",
-            "prompt": "x",
-            "ratio": 0.05,
-            "queries": "repeat-prefill+surprise-quote/auto*4",
-        }
-    )
-    # compact() resolves it by the ratio
-    assert auto.query_source() == "repeat-prefill+surprise-quote/auto*4"
+    # the pipeline parses a weight and a spacing, compact() resolves '/auto' by the ratio, and
+    # the probes for the numbers the spans miss take both
+    for queries in (
+        "repeat-prefill+surprise-quote*4",
+        "repeat-prefill+surprise-quote/80*4",
+        "repeat-prefill+surprise-quote/auto*4",
+        "repeat-prefill+surprise-number-quote/auto*4",
+    ):
+        request = {"model": "m", "prompt": "x", "ratio": 0.05, "queries": queries}
+        assert CompactRequest.model_validate(request).query_source() == queries
 
 
 def test_normalize_messages():

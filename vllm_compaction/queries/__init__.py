@@ -11,7 +11,7 @@ from vllm_compaction.queries.quote_prefill import QuotePrefill
 from vllm_compaction.queries.random_vectors import RandomVectors
 from vllm_compaction.queries.repeat_prefill import RepeatPrefill
 from vllm_compaction.queries.self_study import MockQuestion, SelfStudy
-from vllm_compaction.queries.surprise_quote import SurpriseQuote
+from vllm_compaction.queries.surprise_quote import SurpriseNumberQuote, SurpriseQuote
 
 __all__ = [
     "DEFAULT_QUERY_CAP",
@@ -36,6 +36,7 @@ QUERY_SOURCES: dict[str, type] = {
         RepeatPrefill,
         QuotePrefill,
         SurpriseQuote,
+        SurpriseNumberQuote,
         SelfStudy,
         MockQuestion,
         RandomVectors,

@@ -34,13 +34,14 @@ __all__ = [
 QUERY_SOURCES = (
     "repeat-prefill",
     "surprise-quote",
+    "surprise-number-quote",
     "quote-prefill",
     "context-prefill",
     "self-study",
     "mix",
 )
 """The query sources the API accepts, alone or joined by ``+`` (``repeat-prefill+surprise-quote``),
-each optionally weighted (``surprise-quote*4``) and, for surprise-quote, spaced (``surprise-quote/80``:
+each optionally weighted (``surprise-quote*4``) and, for the surprise sources, spaced (``surprise-quote/80``:
 one probe per 80 content tokens; ``surprise-quote/auto``: by the ratio); ``mix`` is self-study plus
 repeat-prefill."""
 _QUERY_ALIASES = {"mix": "self-study+repeat-prefill"}
