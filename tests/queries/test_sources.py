@@ -456,20 +456,19 @@ def test_real_surprise_number_quote_adds_a_probe_for_each_number_the_spans_miss(
     assert parse_sources("surprise-number-quote/80*4")[0].source.numbers
     content = spec.content_ids
     window = source.window
-
-    def start_of(
-        answer,
-    ):  # where in the content a probe's teacher-forced answer comes from
-        return next(s for s in range(len(content)) if content[s : s + window] == answer)
-
-    starts = [start_of(c[-window:]) for c in plan]
+    # where in the content each probe's teacher-forced answer comes from
+    starts = [
+        next(s for s in range(len(content)) if content[s : s + window] == c[-window:])
+        for c in plan
+    ]
     quoted = {at for s in starts for at in range(s, s + window)}
-    pieces = smollm2.tokenizer.batch_decode([[t] for t in content])
+    pieces = smollm2.tokenizer.batch_decode(
+        [[t] for t in content], clean_up_tokenization_spaces=False
+    )
     numbers = number_starts(pieces)
+    # every number is quoted, unless the limit (as many as the spans) binds
     missed = [at for at in numbers if at not in quoted]
-    assert not missed or len(plan) == 2 * len(
-        spans
-    )  # all quoted, unless the limit binds
+    assert not missed or len(plan) == 2 * len(spans)
     # each added probe starts a margin before a number the span probes did not quote
     span_quoted = {at for s in starts[: len(spans)] for at in range(s, s + window)}
     for s in starts[len(spans) :]:
