@@ -35,10 +35,9 @@ def serving() -> dict:
     return load("serving.json")
 
 
-def kept_answers(name: str) -> tuple[int, int]:
+def kept_answers(result: dict) -> tuple[int, int]:
     """Of the full history's right answers in a conversation result (one method at one ratio),
     how many the compacted prefix keeps, and how many there are."""
-    result = load(name)
     full = {
         (b["task"], b["seed"])
         for b in result["baselines"]
@@ -51,11 +50,9 @@ def kept_answers(name: str) -> tuple[int, int]:
 def conversations() -> str:
     """The default's kept answers on the four conversation families at 10%, and the range of
     the per-family retention."""
-    kept, total = kept_answers("conversations_default_48.json")
-    shares = [
-        family["am"]["0.1"]["retention"]
-        for family in load("conversations_default_48.json")["summary"].values()
-    ]
+    result = load("conversations_default_48.json")
+    kept, total = kept_answers(result)
+    shares = [family["am"]["0.1"]["retention"] for family in result["summary"].values()]
     return (
         f"**{kept}/{total} = {kept / total:.0%}** of the full history's right "
         f"answers | {min(shares):.0%}-{max(shares):.0%}".replace("%-", "-")
@@ -63,7 +60,7 @@ def conversations() -> str:
 
 
 def conversations_5pct() -> str:
-    kept, total = kept_answers("conversations_default_5pct_24.json")
+    kept, total = kept_answers(load("conversations_default_5pct_24.json"))
     return f"at 5%, {kept}/{total} = {kept / total:.0%}"
 
 
