@@ -10,7 +10,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "vllm_compaction"
 #: Lowest first; a module may import its own layer and the layers before it.
 LAYERS = [
-    {"am", "kernels"},
+    {"am", "kernels", "text"},
     {"cache"},
     {"budgets"},
     {"models", "corpus"},

@@ -25,6 +25,7 @@ from vllm_compaction.queries.surprise_quote import (
     number_starts,
     surprising_spans,
 )
+from vllm_compaction.text import token_pieces
 
 IDS = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(4)).tolist()
 
@@ -462,10 +463,7 @@ def test_real_surprise_number_quote_adds_a_probe_for_each_number_the_spans_miss(
         for c in plan
     ]
     quoted = {at for s in starts for at in range(s, s + window)}
-    pieces = smollm2.tokenizer.batch_decode(
-        [[t] for t in content], clean_up_tokenization_spaces=False
-    )
-    numbers = number_starts(pieces)
+    numbers = number_starts(token_pieces(smollm2.tokenizer, content))
     # every number is quoted, unless the limit (as many as the spans) binds
     missed = [at for at in numbers if at not in quoted]
     assert not missed or len(plan) == 2 * len(spans)

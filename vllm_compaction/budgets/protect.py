@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from vllm_compaction.text import token_pieces, word_tokens
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -88,27 +90,11 @@ def check_protect_by(mode: Any) -> str:
 
 def identifier_spans(pieces: Sequence[str]) -> list[list[int]]:
     """Token indices of each identifier in the text the tokens ``pieces`` spell, in order."""
-    starts, text = [], []
-    at = 0
-    for piece in pieces:
-        starts.append(at)
-        text.append(piece)
-        at += len(piece)
-    joined = "".join(text)
-    ends = starts[1:] + [at]
-    spans, first = [], 0
-    for match in _WORD.finditer(joined):
-        word = match.group()
-        if len(word) < MIN_IDENTIFIER_CHARS or not any(c.isdigit() for c in word):
-            continue
-        # the tokens overlapping the word's characters (tokens are in character order)
-        while ends[first] <= match.start():
-            first += 1
-        last = first
-        while last + 1 < len(pieces) and starts[last + 1] < match.end():
-            last += 1
-        spans.append(list(range(first, last + 1)))
-    return spans
+    return [
+        list(tokens)
+        for word, tokens in word_tokens(pieces, _WORD)
+        if len(word) >= MIN_IDENTIFIER_CHARS and any(c.isdigit() for c in word)
+    ]
 
 
 def lead_spans(
@@ -156,10 +142,7 @@ def protected_tokens(
             rule,
         )
         return protected
-    ids = [int(i) for i in token_ids]
-    pieces = tokenizer.batch_decode(
-        [[i] for i in ids], clean_up_tokenization_spaces=False
-    )
+    pieces = token_pieces(tokenizer, token_ids)
     allowed = content.tolist()
     spans = [span for span in identifier_spans(pieces) if all(allowed[i] for i in span)]
     room = int(MAX_PROTECTED_SHARE * slots)

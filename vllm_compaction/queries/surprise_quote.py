@@ -28,7 +28,6 @@ miss" in docs/experiments).
 
 from __future__ import annotations
 
-import bisect
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import torch
 
 from vllm_compaction.queries.base import PrefixSpec, QueryPlan
 from vllm_compaction.queries.quote_prefill import QUOTE_INSTRUCTION, quote_probe
+from vllm_compaction.text import token_pieces, word_tokens
 
 __all__ = ["SurpriseNumberQuote", "SurpriseQuote", "number_starts", "surprising_spans"]
 
@@ -49,18 +49,13 @@ MIN_NUMBER_DIGITS = 2
 def number_starts(pieces: Sequence[str]) -> list[int]:
     """Index of the token where each number-like word begins (``MIN_NUMBER_DIGITS`` digits or
     more) in the text the tokens ``pieces`` spell, in order."""
-    offsets, at = [], 0
-    for piece in pieces:
-        offsets.append(at)
-        at += len(piece)
-    text = "".join(pieces)
     starts: list[int] = []
-    for match in _NUMBER_WORD.finditer(text):
-        if sum(c.isdigit() for c in match.group()) >= MIN_NUMBER_DIGITS:
-            # the token holding the word's first character
-            token = bisect.bisect_right(offsets, match.start()) - 1
-            if not starts or starts[-1] != token:
-                starts.append(token)
+    for word, tokens in word_tokens(pieces, _NUMBER_WORD):
+        # one probe for a token where two numbers begin
+        if sum(c.isdigit() for c in word) >= MIN_NUMBER_DIGITS and (
+            not starts or starts[-1] != tokens[0]
+        ):
+            starts.append(tokens[0])
     return starts
 
 
@@ -139,10 +134,11 @@ class SurpriseQuote:
         quoted = torch.zeros(len(content), dtype=torch.bool)
         for start in span_starts:
             quoted[start : start + self.window] = True
-        pieces = adapter.tokenizer.batch_decode(
-            [[token] for token in content], clean_up_tokenization_spaces=False
-        )
-        missed = [at for at in number_starts(pieces) if not quoted[at]]
+        missed = [
+            at
+            for at in number_starts(token_pieces(adapter.tokenizer, content))
+            if not quoted[at]
+        ]
         return [max(at - self.margin, 1) for at in missed[:limit]]
 
 
