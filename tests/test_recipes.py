@@ -16,8 +16,8 @@ from vllm_compaction.recipes import (
 )
 
 LONG_FORM = (
-    "am-highest-attn-fast:queries=repeat-prefill+surprise-quote/auto*4,min_layer_share=0.3,"
-    "protect=identifiers,protect_by=selection"
+    "am-highest-attn-fast:queries=repeat-prefill+surprise-number-quote/auto*4,"
+    "min_layer_share=0.3,protect=identifiers,protect_by=selection"
 )
 
 

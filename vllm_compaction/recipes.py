@@ -7,7 +7,7 @@ share one ``MethodSpec`` object (``am-highest-attn`` and ``am-highest-attn-fast`
 their queries, ``snapkv`` and ``pyramidkv`` only in their budgets).
 
 A method is a recipe name, optionally followed by overrides: ``"am"``,
-``"am-highest-attn-fast:queries=repeat-prefill+surprise-quote/auto*4,min_layer_share=0.3"``.
+``"am-highest-attn-fast:queries=repeat-prefill+surprise-number-quote/auto*4,min_layer_share=0.3"``.
 The same string is accepted by ``compact()``, the CLI's ``--method``, ``POST /v1/compact``'s
 ``method``, the server's ``--auto-compact-method`` and the benchmarks' ``--methods``.
 
@@ -93,16 +93,17 @@ _KVZIP = MethodSpec("highest-attention", {"aggregation": "max"}, EVICTION_FIT)
 _SS_RP = "self-study+repeat-prefill"
 #: The recommended configuration (``DEFAULT_METHOD``): highest-attention keys with AM's beta and
 #: value fits, reference queries from a repeat of the context plus quote probes on its most
-#: surprising spans (weighted 4, spaced by the ratio), global (KVzip-style) budgets with a 30% floor
-#: per layer, and identifiers (numbers, codes, hashes) kept first in each head's selection, up to
-#: half its budget (``protect_by="selection"``). It keeps the most needles measured here (12/12/9
-#: of 12 at 10/5/2% on RULER's prompt) and, on the conversation families (chat facts,
-#: near-duplicate keys, exact copies, agent traces), the most of the full context's answers of
-#: every method tried at 10%, more than the unprotected form (``am:protect=none``) in total and
-#: fewer on no family. Results in benchmarks/README.md.
+#: surprising spans and on each number those probes miss (weighted 4, spaced by the ratio), global
+#: (KVzip-style) budgets with a 30% floor per layer, and identifiers (numbers, codes, hashes) kept
+#: first in each head's selection, up to half its budget (``protect_by="selection"``). It keeps
+#: the most needles measured here (12/12/9 of 12 at 10/5/2% on RULER's prompt) and the most of the
+#: full context's answers on the conversation families (chat facts, near-duplicate keys, exact
+#: copies, agent traces) of every configuration tried: 85% at 10% and 76% at 5%, where the same
+#: without the number probes (``am:queries=repeat-prefill+surprise-quote/auto*4``) keeps 82% and
+#: 54%. Results in benchmarks/README.md.
 AM = Recipe(
     AM_HIGHEST_ATTENTION,
-    "repeat-prefill+surprise-quote/auto*4",
+    "repeat-prefill+surprise-number-quote/auto*4",
     "global",
     True,
     {"min_layer_share": 0.3, "protect": "identifiers", "protect_by": "selection"},

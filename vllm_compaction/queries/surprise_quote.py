@@ -23,7 +23,9 @@ covers (a word of letters, digits, ``-``, ``.``, ``:`` and ``_`` with at least t
 line number, a time, an account number), at most as many as the spans. Summed surprisal ranks a
 number in a predictable line low (a failing test's line number in a tool output sat 300th-600th
 of the windows), yet a later question asks for exactly it ("A probe for each number the spans
-miss" in docs/experiments).
+miss" in docs/experiments). It is the default's source (``repeat-prefill+surprise-number-quote/
+auto*4``): on the conversation families it keeps 85% of the full context's answers at 10% and
+76% at 5%, against 82% and 54% without the number probes (benchmarks/README.md).
 """
 
 from __future__ import annotations
