@@ -20,8 +20,10 @@ from vllm_compaction.queries.quote_prefill import QuotePrefill
 from vllm_compaction.queries.repeat_prefill import REPEAT_INSTRUCTION
 from vllm_compaction.queries.self_study import SelfStudy
 from vllm_compaction.queries.surprise_quote import (
+    SurpriseEntityQuote,
     SurpriseNumberQuote,
     SurpriseQuote,
+    name_starts,
     number_starts,
     surprising_spans,
 )
@@ -475,3 +477,48 @@ def test_real_surprise_number_quote_adds_a_probe_for_each_number_the_spans_miss(
     assert any(
         a in smollm2.tokenizer.decode(c[-window:]) for c in plan for a in inst.answers
     )
+
+
+def test_name_starts_finds_capitalised_words_inside_sentences_only():
+    # tokens joined by "|": a sentence's first word (no), "I" (no), a name after "is" (5), a word
+    # after a full stop (no), a three-word company after "at" (11), a name after a comma and a
+    # line break (17), a hyphenated name after "to" (25)
+    joined = (
+        "The| sister| I| know| is| Thad|deus|.| We| met| at| Gran|ite| Peak| Software| ok|,\n"
+        "|Ljub|ljana| said|.| Then| we| went| to| Jean|-|Luc|."
+    )
+    assert name_starts(joined.split("|")) == [5, 11, 17, 25]
+    assert name_starts(["All", " lower", " case", " here", "."]) == []
+
+
+@pytest.mark.slow
+def test_real_surprise_entity_quote_probes_the_name_said_in_passing(smollm2):
+    """A dog's name said once inside a long chat turn ranks below the essay's dense windows and
+    no span or number probe quotes it; the entity source adds a probe that answers with it, after
+    the number source's probes, which it leaves unchanged."""
+    inst = make_task("chat-facts", smollm2.tokenizer, 1500, seed=8)
+    prompt = task_prompt(smollm2, inst)
+    spec = PrefixSpec(
+        torch.tensor(prompt.prefix_ids),
+        prompt.compact_mask,
+        smollm2.prefill(prompt.prefix_ids),
+    )
+    source = parse_sources("surprise-entity-quote/80")[0]
+    assert isinstance(source, SurpriseEntityQuote) and source.numbers and source.names
+    numbers = parse_sources("surprise-number-quote/80")[0].plan(smollm2, spec)
+    plan = source.plan(smollm2, spec).continuations
+    assert plan[: len(numbers.continuations)] == numbers.continuations
+
+    def answered(continuations):
+        return [
+            c
+            for c in continuations
+            if any(
+                a in smollm2.tokenizer.decode(c[-source.window :]) for a in inst.answers
+            )
+        ]
+
+    assert not answered(numbers.continuations) and answered(plan)
+    spans = len(SurpriseQuote(tokens_per_span=80).plan(smollm2, spec).continuations)
+    # at most as many name probes as the spans
+    assert len(plan) - len(numbers.continuations) <= spans

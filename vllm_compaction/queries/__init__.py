@@ -11,7 +11,11 @@ from vllm_compaction.queries.quote_prefill import QuotePrefill
 from vllm_compaction.queries.random_vectors import RandomVectors
 from vllm_compaction.queries.repeat_prefill import RepeatPrefill
 from vllm_compaction.queries.self_study import MockQuestion, SelfStudy
-from vllm_compaction.queries.surprise_quote import SurpriseNumberQuote, SurpriseQuote
+from vllm_compaction.queries.surprise_quote import (
+    SurpriseEntityQuote,
+    SurpriseNumberQuote,
+    SurpriseQuote,
+)
 
 __all__ = [
     "DEFAULT_QUERY_CAP",
@@ -37,6 +41,7 @@ QUERY_SOURCES: dict[str, type] = {
         QuotePrefill,
         SurpriseQuote,
         SurpriseNumberQuote,
+        SurpriseEntityQuote,
         SelfStudy,
         MockQuestion,
         RandomVectors,

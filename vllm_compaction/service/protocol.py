@@ -35,6 +35,7 @@ QUERY_SOURCES = (
     "repeat-prefill",
     "surprise-quote",
     "surprise-number-quote",
+    "surprise-entity-quote",
     "quote-prefill",
     "context-prefill",
     "self-study",
