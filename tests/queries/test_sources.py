@@ -38,6 +38,14 @@ def _spec(adapter, ids=IDS):
     return PrefixSpec(torch.tensor(ids), mask, adapter.prefill(ids))
 
 
+def _task_spec(adapter, task: str, seed: int):
+    """An evaluation instance of 1,500 tokens and its prefix, prefilled."""
+    inst = make_task(task, adapter.tokenizer, 1500, seed=seed)
+    prompt = task_prompt(adapter, inst)
+    kv = adapter.prefill(prompt.prefix_ids)
+    return inst, PrefixSpec(torch.tensor(prompt.prefix_ids), prompt.compact_mask, kv)
+
+
 def test_collector_records_only_marked_rows_and_caps(tiny_llama):
     spec = _spec(tiny_llama)
     plan = QueryPlan(
@@ -444,13 +452,7 @@ def test_real_surprise_number_quote_adds_a_probe_for_each_number_the_spans_miss(
 ):
     """On an agent trace (numbers in predictable tool lines), the numbers' probes come after the
     span probes, which they leave unchanged, and between them every number is quoted."""
-    inst = make_task("agent-trace", smollm2.tokenizer, 1500, seed=3)
-    prompt = task_prompt(smollm2, inst)
-    spec = PrefixSpec(
-        torch.tensor(prompt.prefix_ids),
-        prompt.compact_mask,
-        smollm2.prefill(prompt.prefix_ids),
-    )
+    inst, spec = _task_spec(smollm2, "agent-trace", seed=3)
     spans = SurpriseQuote().plan(smollm2, spec).continuations
     source = SurpriseNumberQuote()
     plan = source.plan(smollm2, spec).continuations
@@ -493,16 +495,10 @@ def test_name_starts_finds_capitalised_words_inside_sentences_only():
 
 @pytest.mark.slow
 def test_real_surprise_entity_quote_probes_the_name_said_in_passing(smollm2):
-    """A dog's name said once inside a long chat turn ranks below the essay's dense windows and
+    """A sister's name said once inside a long chat turn ranks below the essay's dense windows and
     no span or number probe quotes it; the entity source adds a probe that answers with it, after
     the number source's probes, which it leaves unchanged."""
-    inst = make_task("chat-facts", smollm2.tokenizer, 1500, seed=8)
-    prompt = task_prompt(smollm2, inst)
-    spec = PrefixSpec(
-        torch.tensor(prompt.prefix_ids),
-        prompt.compact_mask,
-        smollm2.prefill(prompt.prefix_ids),
-    )
+    inst, spec = _task_spec(smollm2, "chat-facts", seed=8)
     source = parse_sources("surprise-entity-quote/80")[0]
     assert isinstance(source, SurpriseEntityQuote) and source.numbers and source.names
     numbers = parse_sources("surprise-number-quote/80")[0].plan(smollm2, spec)
