@@ -39,7 +39,7 @@ numbers ("A probe for each name the spans miss" in docs/experiments).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,27 +67,33 @@ MIN_NUMBER_DIGITS = 2
 _NAME_WORD = re.compile(r"(?<=[a-z0-9,;:)][ \n])[A-Z][a-z]+(?:[ -][A-Z][a-z]+)*")
 
 
+def _word_starts(
+    pieces: Sequence[str], pattern: re.Pattern[str], keep: Callable[[str], bool]
+) -> list[int]:
+    """Index of the token where each match of ``pattern`` that ``keep`` accepts begins, in the
+    text the tokens ``pieces`` spell, in order; one per token (one probe for a token where two
+    words begin)."""
+    starts: list[int] = []
+    for word, tokens in word_tokens(pieces, pattern):
+        if keep(word) and (not starts or starts[-1] != tokens[0]):
+            starts.append(tokens[0])
+    return starts
+
+
 def number_starts(pieces: Sequence[str]) -> list[int]:
     """Index of the token where each number-like word begins (``MIN_NUMBER_DIGITS`` digits or
     more) in the text the tokens ``pieces`` spell, in order."""
-    starts: list[int] = []
-    for word, tokens in word_tokens(pieces, _NUMBER_WORD):
-        # one probe for a token where two numbers begin
-        if sum(c.isdigit() for c in word) >= MIN_NUMBER_DIGITS and (
-            not starts or starts[-1] != tokens[0]
-        ):
-            starts.append(tokens[0])
-    return starts
+    return _word_starts(
+        pieces,
+        _NUMBER_WORD,
+        lambda word: sum(c.isdigit() for c in word) >= MIN_NUMBER_DIGITS,
+    )
 
 
 def name_starts(pieces: Sequence[str]) -> list[int]:
     """Index of the token where each name inside a sentence begins (``_NAME_WORD``) in the text
     the tokens ``pieces`` spell, in order."""
-    starts: list[int] = []
-    for _, tokens in word_tokens(pieces, _NAME_WORD):
-        if not starts or starts[-1] != tokens[0]:
-            starts.append(tokens[0])
-    return starts
+    return _word_starts(pieces, _NAME_WORD, lambda word: True)
 
 
 def surprising_spans(surprisal: torch.Tensor, span: int, count: int) -> list[int]:
