@@ -21,6 +21,7 @@ from vllm_compaction.queries.repeat_prefill import REPEAT_INSTRUCTION
 from vllm_compaction.queries.self_study import SelfStudy
 from vllm_compaction.queries.surprise_quote import (
     SurpriseEntityQuote,
+    SurpriseNameQuote,
     SurpriseNumberQuote,
     SurpriseQuote,
     name_starts,
@@ -518,3 +519,8 @@ def test_real_surprise_entity_quote_probes_the_name_said_in_passing(smollm2):
     spans = len(SurpriseQuote(tokens_per_span=80).plan(smollm2, spec).continuations)
     # at most as many name probes as the spans
     assert len(plan) - len(numbers.continuations) <= spans
+    # the names-only source runs exactly those name probes, so a spec can weigh them apart
+    names_only = parse_sources("surprise-name-quote/80")[0]
+    assert isinstance(names_only, SurpriseNameQuote)
+    names = names_only.plan(smollm2, spec).continuations
+    assert names == plan[len(numbers.continuations) :] and answered(names)

@@ -9,8 +9,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from vllm_compaction.queries import QUERY_SOURCES as REGISTRY
 from vllm_compaction.service.config import ServiceConfig
-from vllm_compaction.service.protocol import CompactRequest, normalize_messages
+from vllm_compaction.service.protocol import (
+    QUERY_SOURCES,
+    CompactRequest,
+    normalize_messages,
+)
 
 
 @pytest.mark.parametrize(
@@ -324,3 +329,11 @@ def test_worker_cli_errors_are_sentences(capsys, monkeypatch):
         == 2
     )
     assert "no compaction server at http://127.0.0.1:1" in capsys.readouterr().err
+
+
+def test_the_api_accepts_every_registered_source_that_needs_no_extra_argument():
+    """The service checks source names without importing the query package: its list must name
+    every registered source (apart from the two that only the library's own tests drive) and
+    nothing else but its aliases."""
+    library_only = {"random-vectors", "mock-question"}
+    assert set(QUERY_SOURCES) - {"mix"} == set(REGISTRY) - library_only

@@ -13,6 +13,7 @@ from vllm_compaction.queries.repeat_prefill import RepeatPrefill
 from vllm_compaction.queries.self_study import MockQuestion, SelfStudy
 from vllm_compaction.queries.surprise_quote import (
     SurpriseEntityQuote,
+    SurpriseNameQuote,
     SurpriseNumberQuote,
     SurpriseQuote,
 )
@@ -42,6 +43,7 @@ QUERY_SOURCES: dict[str, type] = {
         SurpriseQuote,
         SurpriseNumberQuote,
         SurpriseEntityQuote,
+        SurpriseNameQuote,
         SelfStudy,
         MockQuestion,
         RandomVectors,

@@ -34,6 +34,11 @@ first (surprisal of the name's first token). A name said once in a long turn sum
 essay's dense windows and went unprobed in every chat fact lost at 5%; the model guesses a
 common name in its place. Not the default: at 5% it keeps three more chat facts and loses six
 numbers ("A probe for each name the spans miss" in docs/experiments).
+
+``surprise-name-quote`` runs only those name probes (the spans and numbers it skips are the ones
+``surprise-number-quote`` with the same spacing probes), so that a spec can count them apart from
+the default's: ``repeat-prefill+surprise-number-quote/auto*4+surprise-name-quote/auto`` weighs the
+names once and the spans and numbers four times ("Name probes at weight 1" in docs/experiments).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from vllm_compaction.text import token_pieces, word_tokens
 
 __all__ = [
     "SurpriseEntityQuote",
+    "SurpriseNameQuote",
     "SurpriseNumberQuote",
     "SurpriseQuote",
     "name_starts",
@@ -127,6 +133,8 @@ class SurpriseQuote:
     numbers: bool = False
     #: also probe each name inside a sentence the other probes miss (``surprise-entity-quote``)
     names: bool = False
+    #: run only the name probes; the others only mark what is covered (``surprise-name-quote``)
+    only_names: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -163,7 +171,8 @@ class SurpriseQuote:
             names = self._unquoted(name_starts(pieces), starts)
             # the least predictable ones: the model can guess a famous name, not a user's sister's
             names.sort(key=lambda at: -float(surprisal[at]))
-            starts += sorted(max(at - self.margin, 1) for at in names[:count])
+            name_probes = sorted(max(at - self.margin, 1) for at in names[:count])
+            starts = name_probes if self.only_names else starts + name_probes
         continuations = [
             quote_probe(
                 adapter, content, start, self.lead, self.window, self.instruction
@@ -198,3 +207,14 @@ class SurpriseEntityQuote(SurpriseQuote):
     name: str = "surprise-entity-quote"
     numbers: bool = True
     names: bool = True
+
+
+@dataclass
+class SurpriseNameQuote(SurpriseQuote):
+    """Only ``surprise-entity-quote``'s name probes: each name inside a sentence that the spans'
+    and numbers' probes of ``surprise-number-quote`` miss (module doc)."""
+
+    name: str = "surprise-name-quote"
+    numbers: bool = True
+    names: bool = True
+    only_names: bool = True

@@ -36,6 +36,7 @@ QUERY_SOURCES = (
     "surprise-quote",
     "surprise-number-quote",
     "surprise-entity-quote",
+    "surprise-name-quote",
     "quote-prefill",
     "context-prefill",
     "self-study",
