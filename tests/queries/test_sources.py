@@ -390,6 +390,7 @@ def test_surprise_quote_refuses_bad_sizes():
         {"margin": -1},
         {"spans": 0},
         {"tokens_per_span": 0},
+        {"only_names": True},
     ):
         with pytest.raises(ValueError, match="surprise-quote needs"):
             SurpriseQuote(**bad)

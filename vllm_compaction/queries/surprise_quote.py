@@ -146,6 +146,9 @@ class SurpriseQuote:
             )
         if self.spans is not None and self.spans < 1:
             raise ValueError(f"surprise-quote needs spans >= 1, got {self.spans}")
+        if self.only_names and not self.names:
+            # the flag picks among the name probes: without them it would quietly mean nothing
+            raise ValueError("surprise-quote needs names=True for only_names=True")
 
     def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
         content = prefix.content_ids
