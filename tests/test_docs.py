@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 #: the default ``am`` as its runs name it
-AM = "am:queries=repeat-prefill+surprise-number-quote/auto*4"
+AM = "am:queries=repeat-prefill+surprise-number-quote/auto*4+surprise-name-quote/auto"
 ESSAY = "am-omp-fast:queries=repeat-prefill+surprise-quote*4,min_layer_share=0.3"
 RATIOS = ("0.1", "0.05", "0.02")
 
@@ -50,7 +50,7 @@ def kept_answers(result: dict) -> tuple[int, int]:
 def conversations() -> str:
     """The default's kept answers on the four conversation families at 10%, and the range of
     the per-family retention."""
-    result = load("conversations_numbers_48.json")
+    result = load("conversations_names_10pct_48.json")
     kept, total = kept_answers(result)
     shares = [family[AM]["0.1"]["retention"] for family in result["summary"].values()]
     return (
@@ -60,29 +60,33 @@ def conversations() -> str:
 
 
 def conversations_5pct() -> str:
-    kept, total = kept_answers(load("conversations_numbers_5pct_24.json"))
+    kept, total = kept_answers(load("conversations_names_5pct_24.json"))
     return f"at 5%, {kept}/{total} = {kept / total:.0%}"
 
 
 def conversations_before() -> str:
-    """The same at 10% and 5% from the default's runs before the number probes joined it."""
-    shares = [
-        kept / total
-        for kept, total in (
-            kept_answers(load("conversations_default_48.json")),
-            kept_answers(load("conversations_default_5pct_24.json")),
-        )
-    ]
-    return f"without the number probes {shares[0]:.0%} and {shares[1]:.0%}"
+    """The same at 10% and 5% from the default's earlier forms: before the name probes joined
+    it, and before the number probes did."""
+
+    def shares(at_10: str, at_5: str) -> str:
+        kept = [kept_answers(load(name)) for name in (at_10, at_5)]
+        return " and ".join(f"{k / t:.0%}" for k, t in kept)
+
+    return (
+        "without the name probes "
+        + shares("conversations_numbers_48.json", "conversations_numbers_5pct_24.json")
+        + ", without the number probes too "
+        + shares("conversations_default_48.json", "conversations_default_5pct_24.json")
+    )
 
 
 #: (text the README must contain, how it is computed from the result file)
 HEADLINES = [
     (conversations, "conversation facts at 10%"),
     (conversations_5pct, "conversation facts at 5%"),
-    (conversations_before, "conversation facts before the number probes"),
+    (conversations_before, "conversation facts with the earlier forms of the default"),
     (
-        lambda: f"**{needles(AM, 'niah_ruler_numbers_12.json')}**",
+        lambda: f"**{needles(AM, 'niah_ruler_names_12.json')}**",
         "AM's needles at 10/5/2%",
     ),
     (

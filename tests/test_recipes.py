@@ -16,7 +16,8 @@ from vllm_compaction.recipes import (
 )
 
 LONG_FORM = (
-    "am-highest-attn-fast:queries=repeat-prefill+surprise-number-quote/auto*4,"
+    "am-highest-attn-fast:queries=repeat-prefill+surprise-number-quote/auto*4"
+    "+surprise-name-quote/auto,"
     "min_layer_share=0.3,protect=identifiers,protect_by=selection"
 )
 

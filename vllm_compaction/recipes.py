@@ -93,17 +93,19 @@ _KVZIP = MethodSpec("highest-attention", {"aggregation": "max"}, EVICTION_FIT)
 _SS_RP = "self-study+repeat-prefill"
 #: The recommended configuration (``DEFAULT_METHOD``): highest-attention keys with AM's beta and
 #: value fits, reference queries from a repeat of the context plus quote probes on its most
-#: surprising spans and on each number those probes miss (weighted 4, spaced by the ratio), global
-#: (KVzip-style) budgets with a 30% floor per layer, and identifiers (numbers, codes, hashes) kept
-#: first in each head's selection, up to half its budget (``protect_by="selection"``). It keeps
-#: the most needles measured here (12/12/9 of 12 at 10/5/2% on RULER's prompt) and the most of the
-#: full context's answers on the conversation families (chat facts, near-duplicate keys, exact
-#: copies, agent traces) of every configuration tried: 85% at 10% and 76% at 5%, where the same
-#: without the number probes (``am:queries=repeat-prefill+surprise-quote/auto*4``) keeps 82% and
-#: 54%. Results in benchmarks/README.md.
+#: surprising spans and on each number those probes miss (weighted 4, spaced by the ratio) and on
+#: each name inside a sentence they miss (weighted 1), global (KVzip-style) budgets with a 30%
+#: floor per layer, and identifiers (numbers, codes, hashes) kept first in each head's selection,
+#: up to half its budget (``protect_by="selection"``). It keeps the most needles measured here
+#: (12/12/9 of 12 at 10/5/2% on RULER's prompt) and the most of the full context's answers on the
+#: conversation families (chat facts, near-duplicate keys, exact copies, agent traces) of every
+#: configuration tried: 87% at 10% and 83% at 5%, where the same without the name probes
+#: (``am:queries=repeat-prefill+surprise-number-quote/auto*4``) keeps 85% and 76%, and without
+#: the number probes as well (``am:queries=repeat-prefill+surprise-quote/auto*4``) 82% and 54%.
+#: Results in benchmarks/README.md.
 AM = Recipe(
     AM_HIGHEST_ATTENTION,
-    "repeat-prefill+surprise-number-quote/auto*4",
+    "repeat-prefill+surprise-number-quote/auto*4+surprise-name-quote/auto",
     "global",
     True,
     {"min_layer_share": 0.3, "protect": "identifiers", "protect_by": "selection"},

@@ -170,6 +170,7 @@ def test_compact_request_defaults_and_query_names():
         "repeat-prefill+surprise-quote/80*4",
         "repeat-prefill+surprise-quote/auto*4",
         "repeat-prefill+surprise-number-quote/auto*4",
+        "repeat-prefill+surprise-number-quote/auto*4+surprise-name-quote/auto",
     ):
         request = {"model": "m", "prompt": "x", "ratio": 0.05, "queries": queries}
         assert CompactRequest.model_validate(request).query_source() == queries
