@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -413,6 +415,33 @@ def test_token_surprisal_matches_the_logits_of_a_forward_pass(model, request):
     torch.testing.assert_close(
         adapter.token_surprisal(ids, hidden=adapter.prefill(ids).last_hidden), nll
     )
+
+
+@pytest.mark.slow
+def test_a_prefix_computes_its_surprisal_once_for_every_surprise_source(
+    smollm2, monkeypatch
+):
+    """The default's mixture plans two surprise sources on one prefix (a chat with a name said
+    in passing): the vocabulary projection runs once, and each source plans what it plans on
+    a prefix of its own."""
+    _, spec = _task_spec(smollm2, "chat-facts", 8)
+    calls = []
+    surprisal = smollm2.token_surprisal
+    monkeypatch.setattr(
+        smollm2,
+        "token_surprisal",
+        lambda *args, **kwargs: calls.append(1) or surprisal(*args, **kwargs),
+    )
+    sources = parse_sources("surprise-number-quote/80+surprise-name-quote/80")
+    shared = [source.plan(smollm2, spec).continuations for source in sources]
+    assert len(calls) == 1 and all(shared)
+    torch.testing.assert_close(
+        spec.content_surprisal(smollm2),
+        surprisal(spec.token_ids, hidden=spec.kv.last_hidden).cpu()[spec.compact_mask],
+    )
+    fresh = [dataclasses.replace(spec) for _ in sources]
+    alone = [source.plan(smollm2, f).continuations for source, f in zip(sources, fresh)]
+    assert shared == alone and len(calls) == 3
 
 
 @pytest.mark.slow

@@ -33,6 +33,9 @@ class PrefixSpec:
     token_ids: torch.Tensor
     compact_mask: torch.Tensor
     kv: PrefixKV
+    _content_surprisal: torch.Tensor | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def length(self) -> int:
@@ -41,6 +44,16 @@ class PrefixSpec:
     @property
     def content_ids(self) -> list[int]:
         return self.token_ids[self.compact_mask].tolist()
+
+    def content_surprisal(self, adapter: ModelAdapter) -> torch.Tensor:
+        """``[C]`` float32 surprisal (nats) of each content token, on the host, from the
+        prefill's hidden states when kept. Computed once per prefix: every surprise source of a
+        mixture reads it, and the vocabulary projection is most of their planning time."""
+        if self._content_surprisal is None:
+            hidden = self.kv.last_hidden if self.kv is not None else None
+            surprisal = adapter.token_surprisal(self.token_ids, hidden=hidden).cpu()
+            self._content_surprisal = surprisal[self.compact_mask]
+        return self._content_surprisal
 
 
 @dataclass

@@ -154,12 +154,8 @@ class SurpriseQuote:
 
     def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
         content = prefix.content_ids
-        # the prefill's, when kept
-        hidden = prefix.kv.last_hidden if prefix.kv is not None else None
         # span picking is host bookkeeping, as the prefix's mask
-        surprisal = adapter.token_surprisal(prefix.token_ids, hidden=hidden).cpu()[
-            prefix.compact_mask
-        ]
+        surprisal = prefix.content_surprisal(adapter)
         count = self.spans or max(1, round(len(content) / self.tokens_per_span))
         # at least one token of lead to quote, even for a span at the very start
         starts = [
