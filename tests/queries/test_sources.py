@@ -21,13 +21,16 @@ from vllm_compaction.queries.base import PrefixSpec
 from vllm_compaction.queries.quote_prefill import QuotePrefill
 from vllm_compaction.queries.repeat_prefill import REPEAT_INSTRUCTION
 from vllm_compaction.queries.self_study import SelfStudy
+from vllm_compaction.queries.surprise_cloze import BLANK, SurpriseCloze
 from vllm_compaction.queries.surprise_quote import (
     SurpriseEntityQuote,
     SurpriseNameQuote,
     SurpriseNumberQuote,
     SurpriseQuote,
     name_starts,
+    name_words,
     number_starts,
+    number_words,
     surprising_spans,
 )
 from vllm_compaction.text import token_pieces
@@ -554,3 +557,50 @@ def test_real_surprise_entity_quote_probes_the_name_said_in_passing(smollm2):
     assert isinstance(names_only, SurpriseNameQuote)
     names = names_only.plan(smollm2, spec).continuations
     assert names == plan[len(numbers.continuations) :] and answered(names)
+
+
+def test_number_and_name_words_cover_every_token_of_the_word():
+    joined = (
+        "My| code| is| 4|8|5|5|3|8|,| ask| Gran|ite| Peak| Software| at| 1|2|:|3|0|."
+    )
+    pieces = joined.split("|")
+    assert number_words(pieces) == [range(3, 9), range(16, 21)]
+    assert name_words(pieces) == [range(11, 15)]
+
+
+def test_surprise_cloze_refuses_bad_sizes():
+    for bad in ({"lead": 0}, {"tail": 0}, {"tokens_per_span": 0}, {"spans": 0}):
+        with pytest.raises(ValueError, match="surprise-cloze needs"):
+            SurpriseCloze(**bad)
+
+
+@pytest.mark.slow
+def test_real_surprise_cloze_asks_for_each_word_with_its_sentence_blanked(smollm2):
+    """On a chat with a sister's name said in passing, one probe asks for the name with the rest
+    of its sentence shown and answers with it; every probe blanks one name or number and answers
+    with that word's own tokens and the rest of its sentence, taken from the content."""
+    inst, spec = _task_spec(smollm2, "chat-facts", seed=8)
+    source = parse_sources("surprise-cloze/80*4")[0]
+    assert source.weight == 4 and isinstance(source.source, SurpriseCloze)
+    plan = source.plan(smollm2, spec)
+    assert set(plan.weights) == {4}
+    tokenizer = smollm2.tokenizer
+    content = spec.content_ids
+    pieces = token_pieces(tokenizer, content)
+    words = {w.start: w for w in number_words(pieces) + name_words(pieces)}
+    count = round(len(content) / 80)
+    assert 0 < len(plan.continuations) <= 2 * count
+    for continuation in plan.continuations:
+        assert tokenizer.decode(continuation).count(BLANK) == 1
+        # the answer: a blanked word, whole, then at most `tail` tokens of its sentence
+        assert any(
+            continuation[start - stop :] == content[start:stop]
+            for start, word in words.items()
+            for stop in range(word.stop, word.stop + source.source.tail + 1)
+        )
+    asked = [
+        tokenizer.decode(c)
+        for c in plan.continuations
+        if "sister's name is ___." in tokenizer.decode(c)
+    ]
+    assert len(asked) == 1 and asked[0].endswith(f" {inst.answers[0]}.")

@@ -11,6 +11,7 @@ from vllm_compaction.queries.quote_prefill import QuotePrefill
 from vllm_compaction.queries.random_vectors import RandomVectors
 from vllm_compaction.queries.repeat_prefill import RepeatPrefill
 from vllm_compaction.queries.self_study import MockQuestion, SelfStudy
+from vllm_compaction.queries.surprise_cloze import SurpriseCloze
 from vllm_compaction.queries.surprise_quote import (
     SurpriseEntityQuote,
     SurpriseNameQuote,
@@ -44,6 +45,7 @@ QUERY_SOURCES: dict[str, type] = {
         SurpriseNumberQuote,
         SurpriseEntityQuote,
         SurpriseNameQuote,
+        SurpriseCloze,
         SelfStudy,
         MockQuestion,
         RandomVectors,

@@ -61,7 +61,9 @@ __all__ = [
     "SurpriseNumberQuote",
     "SurpriseQuote",
     "name_starts",
+    "name_words",
     "number_starts",
+    "number_words",
     "surprising_spans",
 ]
 
@@ -75,33 +77,43 @@ MIN_NUMBER_DIGITS = 2
 _NAME_WORD = re.compile(r"(?<=[a-z0-9,;:)][ \n])[A-Z][a-z]+(?:[ -][A-Z][a-z]+)*")
 
 
-def _word_starts(
+def _words(
     pieces: Sequence[str], pattern: re.Pattern[str], keep: Callable[[str], bool]
-) -> list[int]:
-    """Index of the token where each match of ``pattern`` that ``keep`` accepts begins, in the
-    text the tokens ``pieces`` spell, in order; one per token (one probe for a token where two
-    words begin)."""
-    starts: list[int] = []
+) -> list[range]:
+    """The tokens of each match of ``pattern`` that ``keep`` accepts, in the text the tokens
+    ``pieces`` spell, in order; one per first token (two words that begin in one token are
+    one)."""
+    words: list[range] = []
     for word, tokens in word_tokens(pieces, pattern):
-        if keep(word) and (not starts or starts[-1] != tokens[0]):
-            starts.append(tokens[0])
-    return starts
+        if keep(word) and (not words or words[-1].start != tokens.start):
+            words.append(tokens)
+    return words
 
 
-def number_starts(pieces: Sequence[str]) -> list[int]:
-    """Index of the token where each number-like word begins (``MIN_NUMBER_DIGITS`` digits or
-    more) in the text the tokens ``pieces`` spell, in order."""
-    return _word_starts(
+def number_words(pieces: Sequence[str]) -> list[range]:
+    """The tokens of each number-like word (``MIN_NUMBER_DIGITS`` digits or more) in the text
+    the tokens ``pieces`` spell, in order."""
+    return _words(
         pieces,
         _NUMBER_WORD,
         lambda word: sum(c.isdigit() for c in word) >= MIN_NUMBER_DIGITS,
     )
 
 
+def name_words(pieces: Sequence[str]) -> list[range]:
+    """The tokens of each name inside a sentence (``_NAME_WORD``) in the text the tokens
+    ``pieces`` spell, in order."""
+    return _words(pieces, _NAME_WORD, lambda word: True)
+
+
+def number_starts(pieces: Sequence[str]) -> list[int]:
+    """Index of the token where each number-like word begins, in order (``number_words``)."""
+    return [word.start for word in number_words(pieces)]
+
+
 def name_starts(pieces: Sequence[str]) -> list[int]:
-    """Index of the token where each name inside a sentence begins (``_NAME_WORD``) in the text
-    the tokens ``pieces`` spell, in order."""
-    return _word_starts(pieces, _NAME_WORD, lambda word: True)
+    """Index of the token where each name inside a sentence begins, in order (``name_words``)."""
+    return [word.start for word in name_words(pieces)]
 
 
 def surprising_spans(surprisal: torch.Tensor, span: int, count: int) -> list[int]:

@@ -37,6 +37,7 @@ QUERY_SOURCES = (
     "surprise-number-quote",
     "surprise-entity-quote",
     "surprise-name-quote",
+    "surprise-cloze",
     "quote-prefill",
     "context-prefill",
     "self-study",

@@ -1,0 +1,95 @@
+"""``surprise-cloze``: a fill-in-the-blank question for each name and number of the content.
+
+A quote probe ('Continue the text above from "{lead}"') fetches a fact the way a copy does: the
+tokens before it are repeated, and the heads that follow a repeat find what came next. A later
+question fetches it another way: it names what the fact is about in other words ("What is my
+sister's name?") and the answer's first token must be found from that alone. With the real
+question among the probes, 12 of the 22 answers the default lost at 10% came back, where quote
+probes on the same facts did not ("Would the question's own queries keep them?" in
+docs/experiments). The model cannot write such questions at 135M, so this source builds one by
+rule: the sentence holding the word, with the word blanked out, and the word (then the rest of
+its sentence) teacher-forced as the answer::
+
+    user:      Fill in the blank from the conversation above: "Oh, and my sister's name is ___."
+    assistant: Bartholomew.
+
+The words are those ``surprise-number-quote`` and ``surprise-name-quote`` look for (numbers and
+codes, names inside a sentence), up to ``count`` of each: the numbers in order, the names the least
+predictable first. ``/n`` sets the count as the quote sources do (one per ``tokens_per_span``
+content tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_compaction.queries.base import PrefixSpec, QueryPlan
+from vllm_compaction.queries.surprise_quote import name_words, number_words
+from vllm_compaction.text import token_pieces
+
+__all__ = ["CLOZE_INSTRUCTION", "SurpriseCloze"]
+
+CLOZE_INSTRUCTION = 'Fill in the blank from the conversation above: "{sentence}"'
+BLANK = "___"
+#: a token ending with one of these ends a sentence (or a line: a tool output's row)
+_SENTENCE_ENDS = (".", "!", "?", "\n")
+
+
+@dataclass
+class SurpriseCloze:
+    name: str = "surprise-cloze"
+    spans: int | None = None
+    tokens_per_span: int = 160
+    #: most tokens of the sentence shown before the blank, and after it
+    lead: int = 12
+    tail: int = 8
+    instruction: str = CLOZE_INSTRUCTION
+
+    def __post_init__(self) -> None:
+        if min(self.lead, self.tail, self.tokens_per_span) < 1:
+            raise ValueError("surprise-cloze needs lead, tail and tokens_per_span >= 1")
+        if self.spans is not None and self.spans < 1:
+            raise ValueError(f"surprise-cloze needs spans >= 1, got {self.spans}")
+
+    def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
+        content = prefix.content_ids
+        count = self.spans or max(1, round(len(content) / self.tokens_per_span))
+        pieces = token_pieces(adapter.tokenizer, content)
+        surprisal = prefix.content_surprisal(adapter)
+        numbers = number_words(pieces)[:count]
+        names = sorted(name_words(pieces), key=lambda word: -float(surprisal[word[0]]))
+        words = sorted({*numbers, *names[:count]}, key=lambda word: word.start)
+        continuations = [self._probe(adapter, content, pieces, word) for word in words]
+        return QueryPlan(
+            continuations=continuations, record_from=[0] * len(continuations)
+        )
+
+    def _probe(
+        self, adapter, content: list[int], pieces: list[str], word: range
+    ) -> list[int]:
+        """The user turn with ``word``'s sentence blanked, then the word and the rest of its
+        sentence teacher-forced as the answer."""
+        first = word.start
+        while first > max(0, word.start - self.lead) and not pieces[first - 1].rstrip(
+            " "
+        ).endswith(_SENTENCE_ENDS):
+            first -= 1
+        if first == word.start:
+            # the word opens its sentence (a row of a tool output): the tokens before it say
+            # where it stands
+            first = max(0, word.start - self.lead)
+        end = word.stop
+        while end < min(len(content), word.stop + self.tail) and not pieces[
+            end - 1
+        ].rstrip(" ").endswith(_SENTENCE_ENDS):
+            end += 1
+        tokenizer = adapter.tokenizer
+        # one line: a newline inside the quote would read as the end of the instruction
+        sentence = " ".join(
+            f"{tokenizer.decode(content[first : word.start])} {BLANK}"
+            f"{tokenizer.decode(content[word.stop : end])}".split()
+        )
+        turn = adapter.turn_ids(
+            [{"role": "user", "content": self.instruction.format(sentence=sentence)}]
+        )
+        return turn + content[word.start : end]
