@@ -17,6 +17,11 @@ The words are those ``surprise-number-quote`` and ``surprise-name-quote`` look f
 codes, names inside a sentence), up to ``count`` of each: the numbers in order, the names the least
 predictable first. ``/n`` sets the count as the quote sources do (one per ``tokens_per_span``
 content tokens).
+
+Not the default: at weight 1 beside the default's probes (10%, 12 instances per family) it kept
+28 of the full context's 35 right answers against the default's 29, with compaction 49% longer
+("Fill-in-the-blank questions as probes" in docs/experiments). A probe that asks for a fact's
+own sentence does not do what the real question did; the source stays for measuring other forms.
 """
 
 from __future__ import annotations
