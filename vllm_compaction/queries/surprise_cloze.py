@@ -29,7 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_compaction.queries.base import PrefixSpec, QueryPlan
-from vllm_compaction.queries.surprise_quote import name_words, number_words
+from vllm_compaction.queries.surprise_quote import (
+    name_words,
+    number_words,
+    probe_count,
+)
 from vllm_compaction.text import token_pieces
 
 __all__ = ["CLOZE_INSTRUCTION", "SurpriseCloze"]
@@ -58,7 +62,7 @@ class SurpriseCloze:
 
     def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
         content = prefix.content_ids
-        count = self.spans or max(1, round(len(content) / self.tokens_per_span))
+        count = probe_count(self.spans, self.tokens_per_span, len(content))
         pieces = token_pieces(adapter.tokenizer, content)
         surprisal = prefix.content_surprisal(adapter)
         numbers = number_words(pieces)[:count]
@@ -74,19 +78,23 @@ class SurpriseCloze:
     ) -> list[int]:
         """The user turn with ``word``'s sentence blanked, then the word and the rest of its
         sentence teacher-forced as the answer."""
+
+        def ends_sentence(piece: str) -> bool:
+            return piece.rstrip(" ").endswith(_SENTENCE_ENDS)
+
         first = word.start
-        while first > max(0, word.start - self.lead) and not pieces[first - 1].rstrip(
-            " "
-        ).endswith(_SENTENCE_ENDS):
+        while first > max(0, word.start - self.lead) and not ends_sentence(
+            pieces[first - 1]
+        ):
             first -= 1
         if first == word.start:
             # the word opens its sentence (a row of a tool output): the tokens before it say
             # where it stands
             first = max(0, word.start - self.lead)
         end = word.stop
-        while end < min(len(content), word.stop + self.tail) and not pieces[
-            end - 1
-        ].rstrip(" ").endswith(_SENTENCE_ENDS):
+        while end < min(len(content), word.stop + self.tail) and not ends_sentence(
+            pieces[end - 1]
+        ):
             end += 1
         tokenizer = adapter.tokenizer
         # one line: a newline inside the quote would read as the end of the instruction

@@ -63,6 +63,7 @@ __all__ = [
     "name_starts",
     "name_words",
     "number_starts",
+    "probe_count",
     "number_words",
     "surprising_spans",
 ]
@@ -114,6 +115,12 @@ def number_starts(pieces: Sequence[str]) -> list[int]:
 def name_starts(pieces: Sequence[str]) -> list[int]:
     """Index of the token where each name inside a sentence begins, in order (``name_words``)."""
     return [word.start for word in name_words(pieces)]
+
+
+def probe_count(spans: int | None, tokens_per_span: int, content_tokens: int) -> int:
+    """How many probes a surprise source plans: ``spans`` when set, else one per
+    ``tokens_per_span`` content tokens (the ``/n`` of a query spec), at least one."""
+    return spans or max(1, round(content_tokens / tokens_per_span))
 
 
 def surprising_spans(surprisal: torch.Tensor, span: int, count: int) -> list[int]:
@@ -168,7 +175,7 @@ class SurpriseQuote:
         content = prefix.content_ids
         # span picking is host bookkeeping, as the prefix's mask
         surprisal = prefix.content_surprisal(adapter)
-        count = self.spans or max(1, round(len(content) / self.tokens_per_span))
+        count = probe_count(self.spans, self.tokens_per_span, len(content))
         # at least one token of lead to quote, even for a span at the very start
         starts = [
             max(start - self.margin, 1)
