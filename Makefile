@@ -6,7 +6,7 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.vllm-compaction-installed
 CLI := $(VENV)/bin/vllm-compaction
 
-.PHONY: setup model demo test test-fast lint format docs bench gpu-check clean
+.PHONY: setup model demo test test-fast lint format docs bench gpu-check kvpress-venv clean
 
 setup: $(STAMP) model
 
@@ -54,6 +54,15 @@ bench: setup
 	$(PYTHON) -m benchmarks.serving
 	$(PYTHON) -m benchmarks.quality
 	$(PYTHON) -m benchmarks.agent_session
+
+# kvpress pins transformers<5.3 and vLLM needs 5.16+: a venv of its own for benchmarks.kvpress_kvzip,
+# its own transformers layered over this venv's torch and packages
+KVPRESS_VENV := .venv-kvpress
+kvpress-venv: $(STAMP)
+	test -x $(KVPRESS_VENV)/bin/python || $(PY) -m venv $(KVPRESS_VENV)
+	echo "import site; site.addsitedir('$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')')" \
+		> "$$($(KVPRESS_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz_project_venv.pth"
+	$(KVPRESS_VENV)/bin/python -m pip install -q "kvpress==0.5.5" "transformers<5.3"
 
 # On a GPU machine (no venv, no registry needed: torch, triton and transformers are enough)
 GPU_PYTHON ?= python3
