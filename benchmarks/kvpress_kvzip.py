@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
-import json
 import logging
 import time
 from pathlib import Path
@@ -149,8 +147,7 @@ def removed_fraction(prefix_tokens: int, content_tokens: int, ratio: float) -> f
 
 def run(args: argparse.Namespace) -> dict:
     kvpress = _kvpress()
-    from benchmarks.quality import _about
-    from vllm_compaction.eval.tasks import make_task, task_prompt
+    from benchmarks.quality import _about, instance_prompt
     from vllm_compaction.models import load_adapter, resolve
 
     ratios = [float(r) for r in args.ratios.split(",")]
@@ -166,11 +163,7 @@ def run(args: argparse.Namespace) -> dict:
     bar = tqdm(total=len(tasks) * len(seeds), desc="kvpress-kvzip", unit="instance")
     for task in tasks:
         for seed in seeds:
-            inst = make_task(task, adapter.tokenizer, args.tokens, seed=seed)
-            prompt = task_prompt(adapter, inst)
-            digest = hashlib.sha256(
-                json.dumps([prompt.prefix_ids, prompt.continuation_ids]).encode()
-            ).hexdigest()[:16]
+            inst, prompt, digest = instance_prompt(adapter, task, args.tokens, seed)
             tokens = inst.answer_tokens or args.max_new_tokens
             prefix, cont = prompt.prefix_ids, prompt.continuation_ids
             content = int(prompt.compact_mask.sum())

@@ -97,6 +97,19 @@ class EngineAnswers:
         self._folder.cleanup()
 
 
+def instance_prompt(adapter, task: str, tokens: int, seed: int):
+    """A seeded instance of ``task``, its prompt and the prompt's hash (which ties results of
+    different runs, and of other runners, to the same tokens)."""
+    from vllm_compaction.eval.tasks import make_task, task_prompt
+
+    inst = make_task(task, adapter.tokenizer, tokens, seed=seed)
+    prompt = task_prompt(adapter, inst)
+    digest = hashlib.sha256(
+        json.dumps([prompt.prefix_ids, prompt.continuation_ids]).encode()
+    ).hexdigest()[:16]
+    return inst, prompt, digest
+
+
 def completed_instances(
     previous: dict, args: argparse.Namespace
 ) -> dict[tuple[str, int], dict]:
@@ -166,7 +179,6 @@ def run(
     methods and ``previous`` are checked (SweepError) before the model is loaded."""
     from vllm_compaction.eval.conversations import cut_short
     from vllm_compaction.eval.reconstruction import reconstruction
-    from vllm_compaction.eval.tasks import make_task, task_prompt
     from vllm_compaction.eval.variants import parse_variants
     from vllm_compaction.models import PrefixKV, load_adapter
     from vllm_compaction.pipeline import RECIPES, compact_prepared
@@ -206,11 +218,7 @@ def run(
         rows += kept["rows"]
     for task in tasks:
         for seed in seeds:
-            inst = make_task(task, adapter.tokenizer, args.tokens, seed=seed)
-            prompt = task_prompt(adapter, inst)
-            digest = hashlib.sha256(
-                json.dumps([prompt.prefix_ids, prompt.continuation_ids]).encode()
-            ).hexdigest()[:16]
+            inst, prompt, digest = instance_prompt(adapter, task, args.tokens, seed)
             # identical for every method
             assert prompt_hash.setdefault((task, seed), digest) == digest
             if (task, seed) in done:
