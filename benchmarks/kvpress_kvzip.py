@@ -71,7 +71,6 @@ class KvpressModel:
         import torch
         from transformers import AutoModelForCausalLM
 
-        _kvpress()
         self.torch = torch
         # kvpress's attention patch masks evicted keys inside the sdpa attention function
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -124,16 +123,14 @@ class KvpressModel:
         return logits[len(continuation) - 1 : len(ids) - 1]
 
 
-def _metrics(torch, full_logits, comp_logits, answer: list[int]) -> dict[str, float]:
-    """The reconstruction metrics of ``vllm_compaction.eval.reconstruction``."""
-    targets = torch.tensor(answer)[:, None]
-    logp_full = torch.log_softmax(full_logits.double(), -1)
-    logp_comp = torch.log_softmax(comp_logits.double(), -1)
-    kl = (logp_full.exp() * (logp_full - logp_comp)).sum(-1)
+def _metrics(full_logits, comp_logits, answer: list[int]) -> dict[str, float]:
+    from vllm_compaction.eval.reconstruction import reconstruction_from_logits
+
+    recon = reconstruction_from_logits(full_logits, comp_logits, answer)
     return dict(
-        log_ppl_full=float(-logp_full.gather(1, targets).mean()),
-        log_ppl_compacted=float(-logp_comp.gather(1, targets).mean()),
-        kl=float(kl.mean()),
+        log_ppl_full=recon.log_ppl_full,
+        log_ppl_compacted=recon.log_ppl_compacted,
+        kl=recon.kl,
     )
 
 
@@ -156,7 +153,6 @@ def run(args: argparse.Namespace) -> dict:
     tasks = args.tasks.split(",")
     adapter = load_adapter(args.model)  # the project's prompts and tokenizer
     model = KvpressModel(resolve(args.model))
-    torch = model.torch
     rows: list[dict] = []
     baselines: list[dict] = []
     seeds = range(args.seed, args.seed + args.instances)
@@ -204,7 +200,7 @@ def run(args: argparse.Namespace) -> dict:
                         task=task, seed=seed, ratio=ratio, prompt=digest, method=METHOD,
                         answer=text, score=inst.score(text), compaction_s=seconds,
                         compression_ratio=removed,
-                        **_metrics(torch, full_logits, comp_logits, full_answer),
+                        **_metrics(full_logits, comp_logits, full_answer),
                         **_about(inst, text),
                     )
                 )  # fmt: skip
@@ -219,8 +215,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _result(args, tasks, ratios, rows, baselines) -> dict:
-    import kvpress
-    import transformers
+    from importlib.metadata import version
 
     from benchmarks.quality import summarize
 
@@ -232,8 +227,7 @@ def _result(args, tasks, ratios, rows, baselines) -> dict:
         tasks=tasks,
         ratios=ratios,
         methods=[METHOD],
-        answered_by=f"kvpress {getattr(kvpress, '__version__', '?')} "
-        f"(transformers {transformers.__version__})",
+        answered_by=f"kvpress {version('kvpress')} (transformers {version('transformers')})",
         summary=summarize(rows, baselines),
         baselines=baselines,
         rows=rows,

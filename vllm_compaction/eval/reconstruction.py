@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Reconstruction", "reconstruction"]
+__all__ = ["Reconstruction", "reconstruction", "reconstruction_from_logits"]
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,21 @@ def reconstruction(
     ids = list(continuation_ids) + list(answer_ids)
     # logits at position i predict token i + 1: the answer is predicted from len(cont) - 1 on
     span = slice(len(continuation_ids) - 1, len(ids) - 1)
+    return reconstruction_from_logits(
+        decoder.logits(full_source, ids)[span],
+        decoder.logits(compacted_source, ids)[span],
+        answer_ids,
+    )
+
+
+def reconstruction_from_logits(
+    full_logits: torch.Tensor, compacted_logits: torch.Tensor, answer_ids: list[int]
+) -> Reconstruction:
+    """The metrics from the logits that predict each answer token (``[len(answer_ids), V]``)
+    under each source, for a runner with a decoder of its own."""
     targets = torch.tensor(answer_ids)
-    logp_full, nll_full = _scores(decoder.logits(full_source, ids)[span], targets)
-    logp_comp, nll_comp = _scores(decoder.logits(compacted_source, ids)[span], targets)
+    logp_full, nll_full = _scores(full_logits, targets)
+    logp_comp, nll_comp = _scores(compacted_logits, targets)
     kl = (logp_full.exp() * (logp_full - logp_comp)).sum(-1)
     return Reconstruction(
         float(nll_full.mean()),
