@@ -33,6 +33,11 @@ from vllm_compaction.queries.surprise_quote import (
     number_words,
     surprising_spans,
 )
+from vllm_compaction.queries.surprise_recap import (
+    RECAP_QUESTION,
+    SurpriseRecap,
+    second_person,
+)
 from vllm_compaction.text import token_pieces
 
 IDS = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -568,10 +573,11 @@ def test_number_and_name_words_cover_every_token_of_the_word():
     assert name_words(pieces) == [range(11, 15)]
 
 
-def test_surprise_cloze_refuses_bad_sizes():
+@pytest.mark.parametrize("source", [SurpriseCloze, SurpriseRecap])
+def test_sentence_probes_refuse_bad_sizes(source):
     for bad in ({"lead": 0}, {"tail": 0}, {"tokens_per_span": 0}, {"spans": 0}):
-        with pytest.raises(ValueError, match="surprise-cloze needs"):
-            SurpriseCloze(**bad)
+        with pytest.raises(ValueError, match=f"{source.name} needs"):
+            source(**bad)
 
 
 @pytest.mark.slow
@@ -604,3 +610,36 @@ def test_real_surprise_cloze_asks_for_each_word_with_its_sentence_blanked(smollm
         if "sister's name is ___." in tokenizer.decode(c)
     ]
     assert len(asked) == 1 and asked[0].endswith(f" {inst.answers[0]}.")
+
+
+def test_second_person_turns_first_person_words_and_keeps_the_rest():
+    assert second_person("Oh, and my sister's name is Ambrose.") == (
+        "Oh, and your sister's name is Ambrose."
+    )
+    # a sentence's first word keeps its capital; contractions turn whole
+    assert second_person("I moved to Oslo. I'm happy, my friends say.") == (
+        "You moved to Oslo. You're happy, your friends say."
+    )
+    # words that only contain a first-person word stay: "Mine" in "Minecraft", "us" in "bus"
+    assert second_person("Minecraft by bus, Iowa, myriad, I'dx") == (
+        "Minecraft by bus, Iowa, myriad, I'dx"
+    )
+    assert second_person("The door code is 481736.") == "The door code is 481736."
+
+
+@pytest.mark.slow
+def test_real_surprise_recap_restates_the_fact_in_the_second_person(smollm2):
+    """On a chat with a sister's name said in passing, one probe restates the sentence as the
+    assistant would answer ("your sister's name is ..."); every probe answers the fixed question
+    with one sentence, and two words of one sentence make one probe."""
+    inst, spec = _task_spec(smollm2, "chat-facts", seed=8)
+    source = parse_sources("surprise-recap/80")[0]
+    assert isinstance(source, SurpriseRecap)
+    plan = source.plan(smollm2, spec)
+    tokenizer = smollm2.tokenizer
+    texts = [tokenizer.decode(c) for c in plan.continuations]
+    count = round(len(spec.content_ids) / 80)
+    assert 0 < len(texts) <= 2 * count and len(set(texts)) == len(texts)
+    assert all(RECAP_QUESTION in text for text in texts)
+    restated = [t for t in texts if f"your sister's name is {inst.answers[0]}." in t]
+    assert len(restated) == 1 and "my sister" not in restated[0]

@@ -18,6 +18,7 @@ from vllm_compaction.queries.surprise_quote import (
     SurpriseNumberQuote,
     SurpriseQuote,
 )
+from vllm_compaction.queries.surprise_recap import SurpriseRecap
 
 __all__ = [
     "DEFAULT_QUERY_CAP",
@@ -46,6 +47,7 @@ QUERY_SOURCES: dict[str, type] = {
         SurpriseEntityQuote,
         SurpriseNameQuote,
         SurpriseCloze,
+        SurpriseRecap,
         SelfStudy,
         MockQuestion,
         RandomVectors,

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from vllm_compaction.queries.base import PrefixSpec, QueryPlan
 from vllm_compaction.queries.surprise_quote import (
     name_words,
@@ -36,7 +38,13 @@ from vllm_compaction.queries.surprise_quote import (
 )
 from vllm_compaction.text import token_pieces
 
-__all__ = ["CLOZE_INSTRUCTION", "SurpriseCloze"]
+__all__ = [
+    "CLOZE_INSTRUCTION",
+    "SentenceProbes",
+    "SurpriseCloze",
+    "fact_words",
+    "sentence_bounds",
+]
 
 CLOZE_INSTRUCTION = 'Fill in the blank from the conversation above: "{sentence}"'
 BLANK = "___"
@@ -45,29 +53,45 @@ _SENTENCE_ENDS = (".", "!", "?", "\n")
 
 
 @dataclass
-class SurpriseCloze:
-    name: str = "surprise-cloze"
+class SentenceProbes:
+    """What the sentence-level sources share: which words they probe, and how much of the
+    sentence around each word they take."""
+
+    name: str = ""
     spans: int | None = None
     tokens_per_span: int = 160
-    #: most tokens of the sentence shown before the blank, and after it
+    #: most tokens of the sentence taken before the word, and after it
     lead: int = 12
     tail: int = 8
-    instruction: str = CLOZE_INSTRUCTION
 
     def __post_init__(self) -> None:
         if min(self.lead, self.tail, self.tokens_per_span) < 1:
-            raise ValueError("surprise-cloze needs lead, tail and tokens_per_span >= 1")
+            raise ValueError(f"{self.name} needs lead, tail and tokens_per_span >= 1")
         if self.spans is not None and self.spans < 1:
-            raise ValueError(f"surprise-cloze needs spans >= 1, got {self.spans}")
+            raise ValueError(f"{self.name} needs spans >= 1, got {self.spans}")
 
-    def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
+    def fact_words(
+        self, adapter, prefix: PrefixSpec
+    ) -> tuple[list[int], list[str], list[range]]:
+        """The content's tokens, their text pieces and the words to probe (``fact_words``, up
+        to one of each kind per ``tokens_per_span`` content tokens)."""
         content = prefix.content_ids
         count = probe_count(self.spans, self.tokens_per_span, len(content))
         pieces = token_pieces(adapter.tokenizer, content)
-        surprisal = prefix.content_surprisal(adapter)
-        numbers = number_words(pieces)[:count]
-        names = sorted(name_words(pieces), key=lambda word: -float(surprisal[word[0]]))
-        words = sorted({*numbers, *names[:count]}, key=lambda word: word.start)
+        return (
+            content,
+            pieces,
+            fact_words(pieces, prefix.content_surprisal(adapter), count),
+        )
+
+
+@dataclass
+class SurpriseCloze(SentenceProbes):
+    name: str = "surprise-cloze"
+    instruction: str = CLOZE_INSTRUCTION
+
+    def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
+        content, pieces, words = self.fact_words(adapter, prefix)
         continuations = [self._probe(adapter, content, pieces, word) for word in words]
         return QueryPlan(
             continuations=continuations, record_from=[0] * len(continuations)
@@ -78,24 +102,11 @@ class SurpriseCloze:
     ) -> list[int]:
         """The user turn with ``word``'s sentence blanked, then the word and the rest of its
         sentence teacher-forced as the answer."""
-
-        def ends_sentence(piece: str) -> bool:
-            return piece.rstrip(" ").endswith(_SENTENCE_ENDS)
-
-        first = word.start
-        while first > max(0, word.start - self.lead) and not ends_sentence(
-            pieces[first - 1]
-        ):
-            first -= 1
+        first, end = sentence_bounds(pieces, word, self.lead, self.tail)
         if first == word.start:
             # the word opens its sentence (a row of a tool output): the tokens before it say
             # where it stands
             first = max(0, word.start - self.lead)
-        end = word.stop
-        while end < min(len(content), word.stop + self.tail) and not ends_sentence(
-            pieces[end - 1]
-        ):
-            end += 1
         tokenizer = adapter.tokenizer
         # one line: a newline inside the quote would read as the end of the instruction
         sentence = " ".join(
@@ -106,3 +117,32 @@ class SurpriseCloze:
             [{"role": "user", "content": self.instruction.format(sentence=sentence)}]
         )
         return turn + content[word.start : end]
+
+
+def fact_words(pieces: list[str], surprisal: torch.Tensor, count: int) -> list[range]:
+    """The tokens of the words a question may ask for, in order: the first ``count`` numbers and
+    codes (``number_words``) and the ``count`` least predictable names inside a sentence
+    (``name_words``, ranked by their first token's ``surprisal [C]``)."""
+    numbers = number_words(pieces)[:count]
+    names = sorted(name_words(pieces), key=lambda word: -float(surprisal[word[0]]))
+    return sorted({*numbers, *names[:count]}, key=lambda word: word.start)
+
+
+def _ends_sentence(piece: str) -> bool:
+    return piece.rstrip(" ").endswith(_SENTENCE_ENDS)
+
+
+def sentence_bounds(
+    pieces: list[str], word: range, lead: int, tail: int
+) -> tuple[int, int]:
+    """``(first, end)``: the token range of the sentence holding ``word``, at most ``lead``
+    tokens before it and ``tail`` after it."""
+    first = word.start
+    while first > max(0, word.start - lead) and not _ends_sentence(pieces[first - 1]):
+        first -= 1
+    end = word.stop
+    while end < min(len(pieces), word.stop + tail) and not _ends_sentence(
+        pieces[end - 1]
+    ):
+        end += 1
+    return first, end

@@ -38,6 +38,7 @@ QUERY_SOURCES = (
     "surprise-entity-quote",
     "surprise-name-quote",
     "surprise-cloze",
+    "surprise-recap",
     "quote-prefill",
     "context-prefill",
     "self-study",
