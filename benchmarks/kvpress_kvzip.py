@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -142,7 +143,35 @@ def removed_fraction(prefix_tokens: int, content_tokens: int, ratio: float) -> f
     return max(0.0, 1.0 - kept / prefix_tokens)
 
 
-def run(args: argparse.Namespace) -> dict:
+def kept_instances(
+    previous: dict, args: argparse.Namespace, ratios: list[float]
+) -> dict[tuple[str, int], dict]:
+    """``--resume``: the instances of an earlier (possibly partial) result of this script made
+    with the same model, length and ratios, keyed by (task, seed); ValueError for another one."""
+    for key, value in (
+        ("model", args.model),
+        ("tokens", args.tokens),
+        ("ratios", ratios),
+        ("methods", [METHOD]),
+    ):
+        if previous.get(key) != value:
+            raise ValueError(
+                f"cannot resume: the earlier result has {key}={previous.get(key)!r}, "
+                f"this run {value!r}"
+            )
+    done = {}
+    for base in previous.get("baselines", []):
+        key = (base["task"], base["seed"])
+        if key in done:
+            continue
+        kept = [b for b in previous["baselines"] if (b["task"], b["seed"]) == key]
+        measured = [r for r in previous["rows"] if (r["task"], r["seed"]) == key]
+        if len(kept) == 2 and sorted(r["ratio"] for r in measured) == sorted(ratios):
+            done[key] = dict(baselines=kept, rows=measured, prompt=base["prompt"])
+    return done
+
+
+def run(args: argparse.Namespace, previous: dict | None = None) -> dict:
     kvpress = _kvpress()
     from benchmarks.quality import _about, instance_prompt
     from vllm_compaction.models import load_adapter, resolve
@@ -156,10 +185,23 @@ def run(args: argparse.Namespace) -> dict:
     rows: list[dict] = []
     baselines: list[dict] = []
     seeds = range(args.seed, args.seed + args.instances)
-    bar = tqdm(total=len(tasks) * len(seeds), desc="kvpress-kvzip", unit="instance")
+    done = kept_instances(previous, args, ratios) if previous is not None else {}
+    for kept in done.values():
+        baselines += kept["baselines"]
+        rows += kept["rows"]
+    bar = tqdm(
+        total=len(tasks) * len(seeds) - len(done), desc="kvpress-kvzip", unit="instance"
+    )
     for task in tasks:
         for seed in seeds:
             inst, prompt, digest = instance_prompt(adapter, task, args.tokens, seed)
+            if (task, seed) in done:
+                if done[(task, seed)]["prompt"] != digest:
+                    raise ValueError(
+                        f"cannot resume: {task} seed {seed} has another prompt now "
+                        f"({digest}) than in the earlier result"
+                    )
+                continue
             tokens = inst.answer_tokens or args.max_new_tokens
             prefix, cont = prompt.prefix_ids, prompt.continuation_ids
             content = int(prompt.compact_mask.sum())
@@ -245,6 +287,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ratios", default="0.1,0.05,0.02")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the instances already completed in --out (same settings) and run the rest",
+    )
+    p.add_argument(
         "--out",
         default=str(
             Path(__file__).resolve().parent
@@ -261,9 +308,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     try:
+        previous = None
+        if args.resume and Path(args.out).exists():
+            previous = json.loads(Path(args.out).read_text())
         with torch.inference_mode():
-            result = run(args)
-    except (SetupError, ValueError) as exc:
+            result = run(args, previous)
+    except (SetupError, ValueError, json.JSONDecodeError) as exc:
         raise SystemExit(f"kvpress_kvzip: {exc}") from None
     from benchmarks.quality import plot
 

@@ -349,6 +349,28 @@ def test_real_repeat_prefill_and_self_study_plans(smollm2):
     )
 
 
+@pytest.mark.slow
+def test_real_repeat_chat_repeats_the_messages_with_their_role_headers(smollm2):
+    """``repeat-chat`` repeats the prefix from the first message's content to the last one's,
+    template tokens between them included; ``repeat-prefill`` repeats the contents alone."""
+    messages = [
+        {"role": "user", "content": "My sister's name is Ambrose."},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "And I live in Oslo."},
+    ]
+    ids, mask = smollm2.chat_content(messages)
+    spec = PrefixSpec(torch.tensor(ids), mask, smollm2.prefill(ids))
+    chat = parse_sources("repeat-chat")[0].plan(smollm2, spec).continuations[0]
+    plain = parse_sources("repeat-prefill")[0].plan(smollm2, spec).continuations[0]
+    first, last = mask.nonzero().flatten()[[0, -1]].tolist()
+    assert chat[-(last + 1 - first) :] == ids[first : last + 1]
+    content = [t for t, m in zip(ids, mask.tolist()) if m]
+    assert plain[-len(content) :] == content
+    # the same instruction turn before either repeat
+    assert chat[: -(last + 1 - first)] == plain[: -len(content)]
+    assert "<|im_start|>assistant\nNoted." in smollm2.tokenizer.decode(chat)
+
+
 def test_quote_prefill_refuses_empty_windows():
     for bad in ({"window": 0}, {"lead": 0}):
         with pytest.raises(ValueError, match="window >= 1 and lead >= 1"):

@@ -9,7 +9,7 @@ from vllm_compaction.queries.collect import DEFAULT_QUERY_CAP, QueryCollector
 from vllm_compaction.queries.context_prefill import ContextPrefill
 from vllm_compaction.queries.quote_prefill import QuotePrefill
 from vllm_compaction.queries.random_vectors import RandomVectors
-from vllm_compaction.queries.repeat_prefill import RepeatPrefill
+from vllm_compaction.queries.repeat_prefill import RepeatChat, RepeatPrefill
 from vllm_compaction.queries.self_study import MockQuestion, SelfStudy
 from vllm_compaction.queries.surprise_cloze import SurpriseCloze
 from vllm_compaction.queries.surprise_quote import (
@@ -41,6 +41,7 @@ QUERY_SOURCES: dict[str, type] = {
     for cls in (
         ContextPrefill,
         RepeatPrefill,
+        RepeatChat,
         QuotePrefill,
         SurpriseQuote,
         SurpriseNumberQuote,

@@ -33,6 +33,7 @@ __all__ = [
 
 QUERY_SOURCES = (
     "repeat-prefill",
+    "repeat-chat",
     "surprise-quote",
     "surprise-number-quote",
     "surprise-entity-quote",
