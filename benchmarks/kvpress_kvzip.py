@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import time
 from pathlib import Path
@@ -147,28 +146,12 @@ def kept_instances(
     previous: dict, args: argparse.Namespace, ratios: list[float]
 ) -> dict[tuple[str, int], dict]:
     """``--resume``: the instances of an earlier (possibly partial) result of this script made
-    with the same model, length and ratios, keyed by (task, seed); ValueError for another one."""
-    for key, value in (
-        ("model", args.model),
-        ("tokens", args.tokens),
-        ("ratios", ratios),
-        ("methods", [METHOD]),
-    ):
-        if previous.get(key) != value:
-            raise ValueError(
-                f"cannot resume: the earlier result has {key}={previous.get(key)!r}, "
-                f"this run {value!r}"
-            )
-    done = {}
-    for base in previous.get("baselines", []):
-        key = (base["task"], base["seed"])
-        if key in done:
-            continue
-        kept = [b for b in previous["baselines"] if (b["task"], b["seed"]) == key]
-        measured = [r for r in previous["rows"] if (r["task"], r["seed"]) == key]
-        if len(kept) == 2 and sorted(r["ratio"] for r in measured) == sorted(ratios):
-            done[key] = dict(baselines=kept, rows=measured, prompt=base["prompt"])
-    return done
+    with the same model, length and ratios (``benchmarks.quality.kept_instances``)."""
+    from benchmarks.quality import kept_instances as kept
+
+    wanted = dict(model=args.model, tokens=args.tokens, ratios=ratios, methods=[METHOD])
+    seeds = range(args.seed, args.seed + args.instances)
+    return kept(previous, wanted, args.tasks.split(","), seeds, len(ratios))
 
 
 def run(args: argparse.Namespace, previous: dict | None = None) -> dict:
@@ -308,12 +291,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     try:
-        previous = None
-        if args.resume and Path(args.out).exists():
-            previous = json.loads(Path(args.out).read_text())
+        from benchmarks.quality import load_result
+
+        previous = (
+            load_result(args.out) if args.resume and Path(args.out).exists() else None
+        )
         with torch.inference_mode():
             result = run(args, previous)
-    except (SetupError, ValueError, json.JSONDecodeError) as exc:
+    except (SetupError, ValueError) as exc:
         raise SystemExit(f"kvpress_kvzip: {exc}") from None
     from benchmarks.quality import plot
 

@@ -119,18 +119,37 @@ def completed_instances(
     from vllm_compaction.eval.variants import parse_variants
 
     methods = [v.label for v in parse_variants(args.methods)]
+    ratios = [float(r) for r in args.ratios.split(",")]
+    summarize = getattr(args, "summarize", False)
     wanted = dict(
         model=args.model,
         tokens=args.tokens,
         methods=methods,
-        ratios=[float(r) for r in args.ratios.split(",")],
+        ratios=ratios,
         answered_by=_answered_by(args),
-        summarize=getattr(args, "summarize", False),
+        summarize=summarize,
     )
+    per_method = len(methods) * len(ratios)
+    rows = per_method * (2 if summarize else 1) + bool(summarize)
+    seeds = range(args.seed, args.seed + args.instances)
+    return kept_instances(previous, wanted, args.tasks.split(","), seeds, rows)
+
+
+def kept_instances(
+    previous: dict,
+    wanted: dict,
+    tasks: list[str],
+    seeds: range,
+    rows_per_instance: int,
+) -> dict[tuple[str, int], dict]:
+    """``--resume`` for any runner of these instances: the (task, seed) of ``tasks`` x ``seeds``
+    that ``previous`` holds whole (two baselines and ``rows_per_instance`` rows), with their
+    baselines, rows and prompt hash. Raises SweepError unless ``previous`` has every setting of
+    ``wanted`` (results from before ``--vllm`` and ``--summarize`` count as the reference decoder
+    without summaries)."""
     done: dict[tuple[str, int], dict] = {}
     try:
         for key, value in wanted.items():
-            # results from before --vllm and --summarize existed: the reference decoder, no summaries
             if (
                 previous.get(
                     key, {"answered_by": "reference", "summarize": False}.get(key)
@@ -141,8 +160,8 @@ def completed_instances(
                     f"cannot resume: the earlier result has {key}={previous.get(key)!r}, "
                     f"this run {value!r}"
                 )
-        for task in args.tasks.split(","):
-            for seed in range(args.seed, args.seed + args.instances):
+        for task in tasks:
+            for seed in seeds:
                 base = [
                     b
                     for b in previous.get("baselines", [])
@@ -153,11 +172,7 @@ def completed_instances(
                     for r in previous.get("rows", [])
                     if r["task"] == task and r["seed"] == seed
                 ]
-                per_method = len(methods) * len(wanted["ratios"])
-                expected = per_method * (2 if wanted["summarize"] else 1) + bool(
-                    wanted["summarize"]
-                )
-                if len(base) == 2 and len(rows) == expected:
+                if len(base) == 2 and len(rows) == rows_per_instance:
                     done[(task, seed)] = dict(
                         baselines=base, rows=rows, prompt=base[0]["prompt"]
                     )
@@ -727,7 +742,8 @@ def parser(**defaults) -> argparse.ArgumentParser:
     return p
 
 
-def _load(path: str | Path) -> dict:
+def load_result(path: str | Path) -> dict:
+    """A saved result, or SweepError with a sentence when it cannot be read."""
     try:
         return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -741,10 +757,12 @@ def main(argv: list[str] | None = None, **defaults) -> dict:
     logging.basicConfig(level=logging.WARNING)
     try:
         if args.combine:
-            result = combine([_load(f) for f in args.combine])
+            result = combine([load_result(f) for f in args.combine])
         else:
             previous = (
-                _load(args.out) if args.resume and Path(args.out).exists() else None
+                load_result(args.out)
+                if args.resume and Path(args.out).exists()
+                else None
             )
             result = run(
                 args,

@@ -42,7 +42,6 @@ __all__ = [
     "CLOZE_INSTRUCTION",
     "SentenceProbes",
     "SurpriseCloze",
-    "fact_words",
     "sentence_bounds",
 ]
 
@@ -70,7 +69,7 @@ class SentenceProbes:
         if self.spans is not None and self.spans < 1:
             raise ValueError(f"{self.name} needs spans >= 1, got {self.spans}")
 
-    def fact_words(
+    def probed_words(
         self, adapter, prefix: PrefixSpec
     ) -> tuple[list[int], list[str], list[range]]:
         """The content's tokens, their text pieces and the words to probe (``fact_words``, up
@@ -91,7 +90,7 @@ class SurpriseCloze(SentenceProbes):
     instruction: str = CLOZE_INSTRUCTION
 
     def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
-        content, pieces, words = self.fact_words(adapter, prefix)
+        content, pieces, words = self.probed_words(adapter, prefix)
         continuations = [self._probe(adapter, content, pieces, word) for word in words]
         return QueryPlan(
             continuations=continuations, record_from=[0] * len(continuations)

@@ -66,17 +66,16 @@ class SurpriseRecap(SentenceProbes):
     question: str = RECAP_QUESTION
 
     def plan(self, adapter, prefix: PrefixSpec) -> QueryPlan:
-        content, pieces, words = self.fact_words(adapter, prefix)
-        sentences = sorted(
-            {sentence_bounds(pieces, word, self.lead, self.tail) for word in words}
-        )
+        content, pieces, words = self.probed_words(adapter, prefix)
         turn = adapter.turn_ids([{"role": "user", "content": self.question}])
-        # bounds that differ by a line break restate the same text: one probe for it
+        # in order of position; two words of one sentence, or bounds that differ only by a line
+        # break, restate the same text: one probe for it
+        bounds = (sentence_bounds(pieces, word, self.lead, self.tail) for word in words)
         restated = dict.fromkeys(
             second_person(
                 " ".join(adapter.tokenizer.decode(content[first:end]).split())
             )
-            for first, end in sentences
+            for first, end in bounds
         )
         continuations = [
             turn + adapter.tokenizer.encode(text, add_special_tokens=False)
