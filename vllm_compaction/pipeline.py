@@ -22,6 +22,7 @@ from vllm_compaction.budgets import (
     check_score_aggregation,
     check_score_softmax,
     protected_tokens,
+    ranked_template,
     resolve_budgets,
     span_ids,
 )
@@ -75,7 +76,8 @@ def compact(
     summary_tokens: int = DEFAULT_SUMMARY_TOKENS,
     **options: Any,
 ) -> CompactedCache:
-    """Compact the content of chat ``messages`` (template tokens stay exact).
+    """Compact the content of chat ``messages`` (template tokens stay exact, unless
+    ``template="ranked"``).
 
     Args:
         model: a known name (``"smollm2-135m"``), a checkpoint folder, or a loaded adapter.
@@ -102,7 +104,8 @@ def compact(
         options: math options for ``compact_heads`` (e.g. ``values="direct"``), budget
             options (``max_head_ratio``, ``min_head_slots``, ``min_layer_share``) and how
             ``global`` budgets rank keys (``score_softmax``, ``score_aggregation``,
-            ``score_weight_power``).
+            ``score_weight_power``), and which tokens stay exact (``protect``, ``protect_by``,
+            ``template``: see ``budgets.protect``).
     """
     if isinstance(model, ModelAdapter):
         adapter = model
@@ -378,6 +381,8 @@ class _Compaction:
     #: host masks of the content chunks, and their device copies (which index the keys).
     chunks: list[torch.Tensor] = field(init=False)
     chunks_on_device: list[torch.Tensor] = field(init=False)
+    #: first and last position of the tokens fitted (the cache's ``compacted_span``).
+    span: list[int] = field(init=False)
     #: device mask of the template tokens and the protected ones, which stay exact.
     exact_on_device: torch.Tensor = field(init=False)
     #: how many content tokens are protected (``budgets.protect``).
@@ -417,6 +422,13 @@ class _Compaction:
             # the budget, so the rest is fitted at a lower ratio and the prefix keeps its size
             self.fit_ratio = (self.ratio * n - kept) / (n - kept)
             content = mask & ~protected
+        if self.plan.template == "ranked":
+            # the template's tokens (past the sinks) join the content and its budget, so the
+            # prefix keeps as many slots as with them exact (KVzip's budget)
+            ranked = ranked_template(mask)
+            extra, fitted = int(ranked.sum()), int(content.sum())
+            self.fit_ratio = (self.fit_ratio * fitted + extra) / (fitted + extra)
+            content = content | ranked
         # by selection, each head keeps them first within its own budget (token by token, or
         # whole spans)
         priority = None
@@ -427,6 +439,7 @@ class _Compaction:
         # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets,
         # so a long tail cannot starve an early span (e.g. facts stated in the first turn).
         self.chunks = content_chunks(content, self.chunk_tokens)
+        self.span = torch.nonzero(content).flatten()[[0, -1]].tolist()
         self.exact_on_device = (~content).to(adapter.device)
         self.chunks_on_device = [chunk.to(adapter.device) for chunk in self.chunks]
         self.priorities = [
@@ -554,7 +567,6 @@ def _record_stage(run: _Compaction) -> None:
     # prepared.timings gains queries_s when the off-policy pass ran during this call
     timings = {**prepared.timings, **run.timings, "fit_s": run.fit_s}
     timings["total_s"] = sum(v for k, v in timings.items() if k != "total_s")
-    span = torch.nonzero(prepared.spec.compact_mask).flatten()
     layers = [heads for heads in run.compacted if heads is not None]
     if len(layers) != len(run.compacted):
         raise RuntimeError("the layers stage left a layer without its slots")
@@ -562,7 +574,7 @@ def _record_stage(run: _Compaction) -> None:
         layers=layers,
         logical_length=prepared.spec.length,
         token_ids=prepared.spec.token_ids.tolist(),
-        compacted_span=(int(span[0]), int(span[-1]) + 1),
+        compacted_span=(run.span[0], run.span[1] + 1),
         layer_compacted=run.layers.tolist(),
         model=prepared.adapter.fingerprint(),
         method=run.method,
@@ -574,6 +586,7 @@ def _record_stage(run: _Compaction) -> None:
             "protect": plan.protect,
             "protect_by": plan.protect_by,
             "protected_tokens": run.protected,
+            "template": plan.template,
             "chunk_tokens": run.chunk_tokens,
             "query_cap": prepared.collector.cap,
             "seed": prepared.collector.seed,

@@ -13,7 +13,8 @@ The same string is accepted by ``compact()``, the CLI's ``--method``, ``POST /v1
 
 Overrides are ``key=value`` pairs separated by commas: the recipe's ``queries``, ``budgets`` and
 ``on_policy``, budget options (``min_layer_share``, ``max_head_ratio``, ``min_head_slots``), the
-global ranking's ``score_*`` options, and any option of the math preset (``values``,
+global ranking's ``score_*`` options, which tokens stay exact (``protect``, ``protect_by``,
+``template``), and any option of the math preset (``values``,
 ``value_anchor``, ``seed_share``, ...; see ``am.presets``). Values are parsed as booleans
 (``true``/``false``), numbers, or text. Every check of a method string (its syntax, the recipe
 name, the query source, the budget and ranking options, the math options) is made here, by
@@ -40,10 +41,12 @@ from vllm_compaction.budgets import (
     PROTECT_MODES,
     PROTECT_RULES,
     SCORE_OPTIONS,
+    TEMPLATE_MODES,
     ScoreOptions,
     check_budget_options,
     check_protect,
     check_protect_by,
+    check_template,
     resolve_score_options,
 )
 from vllm_compaction.queries import parse_sources, resolve_spacing
@@ -147,7 +150,13 @@ RECIPE_KEYS = ("queries", "budgets", "on_policy")
 #: Options of the head budgets, and with the global ranking's, the options the pipeline takes;
 #: every other option goes to the math, which refuses unknown ones.
 BUDGET_OPTIONS = ("max_head_ratio", "min_head_slots", "min_layer_share")
-PIPELINE_OPTIONS = (*BUDGET_OPTIONS, *SCORE_OPTIONS, "protect", "protect_by")
+PIPELINE_OPTIONS = (
+    *BUDGET_OPTIONS,
+    *SCORE_OPTIONS,
+    "protect",
+    "protect_by",
+    "template",
+)
 
 
 def _value(text: str) -> Any:
@@ -200,6 +209,8 @@ class ResolvedRecipe:
         scoring: the global ranking, resolved (defaults filled in).
         protect: which content tokens are protected (``budgets.protect``, one of
             ``PROTECT_RULES``), and ``protect_by`` how (one of ``PROTECT_MODES``).
+        template: whether the tokens outside the content stay exact or are ranked with it
+            (one of ``TEMPLATE_MODES``; see ``budgets.protect``).
     """
 
     name: str
@@ -210,6 +221,7 @@ class ResolvedRecipe:
     scoring: ScoreOptions
     protect: str = PROTECT_RULES[0]
     protect_by: str = PROTECT_MODES[0]
+    template: str = TEMPLATE_MODES[0]
 
 
 def resolve(
@@ -259,6 +271,7 @@ def resolve(
     scoring = resolve_score_options(merged)
     protect = check_protect(merged.get("protect", PROTECT_RULES[0]))
     protect_by = check_protect_by(merged.get("protect_by", PROTECT_MODES[0]))
+    template = check_template(merged.get("template", TEMPLATE_MODES[0]))
     math_options = {k: v for k, v in merged.items() if k not in PIPELINE_OPTIONS}
     method_math = resolve_method(base.math, math_options, name=name)
     if protect != "none" and protect_by != "exact":
@@ -277,6 +290,7 @@ def resolve(
         scoring,
         protect,
         protect_by,
+        template,
     )
 
 

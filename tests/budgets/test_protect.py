@@ -9,9 +9,11 @@ import torch
 from vllm_compaction.budgets.protect import (
     LEAD_TOKENS,
     MAX_PROTECTED_SHARE,
+    SINK_TOKENS,
     identifier_spans,
     lead_spans,
     protected_tokens,
+    ranked_template,
     span_ids,
 )
 from vllm_compaction.pipeline import compact
@@ -262,3 +264,55 @@ def test_protected_tokens_stay_exact_in_every_head_or_first_in_each_selection(
             else:
                 assert torch.equal(idx, unprotected.head(h)[3])
     assert holds > 0
+
+
+def test_a_ranked_template_is_what_lies_between_the_sinks_and_the_last_content_token():
+    content = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0], dtype=torch.bool)
+    ranked = ranked_template(content)
+    assert ranked.tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0]
+    # content among the sinks stays content; nothing to rank without content
+    assert ranked_template(torch.ones(6, dtype=torch.bool)).sum() == 0
+    assert ranked_template(torch.zeros(6, dtype=torch.bool)).sum() == 0
+    with pytest.raises(ValueError, match="template must be one of exact, ranked"):
+        resolve("kvzip:template=all")
+    assert resolve("kvzip").template == "exact"
+    assert resolve("kvzip:template=ranked").template == "ranked"
+
+
+def test_a_ranked_template_is_compacted_with_the_content_in_as_many_slots(smollm2):
+    messages = [
+        {"role": "user", "content": "Tell me about the garden and the weather. " * 8},
+        {
+            "role": "assistant",
+            "content": "The garden is green and the sky is clear. " * 8,
+        },
+        {
+            "role": "user",
+            "content": "And my account number is 524533559245, remember it.",
+        },
+    ]
+    ids, content = smollm2.chat_content(messages)
+    template = torch.nonzero(~content).flatten()
+    exact = compact(smollm2, messages, ratio=0.1, method="kvzip")
+    ranked = compact(smollm2, messages, ratio=0.1, method="kvzip:template=ranked")
+    assert (
+        ranked.options["template"] == "ranked" and exact.options["template"] == "exact"
+    )
+    # the same total, up to rounding per head, with the template's slots given to the ranking
+    heads = sum(layer.num_heads for layer in ranked.layers)
+    assert abs(ranked.physical_slots - exact.physical_slots) <= heads
+    assert ranked.compacted_span[0] == SINK_TOKENS
+    after_content = template[template > int(torch.nonzero(content)[-1])]
+    dropped = 0
+    for with_exact, with_ranked in zip(exact.layers, ranked.layers, strict=True):
+        for h in range(with_ranked.num_heads):
+            assert torch.isin(template, with_exact.head(h)[3]).all()
+            idx = with_ranked.head(h)[3]
+            # the sinks and the tokens after the last content token stay in every head
+            assert torch.isin(torch.arange(SINK_TOKENS), idx).all()
+            assert torch.isin(after_content, idx).all()
+            dropped += int((~torch.isin(template, idx)).sum())
+    assert dropped > 0
+    # t = T: at ratio 1 every token keeps its slot in every head, template ranked or not
+    whole = compact(smollm2, messages, ratio=1.0, method="kvzip:template=ranked")
+    assert whole.physical_slots == len(ids) * heads

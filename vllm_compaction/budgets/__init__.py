@@ -1,5 +1,6 @@
 """Head budgets: uniform, global (KVzip-style), pyramid, or a per-model schedule; how the
-global ranking scores keys (``scoring``); and which content tokens skip the fit (``protect``)."""
+global ranking scores keys (``scoring``); which content tokens skip the fit and whether the
+template's are ranked with them (``protect``)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ from vllm_compaction.budgets.allocate import (
 from vllm_compaction.budgets.protect import (
     PROTECT_MODES,
     PROTECT_RULES,
+    SINK_TOKENS,
+    TEMPLATE_MODES,
     check_protect,
     check_protect_by,
+    check_template,
     protected_tokens,
+    ranked_template,
     span_ids,
 )
 from vllm_compaction.budgets.schedule import Schedule, load_schedule, packaged_schedule
@@ -43,6 +48,8 @@ __all__ = [
     "BUDGET_MODES",
     "PROTECT_MODES",
     "PROTECT_RULES",
+    "SINK_TOKENS",
+    "TEMPLATE_MODES",
     "DEFAULT_SCORE_SOFTMAX",
     "DEFAULT_SCORE_WEIGHT_POWER",
     "SCORE_AGGREGATIONS",
@@ -54,6 +61,7 @@ __all__ = [
     "check_budget_options",
     "check_protect",
     "check_protect_by",
+    "check_template",
     "check_score_aggregation",
     "check_score_softmax",
     "check_score_weight_power",
@@ -62,6 +70,7 @@ __all__ = [
     "packaged_schedule",
     "protected_tokens",
     "pyramid_budgets",
+    "ranked_template",
     "resolve_budgets",
     "resolve_score_options",
     "span_ids",

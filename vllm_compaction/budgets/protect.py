@@ -27,6 +27,14 @@ budget keeps only the protected tokens it scores best, where ``exact`` pays for 
 protected token in every head. ``"whole"`` is ``selection`` by identifier: each head ranks the
 protected spans by their best-scored token and keeps the best ones whole while they fit its
 half, so a head keeps all of a number's digits or none of them (``span_ids``).
+
+The tokens outside the content (the chat template's role headers and turn ends, a default
+system prompt) are kept as ``template`` says: ``"exact"`` (the default: each in its own slot in
+every head, as a protected token by ``exact``) or ``"ranked"``: ranked and fitted with the
+content, the first ``SINK_TOKENS`` of the prefix excepted, and the prefix keeps the same number of
+slots, its budget raised by the template tokens it no longer keeps exact. ``ranked`` is how
+KVzip budgets a context (it ranks every pair but its attention sinks); AM reads the turns by
+their template tokens and keeps more answers with them exact (docs/experiments).
 """
 
 from __future__ import annotations
@@ -48,11 +56,15 @@ __all__ = [
     "MIN_IDENTIFIER_CHARS",
     "PROTECT_MODES",
     "PROTECT_RULES",
+    "SINK_TOKENS",
+    "TEMPLATE_MODES",
     "check_protect",
     "check_protect_by",
+    "check_template",
     "identifier_spans",
     "lead_spans",
     "protected_tokens",
+    "ranked_template",
     "span_ids",
 ]
 
@@ -62,6 +74,11 @@ PROTECT_RULES = ("none", "identifiers", "identifier-phrases")
 #: selection token by token, or whole identifiers first
 PROTECT_MODES = ("exact", "selection", "whole")
 MIN_IDENTIFIER_CHARS = 6
+#: how the tokens outside the content are kept (``template``): exact, or ranked with it
+TEMPLATE_MODES = ("exact", "ranked")
+#: the first tokens of a prefix, which ``template="ranked"`` still keeps exact: attention
+#: sinks, which every head attends to whatever the query (KVzip keeps 4)
+SINK_TOKENS = 4
 #: how far back a phrase reaches from its identifier, in tokens: a key of a few words and its
 #: verb ("The door code for the back door is" is 9)
 LEAD_TOKENS = 10
@@ -86,6 +103,23 @@ def check_protect(rule: Any) -> str:
 def check_protect_by(mode: Any) -> str:
     """``mode`` if it names a way to keep protected tokens; ``ValueError`` otherwise."""
     return _one_of("protect_by", mode, PROTECT_MODES)
+
+
+def check_template(mode: Any) -> str:
+    """``mode`` if it names a way to keep the template's tokens; ``ValueError`` otherwise."""
+    return _one_of("template", mode, TEMPLATE_MODES)
+
+
+def ranked_template(content: torch.Tensor, sinks: int = SINK_TOKENS) -> torch.Tensor:
+    """``[T]`` bool host mask of the tokens outside ``content`` that ``template="ranked"``
+    compacts with it: past the first ``sinks`` and before the last content token. The ones after
+    it (the last turn's end, a recent turn kept exact with ``keep_last_tokens``) stay exact."""
+    content = torch.as_tensor(content, dtype=torch.bool, device="cpu")
+    ranked = torch.zeros_like(content)
+    where = torch.nonzero(content).flatten()
+    if where.numel():
+        ranked[sinks : int(where[-1])] = True
+    return ranked & ~content
 
 
 def identifier_spans(pieces: Sequence[str]) -> list[list[int]]:
