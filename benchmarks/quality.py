@@ -484,13 +484,31 @@ def _result(
     )
 
 
-def combine(results: list[dict]) -> dict:
+def _first_instances(result: dict, instances: int) -> dict:
+    """``result`` with only its baselines and rows of seeds ``seed .. seed + instances - 1``."""
+    seeds = range(result["seed"], result["seed"] + instances)
+    return {
+        **result,
+        "instances": instances,
+        "baselines": [b for b in result["baselines"] if b["seed"] in seeds],
+        "rows": [r for r in result["rows"] if r["seed"] in seeds],
+    }
+
+
+def combine(results: list[dict], instances: int | None = None) -> dict:
     """One result from runs of different methods over the same instances (same model, length,
-    tasks and prompts, asserted), for one table and one plot. Each method must come from one run;
-    the full-context and no-context answers must agree, else the runs do not compare."""
+    tasks and prompts, asserted), for one table and one plot. A method may come from several
+    runs at different ratios (10% in one, 5% and 2% in another), never at one ratio twice; the
+    full-context and no-context answers must agree, else the runs do not compare. Given
+    ``instances``, each run's first ``instances`` instances are combined (a 48-instance run
+    beside 12-instance ones)."""
     if not results:
         raise SweepError("nothing to combine")
+    if instances is not None and instances < 1:
+        raise SweepError(f"--first must be >= 1, got {instances}")
     try:
+        if instances is not None:
+            results = [_first_instances(result, instances) for result in results]
         first = results[0]
         for other in results[1:]:
             for key in ("model", "tokens", "tasks"):
@@ -521,11 +539,17 @@ def combine(results: list[dict]) -> dict:
                     f"cannot combine: the runs differ on instances {differ[:5]} "
                     "(missing, or another prompt or baseline answer)"
                 )
+        seen: set[tuple[str, float]] = set()
         for result in results:
             for method in result["methods"]:
-                if method in methods:
-                    raise SweepError(f"cannot combine: {method} is in two of the runs")
-                methods.append(method)
+                for ratio in result["ratios"]:
+                    if (method, ratio) in seen:
+                        raise SweepError(
+                            f"cannot combine: {method} at {ratio:g} is in two of the runs"
+                        )
+                    seen.add((method, ratio))
+                if method not in methods:
+                    methods.append(method)
         rows = [row for result in results for row in result["rows"]]
         ratios = sorted(
             {r for result in results for r in result["ratios"]}, reverse=True
@@ -731,7 +755,14 @@ def parser(**defaults) -> argparse.ArgumentParser:
         "--combine",
         nargs="+",
         metavar="RESULT.json",
-        help="run nothing: merge these results (same instances, other methods) into --out and plot",
+        help="run nothing: merge these results (same instances, other methods or ratios) into "
+        "--out and plot",
+    )
+    p.add_argument(
+        "--first",
+        type=int,
+        metavar="N",
+        help="with --combine: merge each result's first N instances only",
     )
     p.add_argument(
         "--resume",
@@ -756,8 +787,14 @@ def main(argv: list[str] | None = None, **defaults) -> dict:
         args.instances, args.tokens, args.ratios = 2, 600, "0.2"
     logging.basicConfig(level=logging.WARNING)
     try:
+        if args.first is not None and not args.combine:
+            raise SweepError(
+                "--first goes with --combine (it picks the instances to merge)"
+            )
         if args.combine:
-            result = combine([load_result(f) for f in args.combine])
+            result = combine(
+                [load_result(f) for f in args.combine], instances=args.first
+            )
         else:
             previous = (
                 load_result(args.out)

@@ -247,6 +247,33 @@ def test_combine_merges_runs_over_the_same_instances_only():
             combine([_result(["kvzip"]), other])
 
 
+def test_combine_joins_a_method_across_runs_of_other_ratios_and_takes_the_first_instances():
+    from benchmarks.quality import SweepError, combine, main
+
+    # the default at 10% over 4 instances, at 5% and 2% over 2: merged over the first 2
+    merged = combine(
+        [
+            _result(["am", "kvzip"], seeds=(0, 1, 2, 3)),
+            _result(["am"], ratios=(0.05, 0.02)),
+        ],
+        instances=2,
+    )
+    assert merged["methods"] == ["am", "kvzip"] and merged["instances"] == 2
+    assert merged["ratios"] == [0.1, 0.05, 0.02]
+    assert {r["seed"] for r in merged["rows"]} == {0, 1}
+    summary = merged["summary"]["niah"]
+    assert [summary["am"][r]["score"] for r in ("0.1", "0.05", "0.02")] == ["2/2"] * 3
+    # without the cut the instances differ; one method at one ratio twice is refused
+    with pytest.raises(SweepError, match="instances"):
+        combine([_result(["am"], seeds=(0, 1, 2, 3)), _result(["am"], ratios=(0.05,))])
+    with pytest.raises(SweepError, match="am at 0.05 is in two of the runs"):
+        combine([_result(["am"], ratios=(0.1, 0.05)), _result(["am"], ratios=(0.05,))])
+    with pytest.raises(SweepError, match="--first must be >= 1"):
+        combine([_result(["am"])], instances=0)
+    with pytest.raises(SystemExit, match="--first goes with --combine"):
+        main(["--first", "2"])
+
+
 def test_free_form_task_is_not_scored_and_is_drawn_by_its_reconstruction(
     tokenizer, tmp_path
 ):
