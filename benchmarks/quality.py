@@ -495,13 +495,30 @@ def _first_instances(result: dict, instances: int) -> dict:
     }
 
 
-def combine(results: list[dict], instances: int | None = None) -> dict:
+def _relabel(result: dict, labels: dict[str, str]) -> dict:
+    """``result`` with its methods renamed by ``labels`` (the others as they are)."""
+    return {
+        **result,
+        "methods": [labels.get(m, m) for m in result["methods"]],
+        "rows": [
+            {**r, "method": labels.get(r["method"], r["method"])}
+            for r in result["rows"]
+        ],
+    }
+
+
+def combine(
+    results: list[dict],
+    instances: int | None = None,
+    labels: dict[str, str] | None = None,
+) -> dict:
     """One result from runs of different methods over the same instances (same model, length,
     tasks and prompts, asserted), for one table and one plot. A method may come from several
     runs at different ratios (10% in one, 5% and 2% in another), never at one ratio twice; the
     full-context and no-context answers must agree, else the runs do not compare. Given
     ``instances``, each run's first ``instances`` instances are combined (a 48-instance run
-    beside 12-instance ones)."""
+    beside 12-instance ones); ``labels`` renames methods first (a method spec written out in one
+    run and by its recipe name in another)."""
     if not results:
         raise SweepError("nothing to combine")
     if instances is not None and instances < 1:
@@ -509,6 +526,8 @@ def combine(results: list[dict], instances: int | None = None) -> dict:
     try:
         if instances is not None:
             results = [_first_instances(result, instances) for result in results]
+        if labels:
+            results = [_relabel(result, labels) for result in results]
         first = results[0]
         for other in results[1:]:
             for key in ("model", "tokens", "tasks"):
@@ -765,12 +784,27 @@ def parser(**defaults) -> argparse.ArgumentParser:
         help="with --combine: merge each result's first N instances only",
     )
     p.add_argument(
+        "--label",
+        action="append",
+        metavar="METHOD=NAME",
+        help="with --combine: call METHOD NAME in the merged result (repeatable)",
+    )
+    p.add_argument(
         "--resume",
         action="store_true",
         help="keep the instances already completed in --out (same settings) and run the rest",
     )
     p.set_defaults(**defaults)
     return p
+
+
+def _label(text: str) -> tuple[str, str]:
+    """``"METHOD=NAME"`` -> ``(METHOD, NAME)``, split at the last ``=`` (a method spec has its
+    own); SweepError for anything else."""
+    method, eq, name = text.rpartition("=")
+    if not eq or not method.strip() or not name.strip():
+        raise SweepError(f"--label takes METHOD=NAME, got {text!r}")
+    return method.strip(), name.strip()
 
 
 def load_result(path: str | Path) -> dict:
@@ -787,13 +821,17 @@ def main(argv: list[str] | None = None, **defaults) -> dict:
         args.instances, args.tokens, args.ratios = 2, 600, "0.2"
     logging.basicConfig(level=logging.WARNING)
     try:
-        if args.first is not None and not args.combine:
+        if (args.first is not None or args.label) and not args.combine:
             raise SweepError(
-                "--first goes with --combine (it picks the instances to merge)"
+                "--first and --label go with --combine (they pick the instances to merge "
+                "and name the methods merged)"
             )
         if args.combine:
+            labels = dict(_label(text) for text in args.label or ())
             result = combine(
-                [load_result(f) for f in args.combine], instances=args.first
+                [load_result(f) for f in args.combine],
+                instances=args.first,
+                labels=labels,
             )
         else:
             previous = (

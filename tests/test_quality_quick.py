@@ -270,8 +270,16 @@ def test_combine_joins_a_method_across_runs_of_other_ratios_and_takes_the_first_
         combine([_result(["am"], ratios=(0.1, 0.05)), _result(["am"], ratios=(0.05,))])
     with pytest.raises(SweepError, match="--first must be >= 1"):
         combine([_result(["am"])], instances=0)
-    with pytest.raises(SystemExit, match="--first goes with --combine"):
+    with pytest.raises(SystemExit, match="--first and --label go with --combine"):
         main(["--first", "2"])
+    # a spec written out in one run is merged with its recipe name from another
+    spec = "am:queries=repeat-prefill,min_layer_share=0.3"
+    named = combine(
+        [_result([spec]), _result(["am"], ratios=(0.05,))], labels={spec: "am"}
+    )
+    assert named["methods"] == ["am"] and {r["method"] for r in named["rows"]} == {"am"}
+    with pytest.raises(SystemExit, match="--label takes METHOD=NAME"):
+        main(["--combine", "x.json", "--label", "am"])
 
 
 def test_free_form_task_is_not_scored_and_is_drawn_by_its_reconstruction(
