@@ -381,7 +381,7 @@ class _Compaction:
     #: host masks of the content chunks, and their device copies (which index the keys).
     chunks: list[torch.Tensor] = field(init=False)
     chunks_on_device: list[torch.Tensor] = field(init=False)
-    #: first and last position of the tokens fitted (the cache's ``compacted_span``).
+    #: first and last position of the content and a ranked template (``compacted_span``).
     span: list[int] = field(init=False)
     #: device mask of the template tokens and the protected ones, which stay exact.
     exact_on_device: torch.Tensor = field(init=False)
@@ -416,7 +416,8 @@ class _Compaction:
             spec.token_ids, adapter.tokenizer, self.plan.protect, mask, self.ratio * n
         )
         kept = self.protected = int(protected.sum())
-        self.fit_ratio, content = self.ratio, mask
+        # what the cache's compacted_span covers: the content, and a ranked template's tokens
+        self.fit_ratio, content, spanned = self.ratio, mask, mask
         if self.plan.protect_by == "exact" and kept:
             # protected content tokens stay exact, as the template's; their slots come out of
             # the budget, so the rest is fitted at a lower ratio and the prefix keeps its size
@@ -428,7 +429,7 @@ class _Compaction:
             ranked = ranked_template(mask)
             extra, fitted = int(ranked.sum()), int(content.sum())
             self.fit_ratio = (self.fit_ratio * fitted + extra) / (fitted + extra)
-            content = content | ranked
+            content, spanned = content | ranked, mask | ranked
         # by selection, each head keeps them first within its own budget (token by token, or
         # whole spans)
         priority = None
@@ -439,7 +440,7 @@ class _Compaction:
         # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets,
         # so a long tail cannot starve an early span (e.g. facts stated in the first turn).
         self.chunks = content_chunks(content, self.chunk_tokens)
-        self.span = torch.nonzero(content).flatten()[[0, -1]].tolist()
+        self.span = torch.nonzero(spanned).flatten()[[0, -1]].tolist()
         self.exact_on_device = (~content).to(adapter.device)
         self.chunks_on_device = [chunk.to(adapter.device) for chunk in self.chunks]
         self.priorities = [

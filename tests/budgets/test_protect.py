@@ -210,6 +210,8 @@ def test_protected_tokens_stay_exact_in_every_head_or_first_in_each_selection(
     )
     protected = kept.options["protected_tokens"]
     assert protected >= 6 and plain.options["protected_tokens"] == 0
+    # the compacted span is the content's, protected tokens in it or not
+    assert kept.compacted_span == plain.compacted_span
     # the protected slots come out of the budget: the same size, up to rounding per head
     heads = sum(layer.num_heads for layer in kept.layers)
     assert abs(kept.physical_slots - plain.physical_slots) <= heads
