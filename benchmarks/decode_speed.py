@@ -8,7 +8,9 @@ heads, head dim; bf16, block size 16):
 * ``prefix_full``: the same rows as a packed compacted prefix (every head ``t_h = T``);
 * ``prefix_10pct``: a prefix compacted to 10% with uneven per-head lengths (shares drawn as
   squared uniforms, as global budgets give), compared with SDPA over the whole uncompacted
-  prefix, for the library's default launch and for a sweep of tiles, pipeline depths and splits.
+  prefix, for the library's default launch and for a sweep of tiles, pipeline depths and splits;
+  then the same with the merge fused into the last split (``prefix_10pct_fused_*``: one launch
+  instead of two), with its largest difference from the separate merge.
 
 Two numbers per call, because vLLM pays both: ``*_ms`` is the GPU's time (CUDA graphs of the
 call after an L2 flush, less graphs of the flush alone, so that a 10% prefix smaller than L2 is
@@ -153,6 +155,45 @@ def _timed(label: str, fn: Callable[[], Any], device: torch.device, row: dict) -
     return ms
 
 
+def _fused_merge(
+    prefixed: Callable[..., torch.Tensor],
+    best: str,
+    auto: int,
+    sdpa_ms: float,
+    smoke: bool,
+    device: torch.device,
+) -> dict:
+    """The 10% prefix with the merge fused into the last split (one launch, not two): its
+    largest difference from the separate merge's output (at two splits or more), its time at the default launch, and
+    at the best tile of the sweep for 1/2, 1, 2 and 4 times the default splits."""
+    row: dict[str, Any] = {}
+    split = max(2, auto)  # at least two splits, or there is nothing to merge
+    separate = prefixed(num_splits=split).float().clone()
+    row["prefix_10pct_fused_max_abs_diff"] = float(
+        (prefixed(num_splits=split, fused_merge=True).float() - separate).abs().max()
+    )
+    row["prefix_10pct_fused_ms"] = ms = gpu_ms(
+        lambda: prefixed(fused_merge=True), device
+    )
+    row["prefix_10pct_fused_host_us"] = host_us(
+        lambda: prefixed(fused_merge=True), device
+    )
+    row["prefix_10pct_fused_speedup_vs_sdpa_full"] = sdpa_ms / ms
+    bn, warps, stages, _ = (int(x) for x in best.split("/"))
+    sweep = {}
+    for splits in sorted(
+        {max(2, auto // 2), max(2, auto), min(64, 2 * auto), min(64, 4 * auto)}
+    )[: 1 if smoke else None]:
+        launch = dict(block_n=bn, num_warps=warps, num_stages=stages, num_splits=splits)
+        sweep[f"{bn}/{warps}/{stages}/{splits}"] = gpu_ms(
+            lambda launch=launch: prefixed(fused_merge=True, **launch), device
+        )
+    fastest = min(sweep, key=sweep.get)
+    row["prefix_10pct_fused_sweep_ms"], row["prefix_10pct_fused_best"] = sweep, fastest
+    row["prefix_10pct_fused_best_speedup_vs_sdpa_full"] = sdpa_ms / sweep[fastest]
+    return row
+
+
 def _shape_row(shape: tuple, smoke: bool, device: torch.device) -> dict:
     import torch.nn.functional as F
 
@@ -282,6 +323,7 @@ def _shape_row(shape: tuple, smoke: bool, device: torch.device) -> dict:
         row["prefix_10pct_best_ms"] = timed[best]
         row["prefix_10pct_speedup_vs_sdpa_full"] = sdpa_ms / ms
         row["prefix_10pct_best_speedup_vs_sdpa_full"] = sdpa_ms / timed[best]
+        row.update(_fused_merge(prefixed, best, auto, sdpa_ms, smoke, device))
         del layer_pages, tables, prefix
     return row
 

@@ -114,6 +114,7 @@ def _build() -> tuple[Any, Any]:
         lse_ptr,
         part_ptr,
         stat_ptr,
+        count_ptr,
         block_table_ptr,
         seq_lens_ptr,
         query_start_loc_ptr,
@@ -153,6 +154,7 @@ def _build() -> tuple[Any, Any]:
         DOT_PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
         STORE_LSE: tl.constexpr,
+        FUSED_MERGE: tl.constexpr,
     ):
         req = tl.program_id(0)
         q_tile = tl.program_id(1)
@@ -307,25 +309,11 @@ def _build() -> tuple[Any, Any]:
 
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         token = (q_start + tok).to(tl.int64)
-        if SPLITS == 1:
-            tl.store(
-                out_ptr
-                + token[:, None] * s_ot
-                + head.to(tl.int64)[:, None] * s_oh
-                + d[None, :],
-                out.to(out_ptr.dtype.element_ty),
-                mask=row_ok[:, None] & d_ok[None, :],
-            )
-            if STORE_LSE:
-                lse = tl.where(
-                    l_i > 0.0,
-                    (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453,
-                    float("-inf"),
-                )
-                tl.store(lse_ptr + token * s_lt + head, lse, mask=row_ok)
-        else:
+        emit = row_ok  # the rows this program writes the output of
+        if SPLITS > 1:
             # partials [tokens, Hq, SPLITS, HEAD_PAD] and [tokens, Hq, SPLITS, 2]
-            slot = (token * (num_kv_heads * GROUP) + head) * SPLITS + split
+            first = (token * (num_kv_heads * GROUP) + head) * SPLITS
+            slot = first + split
             # compared as a block: the interpreter's scalar comparison does not make a mask
             filled = row_ok & (rows * 0 + lo < hi)
             tl.store(
@@ -335,6 +323,64 @@ def _build() -> tuple[Any, Any]:
             )
             tl.store(stat_ptr + slot * 2, m_i, mask=row_ok)
             tl.store(stat_ptr + slot * 2 + 1, l_i, mask=row_ok)
+            emit = row_ok & False
+            if FUSED_MERGE:
+                # the last split of this (request, query tile, KV head) to finish merges them
+                # all, which saves the merge's launch. Every thread's stores come before the
+                # counter's release (the barrier; CUTLASS's semaphore does the same), the last
+                # program's acquire comes before its reads, and those bypass L1 (.cg), which
+                # may hold an earlier call's partials at these addresses.
+                group_id = (req * tl.num_programs(1) + q_tile) * num_kv_heads + kv_head
+                tl.debug_barrier()
+                done = tl.atomic_add(
+                    count_ptr + group_id, 1, sem="acq_rel", scope="gpu"
+                )
+                emit = row_ok & (rows * 0 + done == SPLITS - 1)
+                if done == SPLITS - 1:
+                    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                    l_i = tl.zeros([BLOCK_M], tl.float32)
+                    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+                    for s in range(SPLITS):
+                        m_s = tl.load(
+                            stat_ptr + (first + s) * 2, mask=row_ok, other=float("-inf"),
+                            cache_modifier=".cg",
+                        )  # fmt: skip
+                        l_s = tl.load(
+                            stat_ptr + (first + s) * 2 + 1, mask=row_ok, other=0.0,
+                            cache_modifier=".cg",
+                        )  # fmt: skip
+                        part = tl.load(
+                            part_ptr + (first + s)[:, None] * HEAD_PAD + d[None, :],
+                            mask=(l_s > 0.0)[:, None], other=0.0, cache_modifier=".cg",
+                        )  # fmt: skip
+                        m_new = tl.maximum(m_i, m_s)
+                        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                        alpha = tl.exp2(m_i - m_shift)
+                        mass = l_s * tl.exp2(
+                            m_s - m_shift
+                        )  # the split's, at the new max
+                        acc = acc * alpha[:, None] + part * mass[:, None]
+                        l_i = l_i * alpha + mass
+                        m_i = m_new
+                    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+                    # ready for the next call: the counters are kept zero between calls
+                    tl.store(count_ptr + group_id, 0)
+        if SPLITS == 1 or FUSED_MERGE:
+            tl.store(
+                out_ptr
+                + token[:, None] * s_ot
+                + head.to(tl.int64)[:, None] * s_oh
+                + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=emit[:, None] & d_ok[None, :],
+            )
+            if STORE_LSE:
+                lse = tl.where(
+                    l_i > 0.0,
+                    (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) * 0.6931471805599453,
+                    float("-inf"),
+                )
+                tl.store(lse_ptr + token * s_lt + head, lse, mask=emit)
 
     @triton.jit
     def _merge(
@@ -384,6 +430,24 @@ def _build() -> tuple[Any, Any]:
 
     _KERNELS[interpret] = (_attend, _merge)
     return _attend, _merge
+
+
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _split_counters(groups: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters for the fused merge, one per program group, kept per device and
+    stream (the last split of a group sets its counter back to zero; calls on one stream run
+    in order, calls on two streams must not share counters)."""
+    stream = (
+        torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    )
+    key = (str(device), stream)
+    counts = _COUNTERS.get(key)
+    if counts is None or counts.numel() < groups:
+        counts = torch.zeros(_next_pow2(groups), dtype=torch.int32, device=device)
+        _COUNTERS[key] = counts
+    return counts
 
 
 def _next_pow2(n: int) -> int:
@@ -514,6 +578,7 @@ def compacted_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fused_merge: bool = False,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -538,6 +603,9 @@ def compacted_attention(
             then the prefix's last keys in order, row ``k`` of ``t_h`` standing ``t_h + pos - k``
             tokens before the query at suffix position ``pos``.
         num_splits: splits along the keys (default: :func:`choose_splits`).
+        fused_merge: with more than one split, the last split of each program merges them
+            (one launch instead of two, through zeroed counters kept per device and stream);
+            off by default until it is timed against the separate merge on a GPU.
         out / lse: ``[tokens, Hq, d]`` output in the query dtype and ``[tokens, Hq]`` fp32.
     """
     _check_inputs(
@@ -608,6 +676,12 @@ def compacted_attention(
         )
     tables = prefix
     dummy = seq_lens
+    fused = fused_merge and splits > 1
+    counts = (
+        _split_counters(num_reqs * q_tiles * num_kv_heads, query.device)
+        if fused
+        else dummy
+    )
     launch: dict[str, Any] = {}
     if not interpret:
         launch = {"num_warps": num_warps or 4, "num_stages": num_stages or 2}
@@ -619,6 +693,7 @@ def compacted_attention(
         lse if lse is not None else out,
         part,
         stat,
+        counts,
         block_table,
         seq_lens,
         query_start_loc,
@@ -658,9 +733,10 @@ def compacted_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         UPCAST_DOT=interpret and query.dtype == torch.bfloat16,
         STORE_LSE=lse is not None,
+        FUSED_MERGE=fused,
         **launch,
     )
-    if splits > 1:
+    if splits > 1 and not fused:
         merge[(num_tokens, num_q_heads)](
             out,
             lse if lse is not None else out,

@@ -168,21 +168,33 @@ def build(
 
 
 def check(kernel_args, ref_args, dtype, splits=None):
-    lse = torch.empty(
-        kernel_args["query"].shape[:2], dtype=torch.float32, device=DEVICE
-    )
+    """The kernel against the float64 twin; with splits, the merge both as its own launch and
+    fused into the last split, the fused one called twice into NaN-filled outputs (its counters
+    must be back at zero for the second call to write anything)."""
     args = {k: v for k, v in kernel_args.items() if k != "keep_alive"}
-    out = compacted_attention(**args, num_splits=splits, lse=lse)
     ref, ref_lse = compacted_attention_reference(**ref_args)
-    assert torch.isfinite(out.float()).all(), (
-        "NaN: a slot that was never written was read"
-    )
-    torch.testing.assert_close(
-        out.float().cpu(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype]
-    )
-    torch.testing.assert_close(
-        lse.cpu(), ref_lse.float(), atol=TOL[dtype], rtol=TOL[dtype]
-    )
+    query = kernel_args["query"]
+    calls = [False] if not splits or splits == 1 else [False, True, True]
+    for fused_merge in calls:
+        out = torch.full(
+            (*query.shape[:2], args["head_dim"]),
+            math.nan,
+            dtype=query.dtype,
+            device=DEVICE,
+        )
+        lse = torch.full(query.shape[:2], math.nan, dtype=torch.float32, device=DEVICE)
+        compacted_attention(
+            **args, num_splits=splits, fused_merge=fused_merge, out=out, lse=lse
+        )
+        assert torch.isfinite(out.float()).all(), (
+            "NaN: a slot that was never written was read, or an output never written"
+        )
+        torch.testing.assert_close(
+            out.float().cpu(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype]
+        )
+        torch.testing.assert_close(
+            lse.cpu(), ref_lse.float(), atol=TOL[dtype], rtol=TOL[dtype]
+        )
 
 
 def lengths(num_kv_heads, *, seed, empty=True, full=None):
@@ -392,16 +404,25 @@ _COMPILE = """
 from vllm_compaction_kernels.compacted_attention import _build
 attend, merge = _build()
 pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", lse_ptr="*fp32", part_ptr="*fp32",
-                stat_ptr="*fp32", block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
+                stat_ptr="*fp32", count_ptr="*i32", block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
                 region_base_ptr="*i64", head_rows_ptr="*i32", beta_rows_ptr="*i32", beta_ptr="*fp32",
                 scale_log2="fp32", prefix_shift="i64")
-for head_dim, group, splits, prefix, bias in [(128, 4, 8, True, False), (256, 8, 1, True, False), (64, 1, 2, False, True)]:
+for head_dim, group, splits, prefix, bias, fused in [(128, 4, 8, True, False, False), (128, 4, 8, True, False, True),
+                                                     (256, 8, 1, True, False, False), (64, 1, 2, False, True, False)]:
     group_pad = 1 << (group - 1).bit_length()
-    compile_sm90(attend, pointers, dict(BLOCK_SIZE=16, REGION_ROWS=16 * 8, HEAD_DIM=head_dim, HEAD_PAD=head_dim, GROUP=group, GROUP_PAD=group_pad,
-                                        BLOCK_Q=max(1, 16 // group_pad), BLOCK_N=64, SPLITS=splits, HAS_PREFIX=prefix,
-                                        SUFFIX_BIAS=bias, ELEM_SIZE=2, ROW_MULTIPLE=16, DOT_PRECISION="tf32",
-                                        UPCAST_DOT=False, STORE_LSE=True))
-    if splits > 1:
+    compiled = compile_sm90(attend, pointers, dict(BLOCK_SIZE=16, REGION_ROWS=16 * 8, HEAD_DIM=head_dim, HEAD_PAD=head_dim, GROUP=group, GROUP_PAD=group_pad,
+                                                   BLOCK_Q=max(1, 16 // group_pad), BLOCK_N=64, SPLITS=splits, HAS_PREFIX=prefix,
+                                                   SUFFIX_BIAS=bias, WINDOWED=False, ELEM_SIZE=2, ROW_MULTIPLE=16, DOT_PRECISION="tf32",
+                                                   UPCAST_DOT=False, STORE_LSE=True, FUSED_MERGE=fused))
+    ptx = compiled.asm["ptx"]
+    if fused:
+        # the split's stores, a barrier, one thread's release-acquire count at GPU scope, and the
+        # last split's reads of the partials from L2
+        count = ptx.index("atom.global.gpu.acq_rel.add")
+        assert "bar.sync" in ptx[:count] and "ld.global.cg" in ptx[count:], "fused merge's ordering"
+    else:
+        assert "atom." not in ptx
+    if splits > 1 and not fused:
         compile_sm90(merge, dict(out_ptr="*bf16", lse_ptr="*fp32", part_ptr="*fp32", stat_ptr="*fp32"),
                      dict(HEAD_DIM=head_dim, HEAD_PAD=head_dim, SPLITS=splits, STORE_LSE=True))
 """

@@ -30,6 +30,7 @@ def compile_sm90(kernel, signature, constexprs):
     signature = {name: signature.get(name, "constexpr" if name in constexprs else "i32") for name in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
     assert "cubin" in compiled.asm, sorted(compiled.asm)
+    return compiled
 """
 
 
