@@ -328,21 +328,49 @@ def _shape_row(shape: tuple, smoke: bool, device: torch.device) -> dict:
     return row
 
 
-def decode_section(smoke: bool, device: torch.device) -> dict:
-    """Every shape's row (module doc); the GPU is flushed of each shape's tensors before the next."""
+def run_shapes(
+    name: str,
+    shape_row: Callable[[tuple, bool, torch.device], dict],
+    smoke: bool,
+    device: torch.device,
+    deadline: float | None = None,
+    catch: bool = False,
+) -> list[dict]:
+    """``shape_row`` at every shape (the smoke shapes with ``smoke``), each logged; the GPU is
+    flushed of each shape's tensors before the next. With a ``deadline`` (a ``time.time()``),
+    shapes after it are skipped; with ``catch``, a shape that fails records its error."""
     rows = []
     for shape in SMOKE_SHAPES if smoke else DECODE_SHAPES:
-        row = _shape_row(shape, smoke, device)
+        if deadline is not None and time.time() > deadline:
+            rows.append({"shape": list(shape), "skipped": "past the deadline"})
+            continue
+        if not catch:
+            row = shape_row(shape, smoke, device)
+        else:
+            try:
+                row = shape_row(shape, smoke, device)
+            except Exception as exc:  # noqa: BLE001 - a shape that fails is a result too
+                logger.exception("%s %s failed", name, shape)
+                row = {
+                    "shape": list(shape),
+                    "error": f"{type(exc).__name__}: {exc}"[:500],
+                }
         logger.info(
-            "decode %s",
+            "%s %s",
+            name,
             {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()},
         )
         rows.append(row)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return rows
+
+
+def decode_section(smoke: bool, device: torch.device) -> dict:
+    """Every shape's row (module doc)."""
     return {
         "dtype": "bfloat16",
         "block_size": 16,
         "timing": "GPU ms from CUDA graphs after an L2 flush; host us per eager launch",
-        "shapes": rows,
+        "shapes": run_shapes("decode", _shape_row, smoke, device),
     }

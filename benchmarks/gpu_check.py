@@ -17,6 +17,9 @@ and the next one runs):
 3. ``compact``: ``compact()`` end to end on the device for a 32k-token conversation with a
    random-weight model of Llama-3-8B layer shapes: seconds per stage, query generation included.
 4. ``tests``: ``pytest -m cuda`` (the CUDA-marked tests, compiled).
+5. ``flex`` (``benchmarks.flex_decode``): the other design for decode, FlexAttention with a
+   ``score_mod`` adding beta, at the decode shapes (dense, and a 10% prefix held densely); last,
+   since its compiles take longest, and it stops at ``--deadline``.
 
 ``--smoke`` shrinks every shape so the script runs on a CPU (Triton interpreter) as a check of
 the script itself. Writes ``benchmarks/results/gpu_check.json`` (``--out``) naming the card.
@@ -225,6 +228,14 @@ def decode_section(args: argparse.Namespace, device: torch.device) -> dict:
     return run(args.smoke, device)
 
 
+# ----------------------------------------------------------------------------- 5. flex
+def flex_section(args: argparse.Namespace, device: torch.device) -> dict:
+    from benchmarks.flex_decode import flex_section as run
+
+    deadline = None if args.deadline is None else args.started + args.deadline
+    return run(args.smoke, device, deadline)
+
+
 # ----------------------------------------------------------------------------- 3. compact()
 def compact_section(args: argparse.Namespace, device: torch.device) -> dict:
     from benchmarks.synthetic_model import (
@@ -312,6 +323,7 @@ SECTIONS = {
     "decode": decode_section,
     "compact": compact_section,
     "tests": tests_section,
+    "flex": flex_section,
 }
 
 
