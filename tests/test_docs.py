@@ -64,6 +64,11 @@ def conversations_5pct() -> str:
     return f"at 5%, {kept}/{total} = {kept / total:.0%}"
 
 
+def conversations_2pct() -> str:
+    kept, total = kept_answers(load("conversations_default_2pct_48.json"))
+    return f"at 2%, {kept}/{total} = {kept / total:.0%}"
+
+
 def conversations_before() -> str:
     """The same at 10% and 5% from the default's earlier forms: before the name probes joined
     it, and before the number probes did."""
@@ -84,6 +89,7 @@ def conversations_before() -> str:
 HEADLINES = [
     (conversations, "conversation facts at 10%"),
     (conversations_5pct, "conversation facts at 5%"),
+    (conversations_2pct, "conversation facts at 2%"),
     (conversations_before, "conversation facts with the earlier forms of the default"),
     (
         lambda: f"**{needles(AM, 'niah_ruler_names_12.json')}**",
