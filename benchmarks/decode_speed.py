@@ -164,25 +164,21 @@ def _fused_merge(
     device: torch.device,
 ) -> dict:
     """The 10% prefix with the merge fused into the last split (one launch, not two): its
-    largest difference from the separate merge's output (at two splits or more), its time at the default launch, and
-    at the best tile of the sweep for 1/2, 1, 2 and 4 times the default splits."""
+    largest difference from the separate merge's output (at two splits or more), its time at
+    the default launch, and at the best tile of the sweep for 1/2, 1, 2 and 4 times the
+    default splits."""
     row: dict[str, Any] = {}
     split = max(2, auto)  # at least two splits, or there is nothing to merge
     separate = prefixed(num_splits=split).float().clone()
     row["prefix_10pct_fused_max_abs_diff"] = float(
         (prefixed(num_splits=split, fused_merge=True).float() - separate).abs().max()
     )
-    row["prefix_10pct_fused_ms"] = ms = gpu_ms(
-        lambda: prefixed(fused_merge=True), device
-    )
-    row["prefix_10pct_fused_host_us"] = host_us(
-        lambda: prefixed(fused_merge=True), device
-    )
+    ms = _timed("prefix_10pct_fused", lambda: prefixed(fused_merge=True), device, row)
     row["prefix_10pct_fused_speedup_vs_sdpa_full"] = sdpa_ms / ms
     bn, warps, stages, _ = (int(x) for x in best.split("/"))
     sweep = {}
     for splits in sorted(
-        {max(2, auto // 2), max(2, auto), min(64, 2 * auto), min(64, 4 * auto)}
+        {max(2, auto // 2), split, min(64, 2 * auto), min(64, 4 * auto)}
     )[: 1 if smoke else None]:
         launch = dict(block_n=bn, num_warps=warps, num_stages=stages, num_splits=splits)
         sweep[f"{bn}/{warps}/{stages}/{splits}"] = gpu_ms(

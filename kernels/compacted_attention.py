@@ -356,9 +356,8 @@ def _build() -> tuple[Any, Any]:
                         m_new = tl.maximum(m_i, m_s)
                         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
                         alpha = tl.exp2(m_i - m_shift)
-                        mass = l_s * tl.exp2(
-                            m_s - m_shift
-                        )  # the split's, at the new max
+                        # the split's mass at the new max
+                        mass = l_s * tl.exp2(m_s - m_shift)
                         acc = acc * alpha[:, None] + part * mass[:, None]
                         l_i = l_i * alpha + mass
                         m_i = m_new
