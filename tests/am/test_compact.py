@@ -254,6 +254,60 @@ def test_value_anchor_interpolates_between_lstsq_and_direct_values():
         assert (c - values[h, idx]).norm() < (lstsq.head(h)[2] - values[h, idx]).norm()
 
 
+def test_priority_values_direct_pins_the_kept_priority_values_and_fits_the_rest():
+    """``priority_values="direct"``: the kept priority keys keep their original values
+    exactly; the other slots are the least-squares fit around them (the gradient of
+    ``||X C - Y||^2`` in the free slots' values is 0); selection and beta are unchanged. Without
+    priority keys it is the plain fit."""
+    from vllm_compaction.am.attention import attention_output_and_mass
+
+    keys, values, queries = _inputs(11)
+    am = MATH["am-highest-attn"]
+    priority = torch.zeros(T, dtype=torch.bool)
+    priority[T // 2 :] = True
+    kw = dict(method=am, priority=priority)
+    plain = compact_heads(keys, values, queries, 12, **kw)
+    pinned = compact_heads(keys, values, queries, 12, priority_values="direct", **kw)
+    assert torch.equal(pinned.indices, plain.indices)
+    assert torch.equal(pinned.beta, plain.beta)
+    _assert_heads_equal(
+        compact_heads(keys, values, queries, 12, method=am),
+        compact_heads(keys, values, queries, 12, method=am, priority_values="direct"),
+    )
+    scale = D**-0.5
+    checked = 0
+    for h in range(H):
+        k, beta, c, idx = pinned.head(h)
+        kept = priority[idx]
+        assert kept.any() and (~kept).any()
+        assert torch.equal(c[kept], values[h, idx[kept]])
+        # the plain fit moves them: pinning is not a no-op
+        assert not torch.allclose(plain.head(h)[2][kept], values[h, idx[kept]])
+        x = torch.softmax((queries[h] @ k.T * scale + beta).double(), -1)  # [n, t]
+        y = attention_output_and_mass(
+            queries[h : h + 1], keys[h : h + 1], values[h : h + 1], scale=scale
+        )[0][0]
+        grad = x.T @ (x @ c.double() - y.double())  # [t, d]
+        assert grad[~kept].abs().max() < 1e-4 * (x.T @ y.double()).abs().max()
+        checked += 1
+    assert checked == H
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"priority_values": "blend"}, "priority_values must be one of lstsq, direct"),
+        (
+            {"priority_values": "direct", "values": "direct"},
+            "priority_values applies to values='lstsq' only",
+        ),
+    ],
+)
+def test_priority_values_is_checked(options, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_method(MATH["am-highest-attn"], options)
+
+
 def test_memory_limit_groups_and_chunks_give_the_same_result():
     """Head groups (OMP) and query chunks (fits) change only the fp32 summation order."""
     keys, values, queries = _inputs(4)

@@ -125,6 +125,21 @@ def test_phrases_keep_the_key_an_identifier_belongs_to_within_its_sentence(smoll
     )
 
 
+def test_names_inside_a_sentence_are_protected_after_the_identifiers(smollm2):
+    text = (
+        "We talked about gardens. Oh, and my sister's name is Rosalind. "
+        "Last year I moved to Ljubljana, near my key 481736. Then we had lunch."
+    )
+    assert _kept_text(smollm2, text, "identifiers", 100) == "481736"
+    # a sentence's first word ("We", "Oh", "Last", "Then") and "I" are not names
+    assert _kept_text(smollm2, text, "identifiers-names", 100) == (
+        " Rosalind Ljubljana481736"
+    )
+    # the identifiers take the room first
+    digits = len(smollm2.tokenizer("481736")["input_ids"])
+    assert _kept_text(smollm2, text, "identifiers-names", 2 * digits) == "481736"
+
+
 def test_a_phrase_stops_at_a_line_another_identifier_a_template_token_or_its_length():
     pieces = ["ok", ".", " The", " code", " is", " 4", "8", "1", "7", "3", "6"]
     spans = identifier_spans(pieces)

@@ -216,6 +216,19 @@ def _priority_floor(
     return torch.where(kept, floor, plan.fit.beta_bounds[0]).to(torch.float32)
 
 
+def _priority_pinned(
+    plan: ResolvedMethod,
+    priority: torch.Tensor | None,
+    indices: torch.Tensor,
+    valid: torch.Tensor,
+) -> torch.Tensor | None:
+    """``[H, t_max]`` the kept priority keys whose original values the value fit keeps
+    (``priority_values="direct"``), or ``None``."""
+    if plan.fit.priority_values != "direct" or priority is None:
+        return None
+    return priority_members(priority)[indices] & valid
+
+
 def _compact_group(
     keys: torch.Tensor,
     values: torch.Tensor,
@@ -285,7 +298,8 @@ def _compact_group(
     original = (
         None  # the kept keys' own values: the direct values, or the anchor of the fit
     )
-    if plan.fit.values == "direct" or plan.fit.value_anchor:
+    pinned = _priority_pinned(plan, priority, sel.indices, valid)
+    if plan.fit.values == "direct" or plan.fit.value_anchor or pinned is not None:
         original = values.gather(
             1, sel.indices[..., None].expand(h, t_max, values.shape[-1])
         )
@@ -302,6 +316,7 @@ def _compact_group(
             anchor=original,
             anchor_weight=plan.fit.value_anchor,
             row_scale=row_scale,
+            pinned=pinned,
         )
     elif plan.fit.values == "selector":
         if sel.values is None:

@@ -377,6 +377,7 @@ def fit_values(
     anchor: torch.Tensor | None = None,
     anchor_weight: float = 0.0,
     row_scale: torch.Tensor | None = None,
+    pinned: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Least-squares values for kept keys with biases ``beta [H, t]`` onto ``targets [H, n, d]``.
 
@@ -387,6 +388,11 @@ def fit_values(
     With ``anchor [H, t, d]`` (the kept keys' original values) and ``anchor_weight = lam > 0``
     the fit is ``min ||X C - Y||^2 + lam * g ||C - anchor||^2``, ``g`` the mean diagonal of
     ``X^T X`` per head: ``(X^T X + lam g I) C = X^T Y + lam g anchor``.
+
+    With ``pinned [H, t]`` bool (and ``anchor``), the pinned slots keep their ``anchor`` values
+    exactly and the others are the least-squares fit given them: ``min ||X_f C_f - (Y - X_p
+    A_p)||^2``, i.e. ``G_ff C_f = (X^T Y - G A_p)_f`` with ``A_p`` the anchor on the pinned
+    slots and 0 elsewhere.
 
     Returns ``[H, t, d]`` float32 values (0 on padded slots).
     """
@@ -412,4 +418,12 @@ def fit_values(
         pull = anchor_weight * diag.sum(-1) / valid.sum(-1).clamp_min(1)  # [H]
         gram.diagonal(dim1=1, dim2=2).add_(pull[:, None])
         rhs.add_(pull[:, None, None] * anchor.to(GRAM_DTYPE))
-    return solve_normal_equations(gram, rhs, valid).float()
+    if pinned is None or not bool(pinned.any()):
+        return solve_normal_equations(gram, rhs, valid).float()
+    if anchor is None:
+        raise ValueError("pinned slots need their anchor values")
+    pinned = pinned & valid
+    fixed = torch.where(pinned[..., None], anchor.to(GRAM_DTYPE), 0.0)
+    # the pinned slots' share of every row's output moves to the right-hand side
+    free = solve_normal_equations(gram, rhs - gram @ fixed, valid & ~pinned)
+    return torch.where(pinned[..., None], fixed, free.to(GRAM_DTYPE)).float()

@@ -27,6 +27,7 @@ __all__ = [
     "EVICTION_FIT",
     "MERGE_FIT",
     "OMP_FIT",
+    "PRIORITY_VALUE_MODES",
     "VALUE_MODES",
     "FitOptions",
     "MethodSpec",
@@ -36,6 +37,8 @@ __all__ = [
 
 BETA_MODES = ("nnls", "zero", "selector")
 VALUE_MODES = ("lstsq", "direct", "selector")
+#: how the kept priority keys' values are obtained when the others are fitted (``priority_values``)
+PRIORITY_VALUE_MODES = ("lstsq", "direct")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,12 @@ class FitOptions:
             ``beta_bounds``; ``None`` gives it the box's ``lo`` like every other slot. ``0``
             means no kept identifier weighs less than it did in the full context, so the mass
             fit cannot mute the digits the selection kept on purpose.
+        priority_values: for ``"lstsq"`` only: ``"lstsq"`` fits the kept priority keys' values
+            with the rest; ``"direct"`` keeps their original values and fits the other slots'
+            values around them (least squares on what the priority slots leave unexplained).
+            A kept name or number is then read back as it was written: the output-matching fit
+            would otherwise turn its value into a blend of the dropped keys it stands in for,
+            and the answer drifts to the model's guess ("Emily" for "Rosalind").
     """
 
     beta: str = "zero"
@@ -69,6 +78,7 @@ class FitOptions:
     values: str = "direct"
     value_anchor: float = 0.0
     priority_beta_floor: float | None = None
+    priority_values: str = "lstsq"
 
     def __post_init__(self) -> None:
         if self.beta not in BETA_MODES:
@@ -115,6 +125,15 @@ class FitOptions:
                 f"value_anchor applies to values='lstsq' only, not {self.values!r}"
             )
         object.__setattr__(self, "value_anchor", float(self.value_anchor))
+        if self.priority_values not in PRIORITY_VALUE_MODES:
+            raise ValueError(
+                f"priority_values must be one of {', '.join(PRIORITY_VALUE_MODES)}, "
+                f"got {self.priority_values!r}"
+            )
+        if self.priority_values != "lstsq" and self.values != "lstsq":
+            raise ValueError(
+                f"priority_values applies to values='lstsq' only, not {self.values!r}"
+            )
         floor = self.priority_beta_floor
         if floor is not None:
             if (

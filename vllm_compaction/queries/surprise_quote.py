@@ -45,15 +45,14 @@ docs/experiments).
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from vllm_compaction.queries.base import PrefixSpec, QueryPlan
 from vllm_compaction.queries.quote_prefill import QUOTE_INSTRUCTION, quote_probe
-from vllm_compaction.text import token_pieces, word_tokens
+from vllm_compaction.text import name_words, number_words, token_pieces
 
 __all__ = [
     "SurpriseEntityQuote",
@@ -67,44 +66,6 @@ __all__ = [
     "number_words",
     "surprising_spans",
 ]
-
-#: a word that may hold a number: letters, digits and the marks inside times, versions and codes
-_NUMBER_WORD = re.compile(r"[A-Za-z0-9](?:[\w\-.:]*[A-Za-z0-9])?")
-#: digits a word needs to count as a number (``v2`` or ``a`` do not, ``42`` and ``12:30`` do)
-MIN_NUMBER_DIGITS = 2
-#: a name inside a sentence: capitalised words (``Granite Peak Software``, ``Jean-Luc``) after a
-#: lower-case letter, a digit or a mark that does not end a sentence, and one space or line break;
-#: a sentence's first word, and ``I``, are not names
-_NAME_WORD = re.compile(r"(?<=[a-z0-9,;:)][ \n])[A-Z][a-z]+(?:[ -][A-Z][a-z]+)*")
-
-
-def _words(
-    pieces: Sequence[str], pattern: re.Pattern[str], keep: Callable[[str], bool]
-) -> list[range]:
-    """The tokens of each match of ``pattern`` that ``keep`` accepts, in the text the tokens
-    ``pieces`` spell, in order; one per first token (two words that begin in one token are
-    one)."""
-    words: list[range] = []
-    for word, tokens in word_tokens(pieces, pattern):
-        if keep(word) and (not words or words[-1].start != tokens.start):
-            words.append(tokens)
-    return words
-
-
-def number_words(pieces: Sequence[str]) -> list[range]:
-    """The tokens of each number-like word (``MIN_NUMBER_DIGITS`` digits or more) in the text
-    the tokens ``pieces`` spell, in order."""
-    return _words(
-        pieces,
-        _NUMBER_WORD,
-        lambda word: sum(c.isdigit() for c in word) >= MIN_NUMBER_DIGITS,
-    )
-
-
-def name_words(pieces: Sequence[str]) -> list[range]:
-    """The tokens of each name inside a sentence (``_NAME_WORD``) in the text the tokens
-    ``pieces`` spell, in order."""
-    return _words(pieces, _NAME_WORD, lambda word: True)
 
 
 def number_starts(pieces: Sequence[str]) -> list[int]:
