@@ -293,10 +293,41 @@ def test_priority_values_direct_pins_the_kept_priority_values_and_fits_the_rest(
     assert checked == H
 
 
+def test_priority_values_exact_keeps_the_kept_priority_keys_as_they_were():
+    """``priority_values="exact"``: a kept priority key is the token as it was (``beta = 0``,
+    its own value) in the slot the selection gave it; the other slots' biases are fitted in
+    the box around them."""
+    keys, values, queries = _inputs(12)
+    am = MATH["am-highest-attn"]
+    priority = torch.zeros(T, dtype=torch.bool)
+    priority[T // 2 :] = True
+    kw = dict(method=am, priority=priority)
+    plain = compact_heads(keys, values, queries, 12, **kw)
+    exact = compact_heads(keys, values, queries, 12, priority_values="exact", **kw)
+    assert torch.equal(exact.indices, plain.indices)
+    kept = priority[exact.indices]
+    assert kept.any() and (~kept).any()
+    assert torch.equal(exact.beta[kept], torch.zeros(int(kept.sum())))
+    assert plain.beta[kept].abs().max() > 0.1  # the plain fit moves them
+    for h in range(H):
+        _, _, c, idx = exact.head(h)
+        assert torch.equal(c[priority[idx]], values[h, idx[priority[idx]]])
+    others = exact.beta[~kept]
+    assert others.min() >= -3 - 1e-6 and others.max() <= 3 + 1e-6
+    assert not torch.equal(others, plain.beta[~kept])  # refitted around the exact slots
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"priority_values": "blend"}, "priority_values must be one of lstsq, direct"),
+        (
+            {"priority_values": "blend"},
+            "priority_values must be one of lstsq, direct, exact",
+        ),
+        (
+            {"priority_values": "exact", "priority_beta_floor": 0},
+            "drop priority_beta_floor",
+        ),
         (
             {"priority_values": "direct", "values": "direct"},
             "priority_values applies to values='lstsq' only",

@@ -204,16 +204,22 @@ def _check_priority(
     return priority.to(device)
 
 
-def _priority_floor(
+def _priority_bounds(
     plan: ResolvedMethod, priority: torch.Tensor | None, indices: torch.Tensor
-) -> torch.Tensor | None:
-    """``[H, t_max]`` lower bounds on the kept slots' ``beta``: ``priority_beta_floor`` on the
-    kept priority keys, the box's ``lo`` on the others; ``None`` when no floor applies."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``[H, t_max]`` lower and upper bounds on the kept slots' ``beta`` (``None``: the box's):
+    ``priority_beta_floor`` below the kept priority keys, or 0 both ways for
+    ``priority_values="exact"``; the box on the others."""
     floor = plan.fit.priority_beta_floor
-    if floor is None or priority is None:
-        return None
+    exact = plan.fit.priority_values == "exact"
+    if priority is None or (floor is None and not exact):
+        return None, None
     kept = priority_members(priority)[indices]
-    return torch.where(kept, floor, plan.fit.beta_bounds[0]).to(torch.float32)
+    lo, hi = plan.fit.beta_bounds
+    own = 0.0 if exact or floor is None else floor
+    lower = torch.where(kept, own, lo).to(torch.float32)
+    upper = torch.where(kept, 0.0, hi).to(torch.float32) if exact else None
+    return lower, upper
 
 
 def _priority_pinned(
@@ -223,8 +229,8 @@ def _priority_pinned(
     valid: torch.Tensor,
 ) -> torch.Tensor | None:
     """``[H, t_max]`` the kept priority keys whose original values the value fit keeps
-    (``priority_values="direct"``), or ``None``."""
-    if plan.fit.priority_values != "direct" or priority is None:
+    (``priority_values`` ``"direct"`` or ``"exact"``), or ``None``."""
+    if plan.fit.priority_values == "lstsq" or priority is None:
         return None
     return priority_members(priority)[indices] & valid
 
@@ -280,13 +286,15 @@ def _compact_group(
     if plan.fit.beta == "nnls":
         if ref is None or features is None:
             raise ValueError(f"method {plan.name!r} fits beta without a reference pass")
+        floor, ceiling = _priority_bounds(plan, priority, sel.indices)
         beta = fit_beta(
             features,
             ref.mass,
             valid,
             bounds=plan.fit.beta_bounds,
             iters=plan.fit.beta_iters,
-            floor=_priority_floor(plan, priority, sel.indices),
+            floor=floor,
+            ceiling=ceiling,
         )
     elif plan.fit.beta == "selector":
         if sel.beta is None:

@@ -126,7 +126,7 @@ def nnls_pgd_gram(
     rhs: torch.Tensor,
     *,
     lower: float | torch.Tensor = 0.0,
-    upper: float | None = None,
+    upper: float | torch.Tensor | None = None,
     iters: int = 0,
     valid: torch.Tensor | None = None,
     power_iters: int = 8,
@@ -140,25 +140,25 @@ def nnls_pgd_gram(
     Parameters
     ----------
     gram : ``[B, p, p]``; rhs : ``[B, p]``; valid : ``[B, p]`` bool (invalid slots -> 0).
-    lower : one bound for every weight, or ``[B, p]`` bounds, one per weight.
+    lower, upper : one bound for every weight, or ``[B, p]`` bounds, one per weight
+        (``upper=None``: none).
 
     Returns
     -------
     ``[B, p]`` float64 weights, inside the box on valid slots.
     """
-    hi = float("inf") if upper is None else upper
-    if isinstance(lower, torch.Tensor):
-        if lower.shape != rhs.shape:
+    hi: float | torch.Tensor = float("inf") if upper is None else upper
+    for bound in (lower, hi):
+        if isinstance(bound, torch.Tensor) and bound.shape != rhs.shape:
             raise ValueError(
-                f"per-weight NNLS bounds must be [B, p] = {tuple(rhs.shape)}, got {tuple(lower.shape)}"
+                f"per-weight NNLS bounds must be [B, p] = {tuple(rhs.shape)}, got {tuple(bound.shape)}"
             )
+    if isinstance(lower, torch.Tensor):
         lower = lower.to(torch.float64)
-        if bool((lower > hi).any()):
-            raise ValueError(f"NNLS bounds must satisfy lower <= upper = {upper}")
-    elif not lower <= hi:
-        raise ValueError(
-            f"NNLS bounds must satisfy lower <= upper, got [{lower}, {upper}]"
-        )
+    if isinstance(hi, torch.Tensor):
+        hi = hi.to(torch.float64)
+    if not bool(torch.as_tensor(lower <= hi).all()):
+        raise ValueError(f"NNLS bounds must satisfy lower <= upper = {upper}")
 
     def project(x: torch.Tensor) -> torch.Tensor:
         return x.clamp(min=lower).clamp(max=hi)
@@ -332,6 +332,7 @@ def fit_beta(
     bounds: tuple[float, float],
     iters: int,
     floor: torch.Tensor | None = None,
+    ceiling: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mass-matching biases: bounded NNLS of shifted features onto the shifted mass.
 
@@ -342,8 +343,9 @@ def fit_beta(
     valid : ``[H, t]`` bool real slots.
     bounds : ``(lo, hi)`` bounds on ``beta`` (``w = exp(beta)`` in ``[e^lo, e^hi]``).
     iters : projected-gradient steps.
-    floor : ``[H, t]`` per-slot lower bounds on ``beta`` in ``bounds`` (replacing ``lo``), or
-        ``None``.
+    floor, ceiling : ``[H, t]`` per-slot lower / upper bounds on ``beta`` in ``bounds``
+        (replacing ``lo`` / ``hi``), or ``None``; a slot with both at 0 keeps ``beta = 0``
+        and the others are fitted around it.
 
     Returns
     -------
@@ -359,7 +361,7 @@ def fit_beta(
         gram,
         rhs[..., 0],
         lower=math.exp(lo) if floor is None else floor.to(GRAM_DTYPE).exp(),
-        upper=math.exp(hi),
+        upper=math.exp(hi) if ceiling is None else ceiling.to(GRAM_DTYPE).exp(),
         iters=iters,
         valid=valid,
     )

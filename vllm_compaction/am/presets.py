@@ -38,7 +38,7 @@ __all__ = [
 BETA_MODES = ("nnls", "zero", "selector")
 VALUE_MODES = ("lstsq", "direct", "selector")
 #: how the kept priority keys' values are obtained when the others are fitted (``priority_values``)
-PRIORITY_VALUE_MODES = ("lstsq", "direct")
+PRIORITY_VALUE_MODES = ("lstsq", "direct", "exact")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,11 @@ class FitOptions:
             values around them (least squares on what the priority slots leave unexplained).
             A kept name or number is then read back as it was written: the output-matching fit
             would otherwise turn its value into a blend of the dropped keys it stands in for,
-            and the answer drifts to the model's guess ("Emily" for "Rosalind").
+            and the answer drifts to the model's guess ("Emily" for "Rosalind"). ``"exact"``
+            also keeps their ``beta`` at 0 (with ``beta="nnls"``): each is then the token as
+            it was, in the slot the selection gave it, and the other slots' biases and values
+            carry the dropped keys' mass and output around them. A pinned value on a slot
+            whose bias stands for its dropped neighbours would speak for all of them.
     """
 
     beta: str = "zero"
@@ -133,6 +137,11 @@ class FitOptions:
         if self.priority_values != "lstsq" and self.values != "lstsq":
             raise ValueError(
                 f"priority_values applies to values='lstsq' only, not {self.values!r}"
+            )
+        if self.priority_values == "exact" and self.priority_beta_floor is not None:
+            raise ValueError(
+                "priority_values='exact' keeps the kept priority keys' beta at 0: "
+                "drop priority_beta_floor"
             )
         floor = self.priority_beta_floor
         if floor is not None:
