@@ -157,7 +157,8 @@ def nnls_pgd_gram(
         lower = lower.to(torch.float64)
     if isinstance(hi, torch.Tensor):
         hi = hi.to(torch.float64)
-    if not bool(torch.as_tensor(lower <= hi).all()):
+    ordered = lower <= hi
+    if not (bool(ordered.all()) if isinstance(ordered, torch.Tensor) else ordered):
         raise ValueError(f"NNLS bounds must satisfy lower <= upper = {upper}")
 
     def project(x: torch.Tensor) -> torch.Tensor:
