@@ -254,6 +254,20 @@ def test_value_anchor_interpolates_between_lstsq_and_direct_values():
         assert (c - values[h, idx]).norm() < (lstsq.head(h)[2] - values[h, idx]).norm()
 
 
+def _half_priority(seed: int, priority_values: str) -> tuple:
+    """Random heads with the second half of the keys as priority keys (every head keeps some
+    of each kind): the inputs, the mask, the plain fit and the fit with ``priority_values``."""
+    keys, values, queries = _inputs(seed)
+    priority = torch.zeros(T, dtype=torch.bool)
+    priority[T // 2 :] = True
+    kw = dict(method=MATH["am-highest-attn"], priority=priority)
+    plain = compact_heads(keys, values, queries, 12, **kw)
+    fitted = compact_heads(
+        keys, values, queries, 12, priority_values=priority_values, **kw
+    )
+    return keys, values, queries, priority, plain, fitted
+
+
 def test_priority_values_direct_pins_the_kept_priority_values_and_fits_the_rest():
     """``priority_values="direct"``: the kept priority keys keep their original values
     exactly; the other slots are the least-squares fit around them (the gradient of
@@ -261,13 +275,8 @@ def test_priority_values_direct_pins_the_kept_priority_values_and_fits_the_rest(
     priority keys it is the plain fit."""
     from vllm_compaction.am.attention import attention_output_and_mass
 
-    keys, values, queries = _inputs(11)
+    keys, values, queries, priority, plain, pinned = _half_priority(11, "direct")
     am = MATH["am-highest-attn"]
-    priority = torch.zeros(T, dtype=torch.bool)
-    priority[T // 2 :] = True
-    kw = dict(method=am, priority=priority)
-    plain = compact_heads(keys, values, queries, 12, **kw)
-    pinned = compact_heads(keys, values, queries, 12, priority_values="direct", **kw)
     assert torch.equal(pinned.indices, plain.indices)
     assert torch.equal(pinned.beta, plain.beta)
     _assert_heads_equal(
@@ -275,7 +284,6 @@ def test_priority_values_direct_pins_the_kept_priority_values_and_fits_the_rest(
         compact_heads(keys, values, queries, 12, method=am, priority_values="direct"),
     )
     scale = D**-0.5
-    checked = 0
     for h in range(H):
         k, beta, c, idx = pinned.head(h)
         kept = priority[idx]
@@ -289,21 +297,13 @@ def test_priority_values_direct_pins_the_kept_priority_values_and_fits_the_rest(
         )[0][0]
         grad = x.T @ (x @ c.double() - y.double())  # [t, d]
         assert grad[~kept].abs().max() < 1e-4 * (x.T @ y.double()).abs().max()
-        checked += 1
-    assert checked == H
 
 
 def test_priority_values_exact_keeps_the_kept_priority_keys_as_they_were():
     """``priority_values="exact"``: a kept priority key is the token as it was (``beta = 0``,
     its own value) in the slot the selection gave it; the other slots' biases are fitted in
     the box around them."""
-    keys, values, queries = _inputs(12)
-    am = MATH["am-highest-attn"]
-    priority = torch.zeros(T, dtype=torch.bool)
-    priority[T // 2 :] = True
-    kw = dict(method=am, priority=priority)
-    plain = compact_heads(keys, values, queries, 12, **kw)
-    exact = compact_heads(keys, values, queries, 12, priority_values="exact", **kw)
+    _, values, _, priority, plain, exact = _half_priority(12, "exact")
     assert torch.equal(exact.indices, plain.indices)
     kept = priority[exact.indices]
     assert kept.any() and (~kept).any()
