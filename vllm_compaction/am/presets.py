@@ -73,7 +73,10 @@ class FitOptions:
             also keeps their ``beta`` at 0 (with ``beta="nnls"``): each is then the token as
             it was, in the slot the selection gave it, and the other slots' biases and values
             carry the dropped keys' mass and output around them. A pinned value on a slot
-            whose bias stands for its dropped neighbours would speak for all of them.
+            whose bias stands for its dropped neighbours would speak for all of them. With
+            ``protect=identifiers-names`` it gave a lost chat fact back and lost a commit hash
+            on the conversation tasks at 10%: level with the plain fit, not the default
+            (benchmarks/README.md).
     """
 
     beta: str = "zero"
