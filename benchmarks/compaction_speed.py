@@ -2,6 +2,9 @@
 
 Run ``python -m benchmarks.compaction_speed [--kv FILE] [--quick]``. Writes
 ``benchmarks/results/compaction_speed.json`` (and ``.png`` when matplotlib is installed).
+``--omp-global`` instead times plain OMP (``am-omp``) with the uneven budgets global
+allocation gives (one head keeping most of its keys), its refits extending one Cholesky factor
+against factoring anew at every refit (the code before the factor was kept), in one run.
 
 Inputs: ``--kv FILE`` is a ``torch.save``d dict with ``keys``, ``values``, ``queries`` lists (one
 ``[H, T|n, d]`` tensor per layer) and optionally ``queries_s`` (seconds spent generating the
@@ -17,6 +20,7 @@ from scratch at every OMP refit, as Algorithms "OMP Key Selection (Periodic Refi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -24,11 +28,13 @@ import platform
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
 from benchmarks.output import pyplot, save_result
 from vllm_compaction.am import CompactedHeads, attention_output_error, compact_heads
+from vllm_compaction.am.selectors import omp as omp_selector
 from vllm_compaction.recipes import RECIPES
 
 logger = logging.getLogger("benchmarks.compaction_speed")
@@ -348,6 +354,47 @@ def scaling(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+#: Shares of T kept by the three heads of one layer in ``--omp-global``: global budgets at 10%
+#: give the retrieval layers of SmolLM2 1,000-1,900 of their 3 x 1,500 keys, one head most.
+OMP_GLOBAL_SHARES = (0.7, 0.2, 0.05)
+
+
+def omp_global(layers: list[dict[str, torch.Tensor]], repeats: int) -> dict[str, Any]:
+    """Plain OMP at ``OMP_GLOBAL_SHARES`` of T per head: seconds with the kept factor and with
+    a fresh factorisation at every refit (its extension refused), and how far the two agree."""
+    layer = layers[0]
+    k, v, q = (layer[name].float() for name in ("keys", "values", "queries"))
+    budgets = [max(1, round(share * k.shape[1])) for share in OMP_GLOBAL_SHARES]
+    _warm_up(layer, "am-omp", False)
+    runs: dict[str, Any] = {}
+    kept: dict[str, CompactedHeads] = {}
+    for who in ("kept_factor", "refactor_each_refit"):
+        # refused extensions: every refit factors the whole system anew, as before
+        refactor = mock.patch.object(
+            omp_selector._GreedyMassFit, "_extend_factor", lambda self, used: False
+        )
+        with refactor if who == "refactor_each_refit" else contextlib.nullcontext():
+            best = math.inf
+            for _ in range(repeats):
+                stages = dict.fromkeys(STAGE_KEYS, 0.0)
+                kept[who] = compact_heads(
+                    k, v, q, budgets, method=RECIPES["am-omp"].math, timings=stages
+                )
+                best = min(best, sum(stages[s] for s in STAGE_KEYS))
+        runs[who] = {"s": best}
+        logger.info("am-omp budgets %s, %s: %.2f s", budgets, who, best)
+    a, b = kept["kept_factor"], kept["refactor_each_refit"]
+    return {
+        "T": k.shape[1],
+        "n_per_head": q.shape[1],
+        "budgets": budgets,
+        **runs,
+        "speedup": runs["refactor_each_refit"]["s"] / runs["kept_factor"]["s"],
+        "same_keys": bool(torch.equal(a.indices, b.indices)),
+        "beta_max_abs_diff": float((a.beta - b.beta).abs().max()),
+    }
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     """Per-head time versus T and versus ratio (log scale), ours against the baseline."""
     plt = pyplot()
@@ -416,6 +463,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds spent generating the queries",
     )
     p.add_argument("--no-scaling", dest="scaling", action="store_false")
+    p.add_argument(
+        "--omp-global",
+        action="store_true",
+        help="time plain OMP at uneven (global) budgets, kept factor vs refactoring",
+    )
     p.add_argument("--no-scale-baseline", dest="scale_baseline", action="store_false")
     p.add_argument(
         "--omp-baseline-max-t",
@@ -451,11 +503,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.queries_s if args.queries_s is not None else inputs.pop("queries_s")
     )
     inputs.pop("queries_s", None)
+    machine = {"threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+               "torch": torch.__version__, "load_avg": os.getloadavg()}  # fmt: skip
+    if args.omp_global:
+        out = (
+            args.out
+            if args.out != RESULTS / "compaction_speed.json"
+            else RESULTS / "omp_global_budgets.json"
+        )
+        row = {"inputs": inputs, "machine": machine, "omp_global": omp_global(layers, args.repeats)}  # fmt: skip
+        save_result(row, out)
+        logger.info("wrote %s: %s", out, row["omp_global"])
+        return row
     result: dict[str, Any] = {
         "inputs": {**inputs, "layers": len(layers), "H": h, "T": t_len, "d": d,
                    "n_per_head": layers[0]["queries"].shape[1], "fit_fraction": 0.8, "ratio": args.ratio},
-        "machine": {"threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "load_avg": os.getloadavg()},
+        "machine": machine,
         # query-generation stage: filled when the caller passes it (--queries-s or the --kv file)
         "queries_s": queries_s,
         "main": {m: measure(layers, args.ratio, m, True, args.repeats, args.seed) for m in METHODS},

@@ -17,7 +17,7 @@ from vllm_compaction.am import (
     score_keys,
 )
 from vllm_compaction.am.attention import reference_attention
-from vllm_compaction.am.fit import solve_normal_equations
+from vllm_compaction.am.fit import regularized_normal_matrix, solve_normal_equations
 from vllm_compaction.am.presets import EVICTION_FIT
 from vllm_compaction.am.selectors import KVMergerSelector, OMPSelector, SelectionProblem
 from vllm_compaction.am.selectors.base import PRIORITY_SHARE
@@ -147,18 +147,57 @@ def test_omp_ranks_with_low_precision_features_but_fits_exact_columns(
 
 def test_omp_refits_solve_only_the_used_slots_and_agree_with_the_whole_budget():
     """A refit solves the normal equations of the slots filled so far; the free slots above
-    them are decoupled in the budget-sized system and solve to 0, so both give one answer."""
+    them are decoupled in the budget-sized system and solve to 0, so both give one answer
+    (with the ridge the kept factor was made with)."""
     p = _problem(8, budget=40, features=True)
     state = _GreedyMassFit(p, per_round=6)
     for _ in range(3):
         state.add_keys()
         t = state.t_max
+        solved = state._solve()
         whole = solve_normal_equations(
-            state.gram[:, :t, :t], state.rhs[:, :t, None], state.valid
+            state.gram[:, :t, :t],
+            state.rhs[:, :t, None],
+            state.valid,
+            ridge=state.ridge,
         )[..., 0]
         assert state.high == int(state.count.max()) < t
-        torch.testing.assert_close(state._solve(), whole, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(solved, whole, rtol=1e-10, atol=1e-12)
         state.update_residual(state.refit(lower=0.0))
+
+
+@pytest.mark.parametrize("per_round", [1, (1, 3, 2)])
+def test_omp_kept_factor_is_the_factor_of_the_current_equations(per_round):
+    """The Cholesky factor a refit extends round by round equals a fresh factorisation of the
+    equations of the slots kept now, through drops (a floor that many keys fall under), slots
+    refilled below the factored ones, and heads taking different numbers of keys a round;
+    and the refit's weights are those of a fresh solve."""
+    p = _problem(3, budget=30, features=True)
+    state = _GreedyMassFit(p, per_round=torch.tensor(per_round).expand(3))
+    lower, extended = 1.0, 0
+    while not state.done.all():
+        state.add_keys()
+        before = state.factor_size
+        w = state.refit(lower)
+        used = min(state.high, state.t_max)
+        extended += 0 < before < used and state.factor_size == used
+        assert state.factor_size == used
+        matrix, _ = regularized_normal_matrix(
+            state.gram[:, :used, :used], state.valid[:, :used], ridge=state.ridge
+        )
+        torch.testing.assert_close(
+            state._lower(used), torch.linalg.cholesky(matrix), rtol=1e-9, atol=1e-12
+        )
+        fresh = solve_normal_equations(
+            state.gram[:, :used, :used],
+            state.rhs[:, :used, None],
+            state.valid[:, :used],
+            ridge=state.ridge,
+        )[..., 0]
+        torch.testing.assert_close(w[:, :used], fresh, rtol=1e-8, atol=1e-12)
+        state.update_residual(torch.where(state.valid, w.clamp_min(lower), 0.0))
+    assert extended > 5, "rounds extend the factor"
+    assert int(state.excluded.sum() - state.count.sum()) > 0, "some keys were dropped"
 
 
 @pytest.mark.parametrize("method", ["am-omp", "am-omp-fast"])

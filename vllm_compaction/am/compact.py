@@ -460,8 +460,9 @@ def compact_heads(
     vals = values[:, :t_max].float().clone()
     n, per_head = queries.shape[1], 0
     if plan.selector.needs_features:
-        # features [T, n] and kept fp32 columns [t + 1, n]
+        # features [T, n], kept fp32 columns [t + 1, n], fp64 Gram and its factor [t + 1]^2
         per_head = n * (total * feature_storage(dev)[0].itemsize + 4 * (t_max + 1))
+        per_head += 2 * 8 * (t_max + 1) ** 2
     for group in _head_groups(work.to(dev), budgets, per_head, memory_limit):
         # fmt: skip
         fitted = _compact_group(

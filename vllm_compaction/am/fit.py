@@ -38,6 +38,7 @@ __all__ = [
     "lstsq_values",
     "nnls_pgd",
     "nnls_pgd_gram",
+    "regularized_normal_matrix",
     "solve_normal_equations",
 ]
 
@@ -66,12 +67,50 @@ def _masked_gram(gram: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor
     return torch.where(valid[..., :, None] & valid[..., None, :], g, 0.0)
 
 
+def regularized_normal_matrix(
+    gram: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    jitter: float = JITTER,
+    ridge: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp64 matrix ``solve_normal_equations`` factors, and its ridge.
+
+    Parameters
+    ----------
+    gram : ``[B, p, p]`` symmetric positive semi-definite matrices (any float dtype).
+    valid : ``[B, p]`` bool; invalid slots get identity rows and columns.
+    jitter : relative ridge: ``jitter * mean(diag G)`` over the valid slots.
+    ridge : ``[B, 1]`` absolute ridge to use instead (an incremental factorisation keeps the
+        ridge of the matrix it extends).
+
+    Returns
+    -------
+    ``(G + ridge I [B, p, p] float64, ridge [B, 1] float64)``.
+    """
+    g = _masked_gram(gram, valid)
+    diag = g.diagonal(dim1=-2, dim2=-1)
+    if ridge is None:
+        count = (
+            valid.sum(-1, keepdim=True).clamp_min(1)
+            if valid is not None
+            else diag.shape[-1]
+        )
+        ridge = (
+            jitter * diag.sum(-1, keepdim=True) / count
+            + torch.finfo(torch.float64).tiny
+        )
+    diag += ridge if valid is None else torch.where(valid, ridge, 1.0)
+    return g, ridge
+
+
 def solve_normal_equations(
     gram: torch.Tensor,
     rhs: torch.Tensor,
     valid: torch.Tensor | None = None,
     *,
     jitter: float = JITTER,
+    ridge: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Solve ``(G + jitter * mean(diag G) I) x = b`` for a batch of small SPD systems.
 
@@ -81,25 +120,16 @@ def solve_normal_equations(
     rhs : ``[B, p, k]`` right-hand sides.
     valid : ``[B, p]`` bool; invalid slots are decoupled and solve to exactly 0.
     jitter : relative ridge keeping a numerically singular Gram factorable.
+    ridge : ``[B, 1]`` absolute ridge instead of the relative one.
 
     Returns
     -------
     ``[B, p, k]`` float64 solution.
     """
-    g = _masked_gram(gram, valid)
+    g, _ = regularized_normal_matrix(gram, valid, jitter=jitter, ridge=ridge)
     b = rhs.to(torch.float64)
     if valid is not None:
         b = torch.where(valid[..., None], b, 0.0)
-    diag = g.diagonal(dim1=-2, dim2=-1)
-    count = (
-        valid.sum(-1, keepdim=True).clamp_min(1)
-        if valid is not None
-        else diag.shape[-1]
-    )
-    ridge = (
-        jitter * diag.sum(-1, keepdim=True) / count + torch.finfo(torch.float64).tiny
-    )
-    diag += ridge if valid is None else torch.where(valid, ridge, 1.0)
     factor, info = torch.linalg.cholesky_ex(g)
     x = torch.cholesky_solve(b, factor)
     bad = info != 0

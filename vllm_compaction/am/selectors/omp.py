@@ -11,8 +11,11 @@ without drops are done; the refit still asks once per round whether any kept key
 floor (a sync is cheaper than the extra Cholesky solve a device-side decision would cost).
 
 Speed: the Gram matrix ``Phi_S^T Phi_S`` and ``Phi_S^T m`` grow by the new columns only
-(fp32 products kept in float64), each refit is one small batched Cholesky solve instead of a
-least-squares solve from scratch, and the only pass over the whole ``Phi`` per round is the
+(fp32 products kept in float64), each refit extends the Cholesky factor of the last one by the
+new slots' rows (a drop or a refilled slot refactors from its row on) and solves with it,
+instead of a least-squares solve from scratch (``t`` refits of plain OMP cost ``O(t^3)``, not
+``O(t^4)``; 1.9x faster in all on a layer of 2,000 keys whose heads keep 1,400, 400 and 100),
+and the only pass over the whole ``Phi`` per round is the
 correlation ``Phi^T r`` (a memory-bound GEMV: OMP costs about ``t / (k tau)`` reads of
 ``Phi``). That pass reads the reference's key-major low-precision copy of ``Phi`` (fp16 on the
 CPU, fp8 on CUDA: it only ranks candidates), while the kept columns that every fit uses are
@@ -33,7 +36,7 @@ from typing import ClassVar
 
 import torch
 
-from vllm_compaction.am.fit import solve_normal_equations
+from vllm_compaction.am.fit import regularized_normal_matrix, solve_normal_equations
 from vllm_compaction.am.selectors.base import (
     Selection,
     SelectionProblem,
@@ -190,6 +193,13 @@ class _GreedyMassFit:
         # kept columns, as rows
         self.phi_s = torch.zeros(h, slots, n, dtype=torch.float32, device=dev)
         self.gram = torch.zeros(h, slots, slots, dtype=torch.float64, device=dev)
+        # Cholesky factor L of the regularised normal equations of slots [0, factor_size), kept
+        # while those slots' keys stay; factor_size is a host int (0: nothing to extend). Stored
+        # transposed (L^T row-major): a leading block of it, transposed back, is L in the
+        # column-major layout LAPACK reads in place (a row-major block is copied per solve).
+        self.factor_t = torch.zeros_like(self.gram)
+        self.factor_size = 0
+        self.ridge = self.gram.new_zeros(h, 1)
         self.rhs = torch.zeros(h, slots, dtype=torch.float64, device=dev)
         self.final_w = torch.zeros(h, self.t_max, dtype=torch.float64, device=dev)
         self.done = budgets <= 0
@@ -251,6 +261,11 @@ class _GreedyMassFit:
         free = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)[:, :r]
         # discarded picks go to the scratch slot
         slots = torch.where(ok, free, self.t_max)
+        # A slot below the factored ones filled (one a drop freed, or one a head taking fewer
+        # keys than the round's widest left free) changes the factor from its row on: keep the
+        # rows above it. One host sync a round, as the refit's check for drops.
+        if self.factor_size:
+            self.factor_size = min(self.factor_size, int(slots.min()))
         heads = torch.arange(h, device=slots.device)[:, None]
         self.idx[heads, slots] = top.indices
         self.occupied[heads, slots] = ok
@@ -284,16 +299,69 @@ class _GreedyMassFit:
 
     def _solve(self) -> torch.Tensor:
         """Weights ``[H, t_max]``: the normal equations of the slots below ``high`` (the free
-        slots above it are decoupled and would solve to 0), padded with zeros. A factorisation
-        costs the cube of its size, so early rounds are cheap."""
+        slots above it are decoupled and would solve to 0), padded with zeros.
+
+        The Cholesky factor of those equations is kept between rounds: a round that only
+        fills slots above the factored ones extends it by their rows (a triangular solve and
+        a factorisation of ``k tau`` rows) instead of factoring ``high`` rows anew. A drop or
+        a slot refilled below the factored ones keeps the rows above it (the factor of a
+        leading block depends on that block only); an extension that is not positive definite
+        factors anew, with a fresh ridge.
+        """
         used = min(self.high, self.t_max)
         w = self.rhs.new_zeros(self.rhs.shape[0], self.t_max)
-        w[:, :used] = solve_normal_equations(
-            self.gram[:, :used, :used],
-            self.rhs[:, :used, None],
-            self.valid[:, :used],
-        )[..., 0]
+        if used == 0:
+            return w
+        valid = self.valid[:, :used]
+        if not (0 < self.factor_size <= used and self._extend_factor(used)):
+            matrix, ridge = regularized_normal_matrix(self.gram[:, :used, :used], valid)
+            factor, info = torch.linalg.cholesky_ex(matrix)
+            if bool((info != 0).any()):
+                # a numerically singular system: the pseudo-inverse, and no factor to extend
+                self.factor_size = 0
+                w[:, :used] = solve_normal_equations(
+                    self.gram[:, :used, :used],
+                    self.rhs[:, :used, None],
+                    valid,
+                    ridge=ridge,
+                )[..., 0]
+                return w
+            self.factor_t[:, :used, :used] = factor.transpose(1, 2)
+            self.ridge, self.factor_size = ridge, used
+        rhs = torch.where(valid, self.rhs[:, :used], 0.0)[..., None]
+        w[:, :used] = torch.cholesky_solve(rhs, self._lower(used))[..., 0]
         return w
+
+    def _lower(self, size: int) -> torch.Tensor:
+        """``[H, size, size]`` view of the factor ``L`` of the first ``size`` slots."""
+        return self.factor_t[:, :size, :size].transpose(1, 2)
+
+    def _extend_factor(self, used: int) -> bool:
+        """Extend the factor of the first ``factor_size`` slots to ``used`` slots (the block
+        rows of the new slots, with the ridge it was factored with); False if the new block's
+        Schur complement is not positive definite (the caller factors anew)."""
+        known = self.factor_size
+        if known == used:
+            return True
+        valid = self.valid[:, :used]
+        corner, _ = regularized_normal_matrix(
+            self.gram[:, known:used, known:used], valid[:, known:], ridge=self.ridge
+        )
+        cross = torch.where(
+            valid[:, :known, None] & valid[:, None, known:],
+            self.gram[:, :known, known:used],
+            0.0,
+        )
+        # [H, known, m]: L11^-1 G12, the new rows' part left of the diagonal, transposed
+        left = torch.linalg.solve_triangular(self._lower(known), cross, upper=False)
+        corner -= left.transpose(1, 2) @ left
+        block, info = torch.linalg.cholesky_ex(corner)
+        if bool((info != 0).any()):
+            return False
+        self.factor_t[:, :known, known:used] = left
+        self.factor_t[:, known:used, known:used] = block.transpose(1, 2)
+        self.factor_size = used
+        return True
 
     def refit(self, lower: float) -> torch.Tensor:
         """Unconstrained least-squares weights ``[H, t_max]`` (0 on free slots); frees the
@@ -308,6 +376,9 @@ class _GreedyMassFit:
                 break
             logger.debug("OMP drops %d keys with beta below the floor", int(drop.sum()))
             self.occupied[:, : self.t_max] &= ~drop
+            # the factor's rows above the first dropped slot stay
+            first = int(drop.any(0).nonzero()[0, 0])
+            self.factor_size = min(self.factor_size, first)
             w = self._solve()
         return w
 
