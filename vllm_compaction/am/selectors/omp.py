@@ -14,7 +14,7 @@ Speed: the Gram matrix ``Phi_S^T Phi_S`` and ``Phi_S^T m`` grow by the new colum
 (fp32 products kept in float64), each refit extends the Cholesky factor of the last one by the
 new slots' rows (a drop or a refilled slot refactors from its row on) and solves with it,
 instead of a least-squares solve from scratch (``t`` refits of plain OMP cost ``O(t^3)``, not
-``O(t^4)``; 1.9x faster in all on a layer of 2,000 keys whose heads keep 1,400, 400 and 100),
+``O(t^4)``; 1.7x faster in all on a layer of 2,000 keys whose heads keep 1,400, 400 and 100),
 and the only pass over the whole ``Phi`` per round is the
 correlation ``Phi^T r`` (a memory-bound GEMV: OMP costs about ``t / (k tau)`` reads of
 ``Phi``). That pass reads the reference's key-major low-precision copy of ``Phi`` (fp16 on the
