@@ -479,8 +479,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's)"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS / "compaction_speed.json")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="result JSON (default: results/compaction_speed.json, or "
+        "results/omp_global_budgets.json with --omp-global)",
+    )
     args = p.parse_args(argv)
+    if args.out is None:
+        name = "omp_global_budgets.json" if args.omp_global else "compaction_speed.json"
+        args.out = RESULTS / name
     args.scale_lengths, args.scale_ratios = (
         (500, 1000, 2000, 4000),
         (0.02, 0.05, 0.1, 0.2),
@@ -506,14 +515,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     machine = {"threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
                "torch": torch.__version__, "load_avg": os.getloadavg()}  # fmt: skip
     if args.omp_global:
-        out = (
-            args.out
-            if args.out != RESULTS / "compaction_speed.json"
-            else RESULTS / "omp_global_budgets.json"
-        )
         row = {"inputs": inputs, "machine": machine, "omp_global": omp_global(layers, args.repeats)}  # fmt: skip
-        save_result(row, out)
-        logger.info("wrote %s: %s", out, row["omp_global"])
+        save_result(row, args.out)
+        logger.info("wrote %s: %s", args.out, row["omp_global"])
         return row
     result: dict[str, Any] = {
         "inputs": {**inputs, "layers": len(layers), "H": h, "T": t_len, "d": d,
