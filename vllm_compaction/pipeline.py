@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from vllm_compaction.am import CompactedHeads, compact_heads, score_keys
+from vllm_compaction.am import CompactedHeads, ResolvedMethod, compact_heads, score_keys
 from vllm_compaction.budgets import (
     check_score_aggregation,
     check_score_softmax,
@@ -396,6 +396,8 @@ class _Compaction:
     positions: torch.Tensor = field(init=False)
     scales: list[float] = field(init=False)
     windows: list[int | None] = field(init=False)
+    #: per layer, the math its heads run (``ResolvedRecipe.layer_methods``).
+    methods: list[ResolvedMethod] = field(init=False)
     #: per chunk of the content, ``[L, H]`` budgets (the budgets stage).
     budgets: list[torch.Tensor] = field(default_factory=list)
     #: per layer, its slots (the layers stage).
@@ -450,6 +452,7 @@ class _Compaction:
         self.positions = torch.arange(self.prepared.spec.length, device=adapter.device)
         self.scales = adapter.layer_scales()
         self.windows = adapter.layer_windows
+        self.methods = self.plan.layer_methods(adapter.num_layers)
 
 
 def _budget_stage(run: _Compaction) -> None:
@@ -518,7 +521,7 @@ def _fit_layer(
                 values[:, chunk],
                 layer_queries,
                 budgets[layer],
-                method=run.plan.method,
+                method=run.methods[layer],
                 scale=run.scales[layer],
                 positions=positions[chunk],
                 query_weights=query_weights,
@@ -588,6 +591,9 @@ def _record_stage(run: _Compaction) -> None:
             "protect_by": plan.protect_by,
             "protected_tokens": run.protected,
             "template": plan.template,
+            "priority_exact_depth": None
+            if plan.priority_exact_depth is None
+            else "-".join(f"{share:g}" for share in plan.priority_exact_depth),
             "chunk_tokens": run.chunk_tokens,
             "query_cap": prepared.collector.cap,
             "seed": prepared.collector.seed,

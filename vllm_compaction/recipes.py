@@ -14,7 +14,7 @@ The same string is accepted by ``compact()``, the CLI's ``--method``, ``POST /v1
 Overrides are ``key=value`` pairs separated by commas: the recipe's ``queries``, ``budgets`` and
 ``on_policy``, budget options (``min_layer_share``, ``max_head_ratio``, ``min_head_slots``), the
 global ranking's ``score_*`` options, which tokens stay exact (``protect``, ``protect_by``,
-``template``), and any option of the math preset (``values``,
+``template``, ``priority_exact_depth``), and any option of the math preset (``values``,
 ``value_anchor``, ``seed_share``, ...; see ``am.presets``). Values are parsed as booleans
 (``true``/``false``), numbers, or text. Every check of a method string (its syntax, the recipe
 name, the query source, the budget and ranking options, the math options) is made here, by
@@ -44,9 +44,11 @@ from vllm_compaction.budgets import (
     TEMPLATE_MODES,
     ScoreOptions,
     check_budget_options,
+    check_priority_exact_depth,
     check_protect,
     check_protect_by,
     check_template,
+    depth_band,
     resolve_score_options,
 )
 from vllm_compaction.queries import parse_sources, resolve_spacing
@@ -156,6 +158,7 @@ PIPELINE_OPTIONS = (
     "protect",
     "protect_by",
     "template",
+    "priority_exact_depth",
 )
 
 
@@ -211,6 +214,9 @@ class ResolvedRecipe:
             ``PROTECT_RULES``), and ``protect_by`` how (one of ``PROTECT_MODES``).
         template: whether the tokens outside the content stay exact or are ranked with it
             (one of ``TEMPLATE_MODES``; see ``budgets.protect``).
+        priority_exact_depth: the band of depth ``(lo, hi)`` whose layers keep the kept
+            protected tokens as they were, or ``None`` (``budgets.protect``); ``band_method``
+            is the math those layers run (``method`` with ``priority_values="exact"``).
     """
 
     name: str
@@ -222,6 +228,16 @@ class ResolvedRecipe:
     protect: str = PROTECT_RULES[0]
     protect_by: str = PROTECT_MODES[0]
     template: str = TEMPLATE_MODES[0]
+    priority_exact_depth: tuple[float, float] | None = None
+    band_method: ResolvedMethod | None = None
+
+    def layer_methods(self, num_layers: int) -> list[ResolvedMethod]:
+        """The math each layer of a ``num_layers``-deep model runs: ``band_method`` in the
+        ``priority_exact_depth`` band, ``method`` elsewhere."""
+        if self.priority_exact_depth is None or self.band_method is None:
+            return [self.method] * num_layers
+        band = depth_band(self.priority_exact_depth, num_layers)
+        return [self.band_method if inside else self.method for inside in band]
 
 
 def resolve(
@@ -281,6 +297,26 @@ def resolve(
                 f"{method!r} selects with {method_math.selector.name!r} (use "
                 "protect_by=exact, or a highest-attention method such as am)"
             )
+    band = check_priority_exact_depth(merged.get("priority_exact_depth"))
+    band_method = None
+    if band is not None:
+        if protect == "none" or protect_by == "exact":
+            raise ValueError(
+                "priority_exact_depth keeps the protected tokens a head's selection keeps as "
+                "they were in a band of layers: it needs protect (not 'none') and protect_by "
+                f"selection or whole, got protect={protect}, protect_by={protect_by}"
+            )
+        if math_options.get("priority_values", "lstsq") != "lstsq":
+            raise ValueError(
+                "priority_exact_depth sets priority_values='exact' inside its band and leaves "
+                "the fit as it is outside: drop priority_values"
+            )
+        try:
+            band_method = resolve_method(
+                base.math, {**math_options, "priority_values": "exact"}, name=name
+            )
+        except ValueError as err:
+            raise ValueError(f"priority_exact_depth: {err}") from None
     return ResolvedRecipe(
         name,
         recipe,
@@ -291,6 +327,8 @@ def resolve(
         protect,
         protect_by,
         template,
+        band,
+        band_method,
     )
 
 

@@ -10,6 +10,8 @@ from vllm_compaction.budgets.protect import (
     LEAD_TOKENS,
     MAX_PROTECTED_SHARE,
     SINK_TOKENS,
+    check_priority_exact_depth,
+    depth_band,
     identifier_spans,
     lead_spans,
     protected_tokens,
@@ -281,6 +283,89 @@ def test_protected_tokens_stay_exact_in_every_head_or_first_in_each_selection(
             else:
                 assert torch.equal(idx, unprotected.head(h)[3])
     assert holds > 0
+
+
+def test_a_depth_band_is_the_layers_whose_middle_lies_inside_it():
+    band = check_priority_exact_depth("0.56-0.84")
+    assert band == (0.56, 0.84)
+    # SmolLM2's 30 layers: 17-24, the retrieval heads' band; Gemma-3's 18: 10-14
+    assert [i for i, inside in enumerate(depth_band(band, 30)) if inside] == list(
+        range(17, 25)
+    )
+    assert [i for i, inside in enumerate(depth_band(band, 18)) if inside] == list(
+        range(10, 15)
+    )
+    assert all(depth_band((0.0, 1.0), 7)) and depth_band((0.8, 1.0), 4) == [0, 0, 0, 1]
+    assert check_priority_exact_depth(None) is None
+    assert check_priority_exact_depth("none") is None
+    for bad in ("0.8-0.5", "0.5", "a-b", "0.5-1.5", "-0.1-0.5", 0.5):
+        with pytest.raises(ValueError, match="priority_exact_depth is a band of depth"):
+            check_priority_exact_depth(bad)
+    # it keeps the tokens a head's selection keeps first, so it needs them kept by selection
+    with pytest.raises(ValueError, match="needs protect"):
+        resolve("am:protect=none,priority_exact_depth=0.5-0.8")
+    with pytest.raises(ValueError, match="needs protect"):
+        resolve("am:protect_by=exact,priority_exact_depth=0.5-0.8")
+    with pytest.raises(ValueError, match="drop priority_values"):
+        resolve("am:priority_values=direct,priority_exact_depth=0.5-0.8")
+    with pytest.raises(ValueError, match="priority_exact_depth: .*priority_beta_floor"):
+        resolve("am:priority_beta_floor=0,priority_exact_depth=0.5-0.8")
+    chosen = resolve("am:priority_exact_depth=0.5-1")
+    methods = chosen.layer_methods(4)
+    assert (
+        methods[:2] == [chosen.method] * 2 and methods[2:] == [chosen.band_method] * 2
+    )
+    assert chosen.band_method is not None
+    assert chosen.band_method.fit.priority_values == "exact"
+    assert chosen.method.fit.priority_values == "lstsq"
+    assert resolve("am").layer_methods(3) == [resolve("am").method] * 3
+
+
+def test_a_depth_band_keeps_the_kept_protected_tokens_as_they_were_inside_it_only(
+    smollm2,
+):
+    messages = [
+        {
+            "role": "user",
+            "content": "I keep notes on my accounts here. " * 6
+            + "For the record, my account number is 524533559245. "
+            + "The rest of this message is about the weather and the garden. " * 6,
+        }
+    ]
+    common = dict(ratio=0.2, queries="context-prefill", on_policy=False)
+    spec = "am-highest-attn:protect=identifiers,protect_by=selection"
+    fitted = compact(smollm2, messages, method=spec, **common)
+    banded = compact(
+        smollm2, messages, method=f"{spec},priority_exact_depth=0.5-1", **common
+    )
+    assert banded.options["priority_exact_depth"] == "0.5-1"
+    assert fitted.options["priority_exact_depth"] is None
+    ids = banded.token_ids
+    number = smollm2.tokenizer("524533559245", add_special_tokens=False)["input_ids"]
+    start = next(i for i in range(len(ids)) if ids[i : i + len(number)] == number)
+    positions = torch.arange(start, start + len(number))
+    kv = smollm2.prefill(ids, capture_queries=False)
+    band = depth_band((0.5, 1.0), len(banded.layers))
+    fitted_in_band = 0
+    for layer, (plain, kept) in enumerate(
+        zip(fitted.layers, banded.layers, strict=True)
+    ):
+        for h in range(kept.num_heads):
+            keys, beta, values, idx = kept.head(h)
+            plain_keys, plain_beta, plain_values, plain_idx = plain.head(h)
+            # the band changes the fit, never which keys are kept
+            assert torch.equal(idx, plain_idx), (layer, h)
+            if not band[layer]:
+                assert torch.equal(beta, plain_beta) and torch.equal(
+                    values, plain_values
+                )
+                continue
+            at = torch.isin(idx, positions)
+            assert not beta[at].any(), (layer, h)
+            torch.testing.assert_close(values[at], kv.values[layer][h, idx[at]])
+            fitted_in_band += int(plain_beta[at].ne(0).sum())
+    # without the band the same slots were fitted, so the band is what kept them as they were
+    assert fitted_in_band > 0
 
 
 def test_a_ranked_template_is_what_lies_between_the_sinks_and_the_last_content_token():

@@ -42,6 +42,15 @@ content, the first ``SINK_TOKENS`` of the prefix excepted, and the prefix keeps 
 slots, its budget raised by the template tokens it no longer keeps exact. ``ranked`` is how
 KVzip budgets a context (it ranks every pair but its attention sinks); AM reads the turns by
 their template tokens and keeps more answers with them exact (docs/experiments).
+
+``priority_exact_depth="lo-hi"`` (with ``protect_by`` ``selection`` or ``whole``) keeps the
+protected tokens each head keeps as they were (``priority_values="exact"``: their own value and
+``beta = 0``) only in the layers between those shares of the model's depth, and fits them as any
+kept key in the others. A question reads a fact said in passing in a band of middle-to-late
+layers (its retrieval heads); there the token itself must answer, while in the layers outside
+the band a kept name's fitted value also stands for the neighbours it replaced
+(docs/experiments). A layer ``l`` of ``L`` is in the band when its middle, ``(l + 0.5) / L``, is
+in ``[lo, hi)``, so a band carries across models of different depth (``depth_band``).
 """
 
 from __future__ import annotations
@@ -65,8 +74,10 @@ __all__ = [
     "PROTECT_RULES",
     "SINK_TOKENS",
     "TEMPLATE_MODES",
+    "check_priority_exact_depth",
     "check_protect",
     "check_protect_by",
+    "depth_band",
     "check_template",
     "identifier_spans",
     "lead_spans",
@@ -111,6 +122,34 @@ def check_protect(rule: Any) -> str:
 def check_protect_by(mode: Any) -> str:
     """``mode`` if it names a way to keep protected tokens; ``ValueError`` otherwise."""
     return _one_of("protect_by", mode, PROTECT_MODES)
+
+
+def check_priority_exact_depth(band: Any) -> tuple[float, float] | None:
+    """``"lo-hi"`` (shares of the model's depth, ``0 <= lo < hi <= 1``) as ``(lo, hi)``;
+    ``None`` or ``"none"`` as ``None``; ``ValueError`` with a sentence otherwise."""
+    if band is None or (isinstance(band, str) and band.strip().lower() == "none"):
+        return None
+    usage = (
+        "priority_exact_depth is a band of depth 'lo-hi' with 0 <= lo < hi <= 1 "
+        f"(e.g. '0.56-0.84'), or 'none'; got {band!r}"
+    )
+    if not isinstance(band, str):
+        raise ValueError(usage)
+    lo_text, dash, hi_text = band.strip().partition("-")
+    try:
+        lo, hi = float(lo_text), float(hi_text)
+    except ValueError:
+        raise ValueError(usage) from None
+    if not dash or not 0.0 <= lo < hi <= 1.0:
+        raise ValueError(usage)
+    return lo, hi
+
+
+def depth_band(band: tuple[float, float], num_layers: int) -> list[bool]:
+    """Per layer of a model ``num_layers`` deep, whether its middle, ``(l + 0.5) / L``, is in
+    ``band`` ``[lo, hi)`` (``hi = 1`` takes the last layer)."""
+    lo, hi = band
+    return [lo <= (layer + 0.5) / num_layers < hi for layer in range(num_layers)]
 
 
 def check_template(mode: Any) -> str:
