@@ -1,0 +1,130 @@
+"""``benchmarks.paired``: a method against a saved run, on the instances that decide retention."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import paired
+
+
+def _saved(scores: dict[tuple[str, int], tuple[float, float]]) -> dict:
+    """A saved quality result: per (task, seed), the full context's and the method's score."""
+    return {
+        "model": "smollm2-135m",
+        "tokens": 600,
+        "tasks": ["b-task", "a-task"],
+        "baselines": [
+            {
+                "task": t,
+                "seed": s,
+                "method": "full-context",
+                "score": full,
+                "answer": "x",
+            }
+            for (t, s), (full, _) in scores.items()
+        ],
+        "rows": [
+            {
+                "task": t,
+                "seed": s,
+                "ratio": 0.1,
+                "method": "am",
+                "prompt": f"{t}{s}",
+                "score": mine,
+                "answer": "y",
+            }
+            for (t, s), (_, mine) in scores.items()
+        ],
+    }
+
+
+SCORES = {
+    **{("a-task", s): (1.0, 1.0) for s in range(10)},
+    ("a-task", 10): (1.0, 0.0),
+    ("a-task", 11): (0.0, 1.0),  # the full context is wrong: it cannot move retention
+    ("b-task", 0): (1.0, 0.0),
+    ("b-task", 1): (1.0, 1.0),
+}
+
+
+def test_losses_come_first_then_a_seeded_shuffle_of_the_wins():
+    method, picked = paired._saved_instances(_saved(SCORES), None, 0.1)
+    assert method == "am" and ("a-task", 11) not in picked and len(picked) == 13
+    order = paired.instance_order(picked, ["b-task", "a-task"], 0)
+    # losses in the saved run's task order, then every win once
+    assert order[:2] == [("b-task", 0), ("a-task", 10)]
+    assert sorted(order[2:]) == sorted(k for k in picked if k not in order[:2])
+    assert order == paired.instance_order(picked, ["b-task", "a-task"], 0)
+    assert order != paired.instance_order(picked, ["b-task", "a-task"], 1)
+
+
+def test_retention_is_exact_when_all_ran_and_bounded_by_the_sample_otherwise():
+    _, picked = paired._saved_instances(_saved(SCORES), None, 0.1)
+
+    def pair(task, seed, score):
+        return {"task": task, "seed": seed, "new": {"score": score}}
+
+    # a-task: its loss given back, 4 of 10 wins run and one of them lost
+    pairs = [pair("a-task", 10, 1.0)] + [
+        pair("a-task", s, 0.0 if s == 2 else 1.0) for s in range(4)
+    ]
+    summary = paired.summarize(picked, pairs)["a-task"]
+    assert summary["saved_retention"] == 10 / 11
+    assert summary["given_back"] == [10] and summary["wins_lost"] == [2]
+    assert summary["wins_run"] == "4/10" and not summary["exact"]
+    assert summary["retention_bounds"] == [4 / 11, 10 / 11]
+    assert summary["retention_estimate"] == pytest.approx((10 * 3 / 4 + 1) / 11)
+    # every instance run: exact, bounds equal
+    pairs += [pair("a-task", s, 1.0) for s in range(4, 10)]
+    summary = paired.summarize(picked, pairs)["a-task"]
+    assert summary["exact"] and summary["retention_bounds"] == [10 / 11, 10 / 11]
+    # losses not all run yet: bounds only, no estimate
+    summary = paired.summarize(picked, pairs)["b-task"]
+    assert summary["losses_run"] == "0/1" and "retention_estimate" not in summary
+
+
+def test_bad_input_is_refused_with_a_sentence(tmp_path, monkeypatch):
+    saved = _saved(SCORES)
+    two = dict(saved, rows=saved["rows"] + [dict(saved["rows"][0], method="kvzip")])
+    against = tmp_path / "saved.json"
+    against.write_text(json.dumps(two))
+    out = tmp_path / "paired.json"
+    common = ["--against", str(against), "--ratio", "0.1", "--out", str(out)]
+    with pytest.raises(SystemExit, match="has 2 methods at 0.1"):
+        paired.main([*common, "--method", "am"])
+    with pytest.raises(SystemExit, match="has no 'h2o\\+' at 0.1"):
+        paired.main([*common, "--method", "am", "--saved-method", "h2o+"])
+    with pytest.raises(SystemExit, match="--limit must be >= 1"):
+        paired.main([*common, "--method", "am", "--saved-method", "am", "--limit", "0"])
+    with pytest.raises(SystemExit, match="cannot read"):
+        paired.main(
+            [
+                "--against",
+                str(tmp_path / "none.json"),
+                "--method",
+                "am",
+                "--ratio",
+                "0.1",
+            ]
+        )
+    # an instance whose prompt is not the saved one is refused, and what ran before is kept
+    calls = []
+
+    def measured(args):
+        calls.append((args.tasks, args.seed))
+        prompt = "other" if len(calls) == 2 else f"{args.tasks}{args.seed}"
+        return {
+            "rows": [{"prompt": prompt, "score": 1.0, "answer": "z"}],
+            "baselines": [{"method": "full-context", "score": 1.0, "answer": "x"}],
+        }
+
+    monkeypatch.setattr(paired, "quality_run", measured)
+    with pytest.raises(SystemExit, match="does not compare with the saved run"):
+        paired.main([*common, "--method", "am:seed=1", "--saved-method", "am"])
+    kept = json.loads(out.read_text())
+    assert [(p["task"], p["seed"]) for p in kept["pairs"]] == [calls[0]]
+    # resuming with another method is refused
+    with pytest.raises(SystemExit, match="cannot resume"):
+        paired.main([*common, "--method", "kvzip", "--saved-method", "am", "--resume"])
