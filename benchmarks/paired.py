@@ -95,8 +95,10 @@ def summarize(
         lost = sorted(k[1] for k in run_wins if not ran[k])
         n = len(keys)
         unrun = len(wins) - len(run_wins) + len(losses) - len(run_losses)
-        low = (len(run_wins) - len(lost) + len(given_back)) / n
-        high = low + unrun / n
+        # integer numerators, so that the estimate with every sampled win kept is the upper
+        # bound to the last bit
+        kept = len(run_wins) - len(lost) + len(given_back)
+        low, high = kept / n, (kept + unrun) / n
         entry = {
             "full_context_right": n,
             "saved_retention": len(wins) / n,

@@ -128,3 +128,32 @@ def test_bad_input_is_refused_with_a_sentence(tmp_path, monkeypatch):
     # resuming with another method is refused
     with pytest.raises(SystemExit, match="cannot resume"):
         paired.main([*common, "--method", "kvzip", "--saved-method", "am", "--resume"])
+
+
+def test_the_estimate_lies_within_its_bounds_and_the_plot_draws_them(tmp_path):
+    """With every sampled win kept the estimate is the upper bound, to the last bit (the
+    plot's error bars refuse a negative length)."""
+    for wins in range(1, 40):
+        scores = {("a-task", s): (1.0, 1.0) for s in range(wins)}
+        scores |= {("a-task", wins + s): (1.0, 0.0) for s in range(4)}
+        _, picked = paired._saved_instances(_saved(scores), None, 0.1)
+        # three of the four losses given back
+        given_back = [
+            {"task": "a-task", "seed": wins + s, "new": {"score": float(s < 3)}}
+            for s in range(4)
+        ]
+        for ran in range(1, wins + 1):
+            pairs = given_back + [
+                {"task": "a-task", "seed": s, "new": {"score": 1.0}} for s in range(ran)
+            ]
+            entry = paired.summarize(picked, pairs)["a-task"]
+            low, high = entry["retention_bounds"]
+            assert low <= entry["retention_estimate"] <= high == (wins + 3) / (wins + 4)
+    result = {
+        "summary": {"a-task": entry},
+        "saved_method": "am",
+        "method": "am:x=1",
+        "ratio": 0.1,
+    }
+    paired.plot(result, tmp_path / "paired.png")
+    assert (tmp_path / "paired.png").stat().st_size > 0
