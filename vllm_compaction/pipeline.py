@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from vllm_compaction.am import CompactedHeads, ResolvedMethod, compact_heads, score_keys
+from vllm_compaction.am import CompactedHeads, compact_heads, score_keys
 from vllm_compaction.budgets import (
     check_score_aggregation,
     check_score_softmax,
@@ -396,8 +396,11 @@ class _Compaction:
     positions: torch.Tensor = field(init=False)
     scales: list[float] = field(init=False)
     windows: list[int | None] = field(init=False)
-    #: per layer, the math its heads run (``ResolvedRecipe.layer_methods``).
-    methods: list[ResolvedMethod] = field(init=False)
+    #: per layer, whether it is in the ``priority_exact_depth`` band, where the heads run
+    #: ``band_method`` and keep first the tokens of ``band_priorities`` (``band_protect``).
+    in_band: list[bool] = field(init=False)
+    band_priorities: list[torch.Tensor | None] = field(init=False)
+    band_protected: int = field(init=False)
     #: per chunk of the content, ``[L, H]`` budgets (the budgets stage).
     budgets: list[torch.Tensor] = field(default_factory=list)
     #: per layer, its slots (the layers stage).
@@ -452,7 +455,23 @@ class _Compaction:
         self.positions = torch.arange(self.prepared.spec.length, device=adapter.device)
         self.scales = adapter.layer_scales()
         self.windows = adapter.layer_windows
-        self.methods = self.plan.layer_methods(adapter.num_layers)
+        self.in_band = self.plan.band_layers(adapter.num_layers)
+        self.band_priorities, self.band_protected = self.priorities, kept
+        if self.plan.band_protect not in (None, self.plan.protect):
+            in_band = protected_tokens(
+                spec.token_ids,
+                adapter.tokenizer,
+                self.plan.band_protect,
+                mask,
+                self.ratio * n,
+            )
+            self.band_protected = int(in_band.sum())
+            band_priority = (
+                in_band if self.plan.protect_by == "selection" else span_ids(in_band)
+            )
+            self.band_priorities = [
+                band_priority[chunk].to(adapter.device) for chunk in self.chunks
+            ]
 
 
 def _budget_stage(run: _Compaction) -> None:
@@ -512,8 +531,12 @@ def _fit_layer(
     exact, positions = run.exact_on_device, run.positions
     parts = [CompactedHeads.exact(keys[:, exact], values[:, exact], positions[exact])]
     query_weights = run.prepared.collector.weights(layer)
+    plan = run.plan
+    method, priorities = plan.method, run.priorities
+    if run.in_band[layer] and plan.band_method is not None:
+        method, priorities = plan.band_method, run.band_priorities
     for chunk, budgets, priority in zip(
-        run.chunks_on_device, run.budgets, run.priorities, strict=True
+        run.chunks_on_device, run.budgets, priorities, strict=True
     ):
         parts.append(
             compact_heads(
@@ -521,7 +544,7 @@ def _fit_layer(
                 values[:, chunk],
                 layer_queries,
                 budgets[layer],
-                method=run.methods[layer],
+                method=method,
                 scale=run.scales[layer],
                 positions=positions[chunk],
                 query_weights=query_weights,
@@ -594,6 +617,8 @@ def _record_stage(run: _Compaction) -> None:
             "priority_exact_depth": None
             if plan.priority_exact_depth is None
             else "-".join(f"{share:g}" for share in plan.priority_exact_depth),
+            "band_protect": plan.band_protect,
+            "band_protected_tokens": run.band_protected,
             "chunk_tokens": run.chunk_tokens,
             "query_cap": prepared.collector.cap,
             "seed": prepared.collector.seed,

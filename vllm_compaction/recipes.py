@@ -14,7 +14,7 @@ The same string is accepted by ``compact()``, the CLI's ``--method``, ``POST /v1
 Overrides are ``key=value`` pairs separated by commas: the recipe's ``queries``, ``budgets`` and
 ``on_policy``, budget options (``min_layer_share``, ``max_head_ratio``, ``min_head_slots``), the
 global ranking's ``score_*`` options, which tokens stay exact (``protect``, ``protect_by``,
-``template``, ``priority_exact_depth``), and any option of the math preset (``values``,
+``template``, ``priority_exact_depth``, ``band_protect``), and any option of the math preset (``values``,
 ``value_anchor``, ``seed_share``, ...; see ``am.presets``). Values are parsed as booleans
 (``true``/``false``), numbers, or text. Every check of a method string (its syntax, the recipe
 name, the query source, the budget and ranking options, the math options) is made here, by
@@ -159,6 +159,7 @@ PIPELINE_OPTIONS = (
     "protect_by",
     "template",
     "priority_exact_depth",
+    "band_protect",
 )
 
 
@@ -216,7 +217,9 @@ class ResolvedRecipe:
             (one of ``TEMPLATE_MODES``; see ``budgets.protect``).
         priority_exact_depth: the band of depth ``(lo, hi)`` whose layers keep the kept
             protected tokens as they were, or ``None`` (``budgets.protect``); ``band_method``
-            is the math those layers run (``method`` with ``priority_values="exact"``).
+            is the math those layers run (``method`` with ``priority_values="exact"``), and
+            ``band_protect`` the rule that picks their protected tokens (``protect`` unless
+            given).
     """
 
     name: str
@@ -230,14 +233,14 @@ class ResolvedRecipe:
     template: str = TEMPLATE_MODES[0]
     priority_exact_depth: tuple[float, float] | None = None
     band_method: ResolvedMethod | None = None
+    band_protect: str | None = None
 
-    def layer_methods(self, num_layers: int) -> list[ResolvedMethod]:
-        """The math each layer of a ``num_layers``-deep model runs: ``band_method`` in the
-        ``priority_exact_depth`` band, ``method`` elsewhere."""
-        if self.priority_exact_depth is None or self.band_method is None:
-            return [self.method] * num_layers
-        band = depth_band(self.priority_exact_depth, num_layers)
-        return [self.band_method if inside else self.method for inside in band]
+    def band_layers(self, num_layers: int) -> list[bool]:
+        """Per layer of a ``num_layers``-deep model, whether it is in the
+        ``priority_exact_depth`` band (runs ``band_method``, protects by ``band_protect``)."""
+        if self.priority_exact_depth is None:
+            return [False] * num_layers
+        return depth_band(self.priority_exact_depth, num_layers)
 
 
 def resolve(
@@ -298,13 +301,23 @@ def resolve(
                 "protect_by=exact, or a highest-attention method such as am)"
             )
     band = check_priority_exact_depth(merged.get("priority_exact_depth"))
-    band_method = None
+    band_method, band_protect = None, None
+    if "band_protect" in merged and band is None:
+        raise ValueError(
+            "band_protect is the protect rule inside the priority_exact_depth band: give "
+            "priority_exact_depth too"
+        )
     if band is not None:
         if protect == "none" or protect_by == "exact":
             raise ValueError(
                 "priority_exact_depth keeps the protected tokens a head's selection keeps as "
                 "they were in a band of layers: it needs protect (not 'none') and protect_by "
                 f"selection or whole, got protect={protect}, protect_by={protect_by}"
+            )
+        band_protect = check_protect(merged.get("band_protect", protect))
+        if band_protect == "none":
+            raise ValueError(
+                "band_protect=none protects nothing inside the band: drop priority_exact_depth"
             )
         if math_options.get("priority_values", "lstsq") != "lstsq":
             raise ValueError(
@@ -329,6 +342,7 @@ def resolve(
         template,
         band,
         band_method,
+        band_protect,
     )
 
 

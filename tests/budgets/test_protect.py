@@ -310,15 +310,21 @@ def test_a_depth_band_is_the_layers_whose_middle_lies_inside_it():
         resolve("am:priority_values=direct,priority_exact_depth=0.5-0.8")
     with pytest.raises(ValueError, match="priority_exact_depth: .*priority_beta_floor"):
         resolve("am:priority_beta_floor=0,priority_exact_depth=0.5-0.8")
+    with pytest.raises(ValueError, match="give priority_exact_depth too"):
+        resolve("am:band_protect=identifiers-names")
+    with pytest.raises(ValueError, match="band_protect=none protects nothing"):
+        resolve("am:priority_exact_depth=0.5-0.8,band_protect=none")
+    with pytest.raises(ValueError, match="protect must be one of"):
+        resolve("am:priority_exact_depth=0.5-0.8,band_protect=digits")
     chosen = resolve("am:priority_exact_depth=0.5-1")
-    methods = chosen.layer_methods(4)
-    assert (
-        methods[:2] == [chosen.method] * 2 and methods[2:] == [chosen.band_method] * 2
-    )
+    assert chosen.band_layers(4) == [False, False, True, True]
+    assert chosen.band_protect == chosen.protect == "identifiers"
     assert chosen.band_method is not None
     assert chosen.band_method.fit.priority_values == "exact"
     assert chosen.method.fit.priority_values == "lstsq"
-    assert resolve("am").layer_methods(3) == [resolve("am").method] * 3
+    assert resolve("am").band_layers(3) == [False] * 3
+    names = resolve("am:priority_exact_depth=0.5-1,band_protect=identifiers-names")
+    assert (names.protect, names.band_protect) == ("identifiers", "identifiers-names")
 
 
 def test_a_depth_band_keeps_the_kept_protected_tokens_as_they_were_inside_it_only(
@@ -329,7 +335,9 @@ def test_a_depth_band_keeps_the_kept_protected_tokens_as_they_were_inside_it_onl
             "role": "user",
             "content": "I keep notes on my accounts here. " * 6
             + "For the record, my account number is 524533559245. "
-            + "The rest of this message is about the weather and the garden. " * 6,
+            + "The rest of this message is about the weather and the garden. " * 3
+            + "By the way, my sister's name is Rosalind. "
+            + "The rest of this message is about the weather and the garden. " * 3,
         }
     ]
     common = dict(ratio=0.2, queries="context-prefill", on_policy=False)
@@ -366,6 +374,36 @@ def test_a_depth_band_keeps_the_kept_protected_tokens_as_they_were_inside_it_onl
             fitted_in_band += int(plain_beta[at].ne(0).sum())
     # without the band the same slots were fitted, so the band is what kept them as they were
     assert fitted_in_band > 0
+    # band_protect: the band's heads keep the name first too, as it was; the other layers are
+    # those of protect=identifiers, slot for slot
+    named = compact(
+        smollm2,
+        messages,
+        method=f"{spec},priority_exact_depth=0.5-1,band_protect=identifiers-names",
+        **common,
+    )
+    assert named.options["band_protect"] == "identifiers-names"
+    assert named.options["band_protected_tokens"] > banded.options["protected_tokens"]
+    name = smollm2.tokenizer(" Rosalind", add_special_tokens=False)["input_ids"]
+    at_name = next(i for i in range(len(ids)) if ids[i : i + len(name)] == name)
+    name_positions = torch.arange(at_name, at_name + len(name))
+    kept_by_band = kept_without = 0
+    for layer, (plain, kept) in enumerate(
+        zip(banded.layers, named.layers, strict=True)
+    ):
+        for h in range(kept.num_heads):
+            _, beta, values, idx = kept.head(h)
+            _, plain_beta, plain_values, plain_idx = plain.head(h)
+            if not band[layer]:
+                assert torch.equal(idx, plain_idx) and torch.equal(beta, plain_beta)
+                assert torch.equal(values, plain_values)
+                continue
+            at = torch.isin(idx, name_positions)
+            assert not beta[at].any(), (layer, h)
+            torch.testing.assert_close(values[at], kv.values[layer][h, idx[at]])
+            kept_by_band += int(at.sum())
+            kept_without += int(torch.isin(plain_idx, name_positions).sum())
+    assert kept_by_band > kept_without
 
 
 def test_a_ranked_template_is_what_lies_between_the_sinks_and_the_last_content_token():

@@ -51,6 +51,10 @@ layers (its retrieval heads); there the token itself must answer, while in the l
 the band a kept name's fitted value also stands for the neighbours it replaced
 (docs/experiments). A layer ``l`` of ``L`` is in the band when its middle, ``(l + 0.5) / L``, is
 in ``[lo, hi)``, so a band carries across models of different depth (``depth_band``).
+``band_protect`` is the rule inside the band (``protect`` unless given): with
+``protect=identifiers,band_protect=identifiers-names`` the names are kept first, as they were,
+in the band only, and every other layer is the plain ``protect=identifiers`` one. Names kept
+first in every layer cost the agent traces' commit hashes (docs/experiments).
 """
 
 from __future__ import annotations
