@@ -302,20 +302,22 @@ def test_a_depth_band_is_the_layers_whose_middle_lies_inside_it():
         with pytest.raises(ValueError, match="priority_exact_depth is a band of depth"):
             check_priority_exact_depth(bad)
     # it keeps the tokens a head's selection keeps first, so it needs them kept by selection
-    with pytest.raises(ValueError, match="needs protect"):
-        resolve("am:protect=none,priority_exact_depth=0.5-0.8")
-    with pytest.raises(ValueError, match="needs protect"):
-        resolve("am:protect_by=exact,priority_exact_depth=0.5-0.8")
-    with pytest.raises(ValueError, match="drop priority_values"):
-        resolve("am:priority_values=direct,priority_exact_depth=0.5-0.8")
-    with pytest.raises(ValueError, match="priority_exact_depth: .*priority_beta_floor"):
-        resolve("am:priority_beta_floor=0,priority_exact_depth=0.5-0.8")
-    with pytest.raises(ValueError, match="give priority_exact_depth too"):
-        resolve("am:band_protect=identifiers-names")
-    with pytest.raises(ValueError, match="band_protect=none protects nothing"):
-        resolve("am:priority_exact_depth=0.5-0.8,band_protect=none")
-    with pytest.raises(ValueError, match="protect must be one of"):
-        resolve("am:priority_exact_depth=0.5-0.8,band_protect=digits")
+    refused = {
+        "am:protect=none,priority_exact_depth=0.5-0.8": "needs protect",
+        "am:protect_by=exact,priority_exact_depth=0.5-0.8": "needs protect",
+        "am:priority_values=direct,priority_exact_depth=0.5-0.8": "drop priority_values",
+        "am:priority_beta_floor=0,priority_exact_depth=0.5-0.8": (
+            "priority_exact_depth: .*priority_beta_floor"
+        ),
+        "am:band_protect=identifiers-names": "give priority_exact_depth too",
+        "am:priority_exact_depth=0.5-0.8,band_protect=none": (
+            "band_protect=none protects nothing"
+        ),
+        "am:priority_exact_depth=0.5-0.8,band_protect=digits": "protect must be one of",
+    }
+    for spec, message in refused.items():
+        with pytest.raises(ValueError, match=message):
+            resolve(spec)
     chosen = resolve("am:priority_exact_depth=0.5-1")
     assert chosen.band_layers(4) == [False, False, True, True]
     assert chosen.band_protect == chosen.protect == "identifiers"
