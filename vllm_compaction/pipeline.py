@@ -618,7 +618,9 @@ def _record_stage(run: _Compaction) -> None:
             if plan.priority_exact_depth is None
             else "-".join(f"{share:g}" for share in plan.priority_exact_depth),
             "band_protect": plan.band_protect,
-            "band_protected_tokens": run.band_protected,
+            "band_protected_tokens": None
+            if plan.band_protect is None
+            else run.band_protected,
             "chunk_tokens": run.chunk_tokens,
             "query_cap": prepared.collector.cap,
             "seed": prepared.collector.seed,
