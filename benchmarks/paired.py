@@ -38,7 +38,7 @@ def _saved_instances(
     saved: dict, method: str | None, ratio: float
 ) -> tuple[str, dict[tuple[str, int], dict]]:
     """The saved method (the only one at ``ratio`` unless named) and, per ``(task, seed)`` the
-    full context answers right, its prompt hash, full-context answer and the method's row."""
+    full context answers right, its prompt hash and the method's row."""
     rows = [r for r in saved["rows"] if abs(r["ratio"] - ratio) < 1e-9]
     methods = sorted({r["method"] for r in rows})
     if method is None:
@@ -61,7 +61,7 @@ def _saved_instances(
     for row in rows:
         key = (row["task"], row["seed"])
         if row["method"] == method and full[key]["score"] == 1:
-            picked[key] = {"prompt": row["prompt"], "full": full[key], "saved": row}
+            picked[key] = {"prompt": row["prompt"], "saved": row}
     return method, picked
 
 

@@ -435,23 +435,13 @@ class _Compaction:
             extra, fitted = int(ranked.sum()), int(content.sum())
             self.fit_ratio = (self.fit_ratio * fitted + extra) / (fitted + extra)
             content, spanned = content | ranked, mask | ranked
-        # by selection, each head keeps them first within its own budget (token by token, or
-        # whole spans)
-        priority = None
-        if kept and self.plan.protect_by == "selection":
-            priority = protected
-        elif kept and self.plan.protect_by == "whole":
-            priority = span_ids(protected)
         # Chunked compaction (paper, KV-based): every chunk of the content gets its own budgets,
         # so a long tail cannot starve an early span (e.g. facts stated in the first turn).
         self.chunks = content_chunks(content, self.chunk_tokens)
         self.span = torch.nonzero(spanned).flatten()[[0, -1]].tolist()
         self.exact_on_device = (~content).to(adapter.device)
         self.chunks_on_device = [chunk.to(adapter.device) for chunk in self.chunks]
-        self.priorities = [
-            None if priority is None else priority[chunk].to(adapter.device)
-            for chunk in self.chunks
-        ]
+        self.priorities = self._chunk_priorities(protected)
         self.positions = torch.arange(self.prepared.spec.length, device=adapter.device)
         self.scales = adapter.layer_scales()
         self.windows = adapter.layer_windows
@@ -466,12 +456,22 @@ class _Compaction:
                 self.ratio * n,
             )
             self.band_protected = int(in_band.sum())
-            band_priority = (
-                in_band if self.plan.protect_by == "selection" else span_ids(in_band)
-            )
-            self.band_priorities = [
-                band_priority[chunk].to(adapter.device) for chunk in self.chunks
-            ]
+            self.band_priorities = self._chunk_priorities(in_band)
+
+    def _chunk_priorities(self, protected: torch.Tensor) -> list[torch.Tensor | None]:
+        """Per chunk, what each head's selection keeps first of the ``protected`` tokens (by
+        selection token by token, ``whole`` by span ids), or ``None`` (none protected, or
+        ``protect_by="exact"``, which keeps them outside the fit)."""
+        priority, any_protected = None, bool(protected.any())
+        if any_protected and self.plan.protect_by == "selection":
+            priority = protected
+        elif any_protected and self.plan.protect_by == "whole":
+            priority = span_ids(protected)
+        device = self.prepared.adapter.device
+        return [
+            None if priority is None else priority[chunk].to(device)
+            for chunk in self.chunks
+        ]
 
 
 def _budget_stage(run: _Compaction) -> None:
