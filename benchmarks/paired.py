@@ -147,9 +147,11 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(list(xs), tasks)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("share of the full context's right answers kept")
-    ax.set_title(
-        f"paired, at {result['ratio']:g} (bars: bounds where wins were sampled)"
+    saved_ratio = result.get("saved_ratio", result["ratio"])
+    at = f"{result['ratio']:g}" + (
+        "" if saved_ratio == result["ratio"] else f" (saved at {saved_ratio:g})"
     )
+    ax.set_title(f"paired, at {at} (bars: bounds where wins were sampled)")
     ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -164,6 +166,12 @@ def parser() -> argparse.ArgumentParser:
         "--method", required=True, help="the method to run (any method string)"
     )
     p.add_argument("--ratio", type=float, required=True)
+    p.add_argument(
+        "--saved-ratio",
+        type=float,
+        help="the saved run's ratio to pair with (--ratio unless given): the same method at "
+        "another ratio shows how retention moves with the budget",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--order-seed", type=int, default=0, help="the shuffle of the wins")
     p.add_argument("--limit", type=int, help="run at most this many instances in all")
@@ -179,17 +187,23 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=logging.WARNING)
     try:
         saved = load_result(args.against)
-        saved_method, picked = _saved_instances(saved, args.saved_method, args.ratio)
+        saved_ratio = args.ratio if args.saved_ratio is None else args.saved_ratio
+        saved_method, picked = _saved_instances(saved, args.saved_method, saved_ratio)
         if args.limit is not None and args.limit < 1:
             raise SweepError(f"--limit must be >= 1, got {args.limit}")
         pairs: list[dict] = []
         if args.resume and Path(args.out).exists():
             earlier = load_result(args.out)
-            same = (earlier.get("against"), earlier.get("method"), earlier.get("ratio"))
-            if same != (str(args.against), args.method, args.ratio):
+            same = (
+                earlier.get("against"),
+                earlier.get("method"),
+                earlier.get("ratio"),
+                earlier.get("saved_ratio", earlier.get("ratio")),
+            )
+            if same != (str(args.against), args.method, args.ratio, saved_ratio):
                 raise SweepError(
-                    f"cannot resume {args.out}: it was made against {same[0]} with "
-                    f"{same[1]!r} at {same[2]}"
+                    f"cannot resume {args.out}: it was made against {same[0]} at "
+                    f"{same[3]} with {same[1]!r} at {same[2]}"
                 )
             pairs = earlier["pairs"]
         done = {(p["task"], p["seed"]) for p in pairs}
@@ -207,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
                 saved_method=saved_method,
                 method=args.method,
                 ratio=args.ratio,
+                saved_ratio=saved_ratio,
                 tokens=saved["tokens"],
                 model=saved["model"],
                 max_new_tokens=args.max_new_tokens,

@@ -157,3 +157,38 @@ def test_the_estimate_lies_within_its_bounds_and_the_plot_draws_them(tmp_path):
     }
     paired.plot(result, tmp_path / "paired.png")
     assert (tmp_path / "paired.png").stat().st_size > 0
+
+
+def test_another_ratio_pairs_with_the_saved_runs_instances(tmp_path, monkeypatch):
+    """``--saved-ratio``: the saved run's instances at its ratio, the method run at ``--ratio``
+    (the same method at another budget); a resume at another saved ratio is refused."""
+    saved = _saved(SCORES)
+    saved["rows"] += [dict(r, ratio=0.05) for r in saved["rows"]]
+    against = tmp_path / "saved.json"
+    against.write_text(json.dumps(saved))
+    out = tmp_path / "paired.json"
+    ratios = []
+
+    def measured(args):
+        ratios.append(args.ratios)
+        return {
+            "rows": [
+                {"prompt": f"{args.tasks}{args.seed}", "score": 1.0, "answer": "z"}
+            ],
+            "baselines": [{"method": "full-context", "score": 1.0, "answer": "x"}],
+        }
+
+    monkeypatch.setattr(paired, "quality_run", measured)
+    common = ["--against", str(against), "--method", "am", "--out", str(out)]
+    result = paired.main(
+        [*common, "--ratio", "0.2", "--saved-ratio", "0.1", "--limit", "3"]
+    )
+    assert ratios == ["0.2"] * 3
+    assert (result["ratio"], result["saved_ratio"]) == (0.2, 0.1)
+    # the two losses at 0.1 ran first, and came back at 0.2
+    assert result["summary"]["a-task"]["given_back"] == [10]
+    assert result["summary"]["b-task"]["given_back"] == [0]
+    with pytest.raises(SystemExit, match="cannot resume"):
+        paired.main([*common, "--ratio", "0.2", "--saved-ratio", "0.05", "--resume"])
+    with pytest.raises(SystemExit, match="has 0 methods at 0.3"):
+        paired.main([*common, "--ratio", "0.2", "--saved-ratio", "0.3"])
