@@ -22,6 +22,7 @@ import argparse
 import logging
 import re
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -389,7 +390,11 @@ def _plot(result: dict, path: Path) -> None:
         if result.get("target_tokens")
         else f"at {result['ratio']:.0%}"
     )
-    top.set_title(f"Agent session, auto-compaction {size} ({result['method']})")
+    # a method string with options runs long: wrapped, not cut at the figure's edge
+    top.set_title(
+        textwrap.fill(f"Agent session, auto-compaction {size} ({result['method']})", 80),
+        fontsize=10,
+    )
     bottom.plot(
         x,
         [sum(p["compacted"] for p in t["probes"]) for t in turns],
