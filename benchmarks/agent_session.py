@@ -392,7 +392,9 @@ def _plot(result: dict, path: Path) -> None:
     )
     # a method string with options runs long: wrapped, not cut at the figure's edge
     top.set_title(
-        textwrap.fill(f"Agent session, auto-compaction {size} ({result['method']})", 80),
+        textwrap.fill(
+            f"Agent session, auto-compaction {size} ({result['method']})", 80
+        ),
         fontsize=10,
     )
     bottom.plot(
