@@ -10,7 +10,10 @@ instances of a saved ``benchmarks.quality`` run, through the same code (``qualit
 instance at a time): the saved method's losses first, then its wins in a seeded shuffle. So a
 run cut short (``--limit``, or stopped and ``--resume``d) has measured every loss and an
 unbiased sample of the wins. Each instance's prompt hash and full-context score must match the
-saved ones, else the runs do not compare (the instance is refused, with a sentence).
+saved ones, else the runs do not compare (the instance is refused, with a sentence). With
+``--saved-ratio`` the pairs are the saved run's instances at that ratio and the method runs at
+``--ratio``: the saved method itself at twice the budget says which of its losses are the
+budget's.
 
 Per task the result gives the losses given back, the sampled wins lost, and the new method's
 retention: exact once every win ran, else its bounds (every unsampled win lost / kept) and the
