@@ -179,6 +179,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--order-seed", type=int, default=0, help="the shuffle of the wins")
     p.add_argument("--limit", type=int, help="run at most this many instances in all")
     p.add_argument(
+        "--tasks",
+        help="comma-separated tasks of the saved run to pair (all unless given): where a "
+        "method differs from the saved one only on some tasks, the others answer the same",
+    )
+    p.add_argument(
         "--resume", action="store_true", help="keep the pairs already in --out"
     )
     p.add_argument("--out", default=str(RESULTS / "paired.json"))
@@ -192,6 +197,14 @@ def main(argv: list[str] | None = None) -> dict:
         saved = load_result(args.against)
         saved_ratio = args.ratio if args.saved_ratio is None else args.saved_ratio
         saved_method, picked = _saved_instances(saved, args.saved_method, saved_ratio)
+        tasks = saved["tasks"] if args.tasks is None else args.tasks.split(",")
+        unknown = sorted(set(tasks) - set(saved["tasks"]))
+        if unknown:
+            raise SweepError(
+                f"the saved run has no task {', '.join(unknown)}; it has "
+                f"{', '.join(saved['tasks'])}"
+            )
+        picked = {k: v for k, v in picked.items() if k[0] in tasks}
         if args.limit is not None and args.limit < 1:
             raise SweepError(f"--limit must be >= 1, got {args.limit}")
         pairs: list[dict] = []
@@ -202,11 +215,12 @@ def main(argv: list[str] | None = None) -> dict:
                 earlier.get("method"),
                 earlier.get("ratio"),
                 earlier.get("saved_ratio", earlier.get("ratio")),
+                earlier.get("tasks", saved["tasks"]),
             )
-            if same != (str(args.against), args.method, args.ratio, saved_ratio):
+            if same != (str(args.against), args.method, args.ratio, saved_ratio, tasks):
                 raise SweepError(
                     f"cannot resume {args.out}: it was made against {same[0]} at "
-                    f"{same[3]} with {same[1]!r} at {same[2]}"
+                    f"{same[3]} with {same[1]!r} at {same[2]} on {', '.join(same[4])}"
                 )
             pairs = earlier["pairs"]
         done = {(p["task"], p["seed"]) for p in pairs}
@@ -225,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
                 method=args.method,
                 ratio=args.ratio,
                 saved_ratio=saved_ratio,
+                tasks=tasks,
                 tokens=saved["tokens"],
                 model=saved["model"],
                 max_new_tokens=args.max_new_tokens,

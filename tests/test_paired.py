@@ -192,3 +192,32 @@ def test_another_ratio_pairs_with_the_saved_runs_instances(tmp_path, monkeypatch
         paired.main([*common, "--ratio", "0.2", "--saved-ratio", "0.05", "--resume"])
     with pytest.raises(SystemExit, match="has 0 methods at 0.3"):
         paired.main([*common, "--ratio", "0.2", "--saved-ratio", "0.3"])
+
+
+def test_tasks_limit_the_pairs_to_those_tasks(tmp_path, monkeypatch):
+    """``--tasks``: only the named tasks' instances run and are summarized; an unknown task and
+    a resume with other tasks are refused."""
+    against = tmp_path / "saved.json"
+    against.write_text(json.dumps(_saved(SCORES)))
+    out = tmp_path / "paired.json"
+    ran = []
+
+    def measured(args):
+        ran.append(args.tasks)
+        return {
+            "rows": [
+                {"prompt": f"{args.tasks}{args.seed}", "score": 1.0, "answer": "z"}
+            ],
+            "baselines": [{"method": "full-context", "score": 1.0, "answer": "x"}],
+        }
+
+    monkeypatch.setattr(paired, "quality_run", measured)
+    common = ["--against", str(against), "--method", "am", "--ratio", "0.1"]
+    result = paired.main([*common, "--tasks", "b-task", "--out", str(out)])
+    assert ran == ["b-task", "b-task"] and result["tasks"] == ["b-task"]
+    assert list(result["summary"]) == ["b-task"]
+    assert result["summary"]["b-task"]["exact"]
+    with pytest.raises(SystemExit, match="no task c-task; it has b-task, a-task"):
+        paired.main([*common, "--tasks", "b-task,c-task", "--out", str(out)])
+    with pytest.raises(SystemExit, match="cannot resume .* on b-task"):
+        paired.main([*common, "--tasks", "a-task", "--out", str(out), "--resume"])

@@ -417,8 +417,11 @@ class _Compaction:
         self.compacted = [None] * adapter.num_layers
         spec = self.prepared.spec
         mask, n = spec.compact_mask, self.prepared.num_content
+        # the rule's cap: half the mean head budget, or none where each head's selection caps
+        # what it keeps (protect_room="head")
+        room = None if self.plan.protect_room == "head" else self.ratio * n
         protected = protected_tokens(
-            spec.token_ids, adapter.tokenizer, self.plan.protect, mask, self.ratio * n
+            spec.token_ids, adapter.tokenizer, self.plan.protect, mask, room
         )
         kept = self.protected = int(protected.sum())
         # what the cache's compacted_span covers: the content, and a ranked template's tokens
@@ -453,7 +456,7 @@ class _Compaction:
                 adapter.tokenizer,
                 self.plan.band_protect,
                 mask,
-                self.ratio * n,
+                room,
             )
             self.band_protected = int(in_band.sum())
             self.band_priorities = self._chunk_priorities(in_band)
@@ -612,6 +615,7 @@ def _record_stage(run: _Compaction) -> None:
             **plan.scoring.as_options(),
             "protect": plan.protect,
             "protect_by": plan.protect_by,
+            "protect_room": plan.protect_room,
             "protected_tokens": run.protected,
             "template": plan.template,
             "priority_exact_depth": None

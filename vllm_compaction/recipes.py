@@ -14,7 +14,7 @@ The same string is accepted by ``compact()``, the CLI's ``--method``, ``POST /v1
 Overrides are ``key=value`` pairs separated by commas: the recipe's ``queries``, ``budgets`` and
 ``on_policy``, budget options (``min_layer_share``, ``max_head_ratio``, ``min_head_slots``), the
 global ranking's ``score_*`` options, which tokens stay exact (``protect``, ``protect_by``,
-``template``, ``priority_exact_depth``, ``band_protect``), and any option of the math preset (``values``,
+``protect_room``, ``template``, ``priority_exact_depth``, ``band_protect``), and any option of the math preset (``values``,
 ``value_anchor``, ``seed_share``, ...; see ``am.presets``). Values are parsed as booleans
 (``true``/``false``), numbers, or text. Every check of a method string (its syntax, the recipe
 name, the query source, the budget and ranking options, the math options) is made here, by
@@ -39,6 +39,7 @@ from vllm_compaction.am.presets import (
 )
 from vllm_compaction.budgets import (
     PROTECT_MODES,
+    PROTECT_ROOMS,
     PROTECT_RULES,
     SCORE_OPTIONS,
     TEMPLATE_MODES,
@@ -47,6 +48,7 @@ from vllm_compaction.budgets import (
     check_priority_exact_depth,
     check_protect,
     check_protect_by,
+    check_protect_room,
     check_template,
     depth_band,
     resolve_score_options,
@@ -157,6 +159,7 @@ PIPELINE_OPTIONS = (
     *SCORE_OPTIONS,
     "protect",
     "protect_by",
+    "protect_room",
     "template",
     "priority_exact_depth",
     "band_protect",
@@ -212,7 +215,8 @@ class ResolvedRecipe:
         budget_options: the ``BUDGET_OPTIONS`` given, for ``resolve_budgets``.
         scoring: the global ranking, resolved (defaults filled in).
         protect: which content tokens are protected (``budgets.protect``, one of
-            ``PROTECT_RULES``), and ``protect_by`` how (one of ``PROTECT_MODES``).
+            ``PROTECT_RULES``), ``protect_by`` how (one of ``PROTECT_MODES``), and
+            ``protect_room`` how many the rule may mark (one of ``PROTECT_ROOMS``).
         template: whether the tokens outside the content stay exact or are ranked with it
             (one of ``TEMPLATE_MODES``; see ``budgets.protect``).
         priority_exact_depth: the band of depth ``(lo, hi)`` whose layers keep the kept
@@ -230,6 +234,7 @@ class ResolvedRecipe:
     scoring: ScoreOptions
     protect: str = PROTECT_RULES[0]
     protect_by: str = PROTECT_MODES[0]
+    protect_room: str = PROTECT_ROOMS[0]
     template: str = TEMPLATE_MODES[0]
     priority_exact_depth: tuple[float, float] | None = None
     band_method: ResolvedMethod | None = None
@@ -290,6 +295,9 @@ def resolve(
     scoring = resolve_score_options(merged)
     protect = check_protect(merged.get("protect", PROTECT_RULES[0]))
     protect_by = check_protect_by(merged.get("protect_by", PROTECT_MODES[0]))
+    protect_room = check_protect_room(
+        merged.get("protect_room", PROTECT_ROOMS[0]), protect_by
+    )
     template = check_template(merged.get("template", TEMPLATE_MODES[0]))
     math_options = {k: v for k, v in merged.items() if k not in PIPELINE_OPTIONS}
     method_math = resolve_method(base.math, math_options, name=name)
@@ -339,6 +347,7 @@ def resolve(
         scoring,
         protect,
         protect_by,
+        protect_room,
         template,
         band,
         band_method,

@@ -458,3 +458,73 @@ def test_a_ranked_template_is_compacted_with_the_content_in_as_many_slots(smollm
     # t = T: at ratio 1 every token keeps its slot in every head, template ranked or not
     whole = compact(smollm2, messages, ratio=1.0, method="kvzip:template=ranked")
     assert whole.physical_slots == len(ids) * heads
+
+
+def test_protect_room_head_leaves_the_cap_to_each_heads_selection(smollm2):
+    """``protect_room="mean"`` caps what a rule marks at half the mean head budget, so at a small
+    ratio the later names are never protected, even in the heads with room for them;
+    ``"head"`` marks every one and each head keeps the ones it scores best, within half its own
+    budget. Where the mean cap does not bind the two compact the same, slot for slot."""
+    text = (
+        "We talked about gardens. Oh, and my sister's name is Rosalind. "
+        "Last year I moved to Ljubljana, near my key 481736. Then we had lunch."
+    )
+    ids = smollm2.tokenizer(text, add_special_tokens=False)["input_ids"]
+    content = torch.ones(len(ids), dtype=torch.bool)
+    digits = len(smollm2.tokenizer("481736")["input_ids"])
+    capped = protected_tokens(
+        ids, smollm2.tokenizer, "identifiers-names", content, 2 * digits
+    )
+    every = protected_tokens(ids, smollm2.tokenizer, "identifiers-names", content, None)
+    assert int(capped.sum()) == digits and bool((capped <= every).all())
+    assert (
+        smollm2.tokenizer.decode([i for i, keep in zip(ids, every.tolist()) if keep])
+        == " Rosalind Ljubljana481736"
+    )
+    names = "Rosalind Bartholomew Ambrose Philippa Thaddeus Ljubljana Brisbane Nairobi"
+    messages = [
+        {
+            "role": "user",
+            "content": "The rest of this message is about the weather and the garden. "
+            * 4
+            + " ".join(f"Then I met {name}, and we talked." for name in names.split())
+            + " The rest of this message is about the weather and the garden. " * 4,
+        }
+    ]
+    common = dict(ratio=0.1, queries="context-prefill", on_policy=False)
+    spec = "am-highest-attn:protect=identifiers-names,protect_by=selection"
+    mean = compact(smollm2, messages, method=spec, **common)
+    head = compact(smollm2, messages, method=f"{spec},protect_room=head", **common)
+    assert head.options["protect_room"] == "head"
+    assert head.options["protected_tokens"] > mean.options["protected_tokens"]
+    assert head.physical_slots == mean.physical_slots
+    # no head keeps more than its share of the protected tokens, and some keep more than the
+    # mean cap let any head keep
+    ids = head.token_ids
+    marked = protected_tokens(
+        ids,
+        smollm2.tokenizer,
+        "identifiers-names",
+        torch.ones(len(ids), dtype=torch.bool),
+        None,
+    )
+    positions = torch.nonzero(marked).flatten()
+    beyond_mean_cap = 0
+    for layer in head.layers:
+        for h in range(layer.num_heads):
+            _, _, _, idx = layer.head(h)
+            kept = int(torch.isin(idx, positions).sum())
+            assert kept <= len(idx) // 2 + 1
+            beyond_mean_cap += kept > mean.options["protected_tokens"]
+    assert beyond_mean_cap > 0
+    # where the mean cap does not bind, the room changes nothing
+    roomy = dict(common, ratio=0.6)
+    same = compact(smollm2, messages, method=spec, **roomy)
+    also = compact(smollm2, messages, method=f"{spec},protect_room=head", **roomy)
+    for a, b in zip(same.layers, also.layers, strict=True):
+        assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+    with pytest.raises(ValueError, match="protect_room=head .* not exact"):
+        resolve("am:protect_by=exact,protect_room=head")
+    with pytest.raises(ValueError, match="protect_room must be one of mean, head"):
+        resolve("am:protect_room=all")
+    assert resolve("am").protect_room == "mean"

@@ -20,12 +20,14 @@ from vllm_compaction.budgets.allocate import (
 )
 from vllm_compaction.budgets.protect import (
     PROTECT_MODES,
+    PROTECT_ROOMS,
     PROTECT_RULES,
     SINK_TOKENS,
     TEMPLATE_MODES,
     check_priority_exact_depth,
     check_protect,
     check_protect_by,
+    check_protect_room,
     check_template,
     depth_band,
     protected_tokens,
@@ -49,6 +51,7 @@ from vllm_compaction.budgets.scoring import (
 __all__ = [
     "BUDGET_MODES",
     "PROTECT_MODES",
+    "PROTECT_ROOMS",
     "PROTECT_RULES",
     "SINK_TOKENS",
     "TEMPLATE_MODES",
@@ -64,6 +67,7 @@ __all__ = [
     "check_priority_exact_depth",
     "check_protect",
     "check_protect_by",
+    "check_protect_room",
     "depth_band",
     "check_template",
     "check_score_aggregation",

@@ -35,6 +35,14 @@ protected token in every head. ``"whole"`` is ``selection`` by identifier: each 
 protected spans by their best-scored token and keeps the best ones whole while they fit its
 half, so a head keeps all of a number's digits or none of them (``span_ids``).
 
+How many tokens a rule may mark is ``protect_room``: ``"mean"`` (the default) stops at
+``MAX_PROTECTED_SHARE`` of the mean head budget, in the rule's order (the longest identifiers,
+then the names as they come), which ``exact`` needs since it pays for each in every head;
+``"head"`` (``selection`` or ``whole`` only) marks every one the rule finds and leaves the cap to
+each head's selection. Global budgets give the retrieval heads several times the mean, and at 5%
+the mean cap stops the names after the first few dozen tokens, so the heads that read a name
+said late in a conversation never keep it first (docs/experiments).
+
 The tokens outside the content (the chat template's role headers and turn ends, a default
 system prompt) are kept as ``template`` says: ``"exact"`` (the default: each in its own slot in
 every head, as a protected token by ``exact``) or ``"ranked"``: ranked and fitted with the
@@ -75,12 +83,14 @@ __all__ = [
     "MAX_PROTECTED_SHARE",
     "MIN_IDENTIFIER_CHARS",
     "PROTECT_MODES",
+    "PROTECT_ROOMS",
     "PROTECT_RULES",
     "SINK_TOKENS",
     "TEMPLATE_MODES",
     "check_priority_exact_depth",
     "check_protect",
     "check_protect_by",
+    "check_protect_room",
     "depth_band",
     "check_template",
     "identifier_spans",
@@ -99,6 +109,10 @@ PROTECT_MODES = ("exact", "selection", "whole")
 MIN_IDENTIFIER_CHARS = 6
 #: how the tokens outside the content are kept (``template``): exact, or ranked with it
 TEMPLATE_MODES = ("exact", "ranked")
+#: how many content tokens a protect rule may mark (``protect_room``): at most
+#: ``MAX_PROTECTED_SHARE`` of the mean head budget, or every one it finds (each head's selection
+#: then keeps the ones it scores best, up to its own share)
+PROTECT_ROOMS = ("mean", "head")
 #: the first tokens of a prefix, which ``template="ranked"`` still keeps exact: attention
 #: sinks, which every head attends to whatever the query (KVzip keeps 4)
 SINK_TOKENS = 4
@@ -156,6 +170,20 @@ def depth_band(band: tuple[float, float], num_layers: int) -> list[bool]:
     return [lo <= (layer + 0.5) / num_layers < hi for layer in range(num_layers)]
 
 
+def check_protect_room(room: Any, protect_by: str) -> str:
+    """``room`` if it names a protect room that ``protect_by`` can use; ``ValueError`` otherwise.
+    ``"head"`` leaves the cap to each head's selection, so it needs ``selection`` or ``whole``:
+    ``exact`` pays a slot in every head for every protected token."""
+    room = _one_of("protect_room", room, PROTECT_ROOMS)
+    if room == "head" and protect_by == "exact":
+        raise ValueError(
+            "protect_room=head leaves the cap on protected tokens to each head's selection: "
+            "it needs protect_by selection or whole, not exact (which keeps every protected "
+            "token in every head)"
+        )
+    return room
+
+
 def check_template(mode: Any) -> str:
     """``mode`` if it names a way to keep the template's tokens; ``ValueError`` otherwise."""
     return _one_of("template", mode, TEMPLATE_MODES)
@@ -211,10 +239,11 @@ def protected_tokens(
     tokenizer: Any,
     rule: str,
     content: torch.Tensor,
-    slots: float,
+    slots: float | None,
 ) -> torch.Tensor:
     """``[T]`` bool host mask of the ``content`` tokens that ``rule`` keeps exact, at most
-    ``MAX_PROTECTED_SHARE * slots`` of them (``slots``: the budget per head, in tokens)."""
+    ``MAX_PROTECTED_SHARE * slots`` of them (``slots``: the budget per head, in tokens), or all
+    of them when ``slots`` is ``None`` (``protect_room="head"``)."""
     protected = torch.zeros(content.numel(), dtype=torch.bool, device="cpu")
     if check_protect(rule) == "none" or not bool(content.any()):
         return protected
@@ -230,7 +259,7 @@ def protected_tokens(
     pieces = token_pieces(tokenizer, token_ids)
     allowed = content.tolist()
     spans = [span for span in identifier_spans(pieces) if all(allowed[i] for i in span)]
-    room = int(MAX_PROTECTED_SHARE * slots)
+    room = len(allowed) if slots is None else int(MAX_PROTECTED_SHARE * slots)
     for span in sorted(spans, key=lambda s: (-len(s), s[0])):
         if len(span) <= room:
             protected[span] = True
