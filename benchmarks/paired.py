@@ -184,6 +184,11 @@ def parser() -> argparse.ArgumentParser:
         "method differs from the saved one only on some tasks, the others answer the same",
     )
     p.add_argument(
+        "--seeds",
+        help="comma-separated seeds to pair (all unless given), as --tasks: the instances a "
+        "change can reach",
+    )
+    p.add_argument(
         "--resume", action="store_true", help="keep the pairs already in --out"
     )
     p.add_argument("--out", default=str(RESULTS / "paired.json"))
@@ -204,7 +209,19 @@ def main(argv: list[str] | None = None) -> dict:
                 f"the saved run has no task {', '.join(unknown)}; it has "
                 f"{', '.join(saved['tasks'])}"
             )
-        picked = {k: v for k, v in picked.items() if k[0] in tasks}
+        seeds = None
+        if args.seeds is not None:
+            try:
+                seeds = sorted({int(s) for s in args.seeds.split(",")})
+            except ValueError:
+                raise SweepError(
+                    f"--seeds takes comma-separated integers, got {args.seeds!r}"
+                ) from None
+        picked = {
+            k: v
+            for k, v in picked.items()
+            if k[0] in tasks and (seeds is None or k[1] in seeds)
+        }
         if args.limit is not None and args.limit < 1:
             raise SweepError(f"--limit must be >= 1, got {args.limit}")
         pairs: list[dict] = []
@@ -216,11 +233,21 @@ def main(argv: list[str] | None = None) -> dict:
                 earlier.get("ratio"),
                 earlier.get("saved_ratio", earlier.get("ratio")),
                 earlier.get("tasks", saved["tasks"]),
+                earlier.get("seeds"),
             )
-            if same != (str(args.against), args.method, args.ratio, saved_ratio, tasks):
+            wanted = (
+                str(args.against),
+                args.method,
+                args.ratio,
+                saved_ratio,
+                tasks,
+                seeds,
+            )
+            if same != wanted:
                 raise SweepError(
                     f"cannot resume {args.out}: it was made against {same[0]} at "
                     f"{same[3]} with {same[1]!r} at {same[2]} on {', '.join(same[4])}"
+                    + ("" if same[5] is None else f", seeds {same[5]}")
                 )
             pairs = earlier["pairs"]
         done = {(p["task"], p["seed"]) for p in pairs}
@@ -240,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
                 ratio=args.ratio,
                 saved_ratio=saved_ratio,
                 tasks=tasks,
+                seeds=seeds,
                 tokens=saved["tokens"],
                 model=saved["model"],
                 max_new_tokens=args.max_new_tokens,

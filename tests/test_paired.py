@@ -194,9 +194,9 @@ def test_another_ratio_pairs_with_the_saved_runs_instances(tmp_path, monkeypatch
         paired.main([*common, "--ratio", "0.2", "--saved-ratio", "0.3"])
 
 
-def test_tasks_limit_the_pairs_to_those_tasks(tmp_path, monkeypatch):
-    """``--tasks``: only the named tasks' instances run and are summarized; an unknown task and
-    a resume with other tasks are refused."""
+def test_tasks_and_seeds_limit_the_pairs_to_those_instances(tmp_path, monkeypatch):
+    """``--tasks``, ``--seeds``: only the named instances run and are summarized; an unknown
+    task, a seed that is no integer and a resume with other tasks or seeds are refused."""
     against = tmp_path / "saved.json"
     against.write_text(json.dumps(_saved(SCORES)))
     out = tmp_path / "paired.json"
@@ -221,3 +221,18 @@ def test_tasks_limit_the_pairs_to_those_tasks(tmp_path, monkeypatch):
         paired.main([*common, "--tasks", "b-task,c-task", "--out", str(out)])
     with pytest.raises(SystemExit, match="cannot resume .* on b-task"):
         paired.main([*common, "--tasks", "a-task", "--out", str(out), "--resume"])
+    # --seeds the same way: only those seeds of the named tasks
+    ran.clear()
+    seeded = tmp_path / "seeded.json"
+    result = paired.main([*common, "--seeds", "3,10,0", "--out", str(seeded)])
+    assert sorted(ran) == ["a-task"] * 3 + ["b-task"] and result["seeds"] == [
+        0,
+        3,
+        10,
+    ]
+    assert result["summary"]["a-task"]["losses_run"] == "1/1"
+    assert result["summary"]["a-task"]["full_context_right"] == 3
+    with pytest.raises(SystemExit, match="--seeds takes comma-separated integers"):
+        paired.main([*common, "--seeds", "1,x", "--out", str(seeded)])
+    with pytest.raises(SystemExit, match="seeds \\[0, 3, 10\\]"):
+        paired.main([*common, "--seeds", "3", "--out", str(seeded), "--resume"])
