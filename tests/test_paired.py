@@ -159,18 +159,13 @@ def test_the_estimate_lies_within_its_bounds_and_the_plot_draws_them(tmp_path):
     assert (tmp_path / "paired.png").stat().st_size > 0
 
 
-def test_another_ratio_pairs_with_the_saved_runs_instances(tmp_path, monkeypatch):
-    """``--saved-ratio``: the saved run's instances at its ratio, the method run at ``--ratio``
-    (the same method at another budget); a resume at another saved ratio is refused."""
-    saved = _saved(SCORES)
-    saved["rows"] += [dict(r, ratio=0.05) for r in saved["rows"]]
-    against = tmp_path / "saved.json"
-    against.write_text(json.dumps(saved))
-    out = tmp_path / "paired.json"
-    ratios = []
+def _every_answer_right(monkeypatch) -> list:
+    """Stand in for ``quality.run``: every instance's prompt is the saved one and every answer
+    right; returns the list of the arguments it was called with."""
+    calls = []
 
     def measured(args):
-        ratios.append(args.ratios)
+        calls.append(args)
         return {
             "rows": [
                 {"prompt": f"{args.tasks}{args.seed}", "score": 1.0, "answer": "z"}
@@ -179,11 +174,23 @@ def test_another_ratio_pairs_with_the_saved_runs_instances(tmp_path, monkeypatch
         }
 
     monkeypatch.setattr(paired, "quality_run", measured)
+    return calls
+
+
+def test_another_ratio_pairs_with_the_saved_runs_instances(tmp_path, monkeypatch):
+    """``--saved-ratio``: the saved run's instances at its ratio, the method run at ``--ratio``
+    (the same method at another budget); a resume at another saved ratio is refused."""
+    saved = _saved(SCORES)
+    saved["rows"] += [dict(r, ratio=0.05) for r in saved["rows"]]
+    against = tmp_path / "saved.json"
+    against.write_text(json.dumps(saved))
+    out = tmp_path / "paired.json"
+    calls = _every_answer_right(monkeypatch)
     common = ["--against", str(against), "--method", "am", "--out", str(out)]
     result = paired.main(
         [*common, "--ratio", "0.2", "--saved-ratio", "0.1", "--limit", "3"]
     )
-    assert ratios == ["0.2"] * 3
+    assert [args.ratios for args in calls] == ["0.2"] * 3
     assert (result["ratio"], result["saved_ratio"]) == (0.2, 0.1)
     # the two losses at 0.1 ran first, and came back at 0.2
     assert result["summary"]["a-task"]["given_back"] == [10]
@@ -200,21 +207,11 @@ def test_tasks_and_seeds_limit_the_pairs_to_those_instances(tmp_path, monkeypatc
     against = tmp_path / "saved.json"
     against.write_text(json.dumps(_saved(SCORES)))
     out = tmp_path / "paired.json"
-    ran = []
-
-    def measured(args):
-        ran.append(args.tasks)
-        return {
-            "rows": [
-                {"prompt": f"{args.tasks}{args.seed}", "score": 1.0, "answer": "z"}
-            ],
-            "baselines": [{"method": "full-context", "score": 1.0, "answer": "x"}],
-        }
-
-    monkeypatch.setattr(paired, "quality_run", measured)
+    calls = _every_answer_right(monkeypatch)
     common = ["--against", str(against), "--method", "am", "--ratio", "0.1"]
     result = paired.main([*common, "--tasks", "b-task", "--out", str(out)])
-    assert ran == ["b-task", "b-task"] and result["tasks"] == ["b-task"]
+    assert [args.tasks for args in calls] == ["b-task", "b-task"]
+    assert result["tasks"] == ["b-task"]
     assert list(result["summary"]) == ["b-task"]
     assert result["summary"]["b-task"]["exact"]
     with pytest.raises(SystemExit, match="no task c-task; it has b-task, a-task"):
@@ -222,10 +219,11 @@ def test_tasks_and_seeds_limit_the_pairs_to_those_instances(tmp_path, monkeypatc
     with pytest.raises(SystemExit, match="cannot resume .* on b-task"):
         paired.main([*common, "--tasks", "a-task", "--out", str(out), "--resume"])
     # --seeds the same way: only those seeds of the named tasks
-    ran.clear()
+    calls.clear()
     seeded = tmp_path / "seeded.json"
     result = paired.main([*common, "--seeds", "3,10,0", "--out", str(seeded)])
-    assert sorted(ran) == ["a-task"] * 3 + ["b-task"] and result["seeds"] == [
+    assert sorted(args.tasks for args in calls) == ["a-task"] * 3 + ["b-task"]
+    assert result["seeds"] == [
         0,
         3,
         10,
