@@ -223,11 +223,7 @@ def test_tasks_and_seeds_limit_the_pairs_to_those_instances(tmp_path, monkeypatc
     seeded = tmp_path / "seeded.json"
     result = paired.main([*common, "--seeds", "3,10,0", "--out", str(seeded)])
     assert sorted(args.tasks for args in calls) == ["a-task"] * 3 + ["b-task"]
-    assert result["seeds"] == [
-        0,
-        3,
-        10,
-    ]
+    assert result["seeds"] == [0, 3, 10]
     assert result["summary"]["a-task"]["losses_run"] == "1/1"
     assert result["summary"]["a-task"]["full_context_right"] == 3
     with pytest.raises(SystemExit, match="--seeds takes comma-separated integers"):
