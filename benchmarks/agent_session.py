@@ -79,10 +79,13 @@ CODENAMES = (
 )  # fmt: skip
 
 
-def seeded_facts(seed: int, identifiers: bool) -> list[tuple[str, str, str]]:
+def seeded_facts(seed: int | None, identifiers: bool) -> list[tuple[str, str, str]]:
     """The fixed facts' sentences and questions with values drawn from ``seed``: a 4-digit vault
     code, a codename, a 2-digit room, and with ``identifiers`` a 12-digit account number and a
-    deploy key of three 4-character groups."""
+    deploy key of three 4-character groups. ``None``: the fixed facts as listed."""
+    facts = FACTS + (IDENTIFIER_FACTS if identifiers else [])
+    if seed is None:
+        return facts
     rng = random.Random(seed)
     code = str(rng.randint(1000, 9999))
     codename = rng.choice(CODENAMES)
@@ -94,7 +97,6 @@ def seeded_facts(seed: int, identifiers: bool) -> list[tuple[str, str, str]]:
             str(rng.randint(1, 9)) + "".join(str(rng.randint(0, 9)) for _ in range(11)),
             "-".join("".join(rng.choice(alphabet) for _ in range(4)) for _ in range(3)),
         ]
-    facts = FACTS + (IDENTIFIER_FACTS if identifiers else [])
     return [
         (statement.replace(old, new), question, new)
         for (statement, question, old), new in zip(facts, values)
@@ -205,11 +207,7 @@ def main() -> None:
     sessions: list[dict] = []
     try:
         for seed in args.seeds or [None]:
-            facts = (
-                FACTS + (IDENTIFIER_FACTS if args.identifiers else [])
-                if seed is None
-                else seeded_facts(seed, args.identifiers)
-            )
+            facts = seeded_facts(seed, args.identifiers)
             essay = haystack_text(
                 args.turn_tokens * (args.max_turns + 2),
                 tokenizer,

@@ -8,7 +8,6 @@ import re
 import pytest
 
 from benchmarks import agent_session
-from benchmarks.output import pyplot
 
 
 def test_a_seed_draws_its_own_values_into_the_same_sentences_and_questions():
@@ -27,6 +26,7 @@ def test_a_seed_draws_its_own_values_into_the_same_sentences_and_questions():
     assert re.fullmatch(r"[1-9]\d{11}", account)
     assert re.fullmatch(r"[A-Z2-9]{4}-[A-Z2-9]{4}-[A-Z2-9]{4}", key)
     assert len(agent_session.seeded_facts(3, identifiers=False)) == 3
+    assert agent_session.seeded_facts(None, identifiers=True) == fixed
 
 
 @pytest.mark.parametrize("text", ["1,x", "2,2", "-1", ""])
@@ -56,8 +56,6 @@ def test_sessions_pool_into_one_retention_per_round(tmp_path):
         "retention": 2 / 3,
     }
     assert agent_session._retention(one + two) == 4 / 6
-    if pyplot() is None:
-        pytest.skip("matplotlib is not installed")
     result = {
         "target_tokens": 192,
         "method": "am",
