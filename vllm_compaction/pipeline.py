@@ -24,6 +24,7 @@ from vllm_compaction.budgets import (
     protected_tokens,
     ranked_template,
     resolve_budgets,
+    singular_tokens,
     span_ids,
 )
 from vllm_compaction.cache import CompactedCache
@@ -401,6 +402,9 @@ class _Compaction:
     in_band: list[bool] = field(init=False)
     band_priorities: list[torch.Tensor | None] = field(init=False)
     band_protected: int = field(init=False)
+    #: per chunk, ``[chunk tokens]`` device mask of the protected tokens the fit's
+    #: ``priority_beta_floor`` raises (``floor_on="singular"``), or ``None`` (every one).
+    floor_keys: list[torch.Tensor | None] = field(init=False)
     #: per chunk of the content, ``[L, H]`` budgets (the budgets stage).
     budgets: list[torch.Tensor] = field(default_factory=list)
     #: per layer, its slots (the layers stage).
@@ -445,6 +449,13 @@ class _Compaction:
         self.exact_on_device = (~content).to(adapter.device)
         self.chunks_on_device = [chunk.to(adapter.device) for chunk in self.chunks]
         self.priorities = self._chunk_priorities(protected)
+        self.floor_keys = [None] * len(self.chunks)
+        if self.plan.floor_on == "singular" and kept:
+            # the fit's floor raises only the protected words said once (budgets.protect)
+            singular = singular_tokens(spec.token_ids, adapter.tokenizer, mask)
+            self.floor_keys = [
+                singular[chunk].to(adapter.device) for chunk in self.chunks
+            ]
         self.positions = torch.arange(self.prepared.spec.length, device=adapter.device)
         self.scales = adapter.layer_scales()
         self.windows = adapter.layer_windows
@@ -538,8 +549,8 @@ def _fit_layer(
     method, priorities = plan.method, run.priorities
     if run.in_band[layer] and plan.band_method is not None:
         method, priorities = plan.band_method, run.band_priorities
-    for chunk, budgets, priority in zip(
-        run.chunks_on_device, run.budgets, priorities, strict=True
+    for chunk, budgets, priority, floor_keys in zip(
+        run.chunks_on_device, run.budgets, priorities, run.floor_keys, strict=True
     ):
         parts.append(
             compact_heads(
@@ -552,6 +563,7 @@ def _fit_layer(
                 positions=positions[chunk],
                 query_weights=query_weights,
                 priority=priority,
+                floor_keys=floor_keys,
             )
         )
     heads = CompactedHeads.concat_slots(parts)
@@ -617,6 +629,7 @@ def _record_stage(run: _Compaction) -> None:
             "protect_by": plan.protect_by,
             "protect_room": plan.protect_room,
             "protected_tokens": run.protected,
+            "floor_on": plan.floor_on,
             "template": plan.template,
             "priority_exact_depth": None
             if plan.priority_exact_depth is None

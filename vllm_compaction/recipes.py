@@ -14,7 +14,7 @@ The same string is accepted by ``compact()``, the CLI's ``--method``, ``POST /v1
 Overrides are ``key=value`` pairs separated by commas: the recipe's ``queries``, ``budgets`` and
 ``on_policy``, budget options (``min_layer_share``, ``max_head_ratio``, ``min_head_slots``), the
 global ranking's ``score_*`` options, which tokens stay exact (``protect``, ``protect_by``,
-``protect_room``, ``template``, ``priority_exact_depth``, ``band_protect``), and any option of the math preset (``values``,
+``protect_room``, ``template``, ``priority_exact_depth``, ``band_protect``, ``floor_on``), and any option of the math preset (``values``,
 ``value_anchor``, ``seed_share``, ...; see ``am.presets``). Values are parsed as booleans
 (``true``/``false``), numbers, or text. Every check of a method string (its syntax, the recipe
 name, the query source, the budget and ranking options, the math options) is made here, by
@@ -38,6 +38,7 @@ from vllm_compaction.am.presets import (
     resolve_method,
 )
 from vllm_compaction.budgets import (
+    FLOOR_SETS,
     PROTECT_MODES,
     PROTECT_ROOMS,
     PROTECT_RULES,
@@ -45,6 +46,7 @@ from vllm_compaction.budgets import (
     TEMPLATE_MODES,
     ScoreOptions,
     check_budget_options,
+    check_floor_on,
     check_priority_exact_depth,
     check_protect,
     check_protect_by,
@@ -163,6 +165,7 @@ PIPELINE_OPTIONS = (
     "template",
     "priority_exact_depth",
     "band_protect",
+    "floor_on",
 )
 
 
@@ -224,6 +227,8 @@ class ResolvedRecipe:
             is the math those layers run (``method`` with ``priority_values="exact"``), and
             ``band_protect`` the rule that picks their protected tokens (``protect`` unless
             given).
+        floor_on: which kept protected tokens the fit's ``priority_beta_floor`` raises (one
+            of ``FLOOR_SETS``: every one, or the words with no look-alike in the prefix).
     """
 
     name: str
@@ -239,6 +244,7 @@ class ResolvedRecipe:
     priority_exact_depth: tuple[float, float] | None = None
     band_method: ResolvedMethod | None = None
     band_protect: str | None = None
+    floor_on: str = FLOOR_SETS[0]
 
     def band_layers(self, num_layers: int) -> list[bool]:
         """Per layer of a ``num_layers``-deep model, whether it is in the
@@ -338,6 +344,16 @@ def resolve(
             )
         except ValueError as err:
             raise ValueError(f"priority_exact_depth: {err}") from None
+    floor_on = check_floor_on(merged.get("floor_on", FLOOR_SETS[0]))
+    if floor_on != FLOOR_SETS[0] and (
+        method_math.fit.priority_beta_floor is None
+        or protect == "none"
+        or protect_by == "exact"
+    ):
+        raise ValueError(
+            f"floor_on={floor_on} picks the kept protected tokens that priority_beta_floor "
+            "raises: give priority_beta_floor, with protect and protect_by selection or whole"
+        )
     return ResolvedRecipe(
         name,
         recipe,
@@ -352,6 +368,7 @@ def resolve(
         band,
         band_method,
         band_protect,
+        floor_on,
     )
 
 

@@ -217,6 +217,29 @@ def test_priority_beta_floor_bounds_only_the_kept_priority_keys():
         keys, values, queries, 12, priority_beta_floor=0.0, **(kw | {"priority": spans})
     )
     assert by_span.beta[priority[by_span.indices]].min() >= -1e-6
+    # floor_keys: only those priority keys are raised; the selection is the same, and every
+    # priority key as floor_keys is the default
+    _assert_heads_equal(
+        floored,
+        compact_heads(
+            keys,
+            values,
+            queries,
+            12,
+            priority_beta_floor=0.0,
+            floor_keys=priority,
+            **kw,
+        ),
+    )
+    some = priority & (torch.arange(T) % 2 == 0)
+    part = compact_heads(
+        keys, values, queries, 12, priority_beta_floor=0.0, floor_keys=some, **kw
+    )
+    assert torch.equal(part.indices, plain.indices)
+    assert part.beta[some[part.indices]].min() >= -1e-6
+    assert part.beta[(priority & ~some)[part.indices]].min() < -0.5
+    with pytest.raises(ValueError, match=r"floor_keys must be a \[T\]"):
+        compact_heads(keys, values, queries, 12, floor_keys=some.long(), **kw)
 
 
 def test_value_anchor_interpolates_between_lstsq_and_direct_values():

@@ -13,10 +13,12 @@ from vllm_compaction.budgets.protect import (
     SINK_TOKENS,
     check_priority_exact_depth,
     depth_band,
+    identifier_shape,
     identifier_spans,
     lead_spans,
     protected_tokens,
     ranked_template,
+    singular_tokens,
     span_ids,
 )
 from vllm_compaction.pipeline import compact
@@ -143,6 +145,29 @@ def test_names_inside_a_sentence_are_protected_after_the_identifiers(smollm2):
     assert _kept_text(smollm2, text, "identifiers-names", 2 * digits) == "481736"
 
 
+def test_names_are_found_in_the_content_alone_not_after_a_role_header(smollm2):
+    # a turn's first word follows its role header's line break ("user\n"): a sentence's first
+    # word, not a name, once the header is outside the content
+    header = smollm2.tokenizer("<|im_start|>user\n", add_special_tokens=False)[
+        "input_ids"
+    ]
+    turn = smollm2.tokenizer(
+        "Thanks for that. My sister's name is Rosalind.", add_special_tokens=False
+    )["input_ids"]
+    ids = header + turn
+    content = torch.tensor([False] * len(header) + [True] * len(turn))
+    for find in (
+        lambda: protected_tokens(
+            ids, smollm2.tokenizer, "identifiers-names", content, None
+        ),
+        lambda: singular_tokens(ids, smollm2.tokenizer, content),
+    ):
+        mask = find()
+        assert smollm2.tokenizer.decode(
+            [i for i, m in zip(ids, mask.tolist()) if m]
+        ) == (" Rosalind")
+
+
 def test_a_phrase_stops_at_a_line_another_identifier_a_template_token_or_its_length():
     pieces = ["ok", ".", " The", " code", " is", " 4", "8", "1", "7", "3", "6"]
     spans = identifier_spans(pieces)
@@ -208,6 +233,15 @@ def test_unknown_rules_are_refused():
     assert (default.protect, default.protect_by) == ("identifiers", "selection")
     assert resolve("am:protect=none").protect == "none"
     assert resolve("am-highest-attn").protect == "none"
+    # floor_on picks what priority_beta_floor raises, so it needs one, and protected tokens fitted
+    with pytest.raises(ValueError, match="floor_on must be one of all, singular"):
+        resolve("am:priority_beta_floor=1,floor_on=once")
+    with pytest.raises(ValueError, match="floor_on=singular picks the kept protected"):
+        resolve("am:floor_on=singular")
+    with pytest.raises(ValueError, match="floor_on=singular picks the kept protected"):
+        resolve("am:protect=none,priority_beta_floor=1,floor_on=singular")
+    assert resolve("am").floor_on == "all"
+    assert resolve("am:priority_beta_floor=1,floor_on=singular").floor_on == "singular"
 
 
 def test_protected_tokens_stay_exact_in_every_head_or_first_in_each_selection(
@@ -407,6 +441,97 @@ def test_a_depth_band_keeps_the_kept_protected_tokens_as_they_were_inside_it_onl
             kept_by_band += int(at.sum())
             kept_without += int(torch.isin(plain_idx, name_positions).sum())
     assert kept_by_band > kept_without
+
+
+def test_an_identifiers_shape_is_the_length_and_kind_of_each_part():
+    assert identifier_shape("TCK-48213") == ((3, "letters"), (5, "digits"))
+    assert identifier_shape("TCK-48213") == identifier_shape("TCK-90417")
+    assert identifier_shape("a3f9c2e1b7d4") == identifier_shape("35c790730b59")
+    assert identifier_shape("531-354-7468") != identifier_shape("2024-05-17")
+    assert identifier_shape("524533559245") != identifier_shape("5245335592")
+
+
+SINGULAR_TEXT = (
+    "The log shows commit a3f9c2e1b7d4: add retry, and commit 35c790730b59: fix rounding. "
+    "Ticket TCK-48213 is open, ticket TCK-90417 is closed. "
+    "My phone number is 531-354-7468, and my sister's name is Rosalind. "
+    "We met Dickens at the fair, and later we read Dickens at home. The key is 481736."
+)
+
+
+def test_singular_tokens_are_the_words_with_no_look_alike_in_the_content(smollm2):
+    ids = smollm2.tokenizer(SINGULAR_TEXT, add_special_tokens=False)["input_ids"]
+    content = torch.ones(len(ids), dtype=torch.bool)
+
+    def spelled(mask: torch.Tensor) -> str:
+        return smollm2.tokenizer.decode([i for i, m in zip(ids, mask.tolist()) if m])
+
+    # two hashes and two tickets are families, a name said twice is not said once: of the
+    # protected words only the phone number, the key, the name said once and "Ticket" remain
+    protected = protected_tokens(
+        ids, smollm2.tokenizer, "identifiers-names", content, None
+    )
+    singular = singular_tokens(ids, smollm2.tokenizer, content)
+    assert spelled(protected & singular) == "531-354-7468 Rosalind481736"
+    assert "Dickens" in spelled(protected) and "TCK" in spelled(protected)
+    # look-alikes outside the content do not count: with the second ticket's sentence out of
+    # it, the first ticket is said once
+    closed = SINGULAR_TEXT.index("ticket TCK-90417")
+    before = len(
+        smollm2.tokenizer(SINGULAR_TEXT[:closed], add_special_tokens=False)["input_ids"]
+    )
+    content[before : before + 8] = False
+    assert "TCK-48213" in spelled(singular_tokens(ids, smollm2.tokenizer, content))
+    assert not singular_tokens(ids, None, content).any()
+
+
+def test_a_singular_floor_raises_the_words_said_once_and_not_their_look_alikes(smollm2):
+    messages = [
+        {
+            "role": "user",
+            "content": "I keep notes on my accounts here. " * 4
+            + SINGULAR_TEXT
+            + " The rest of this message is about the weather and the garden." * 6,
+        }
+    ]
+    common = dict(ratio=0.2, queries="context-prefill", on_policy=False)
+    # protect_room=head: every identifier and name is protected, whatever the room
+    spec = (
+        "am-highest-attn:protect=identifiers-names,protect_by=selection,"
+        "protect_room=head,priority_beta_floor=1"
+    )
+    every = compact(smollm2, messages, method=spec, **common)
+    singular = compact(smollm2, messages, method=f"{spec},floor_on=singular", **common)
+    assert (every.options["floor_on"], singular.options["floor_on"]) == (
+        "all",
+        "singular",
+    )
+    ids = singular.token_ids
+
+    def positions(word: str) -> torch.Tensor:
+        piece = smollm2.tokenizer(word, add_special_tokens=False)["input_ids"]
+        at = next(i for i in range(len(ids)) if ids[i : i + len(piece)] == piece)
+        return torch.arange(at, at + len(piece))
+
+    said_once = torch.cat([positions("531-354-7468"), positions(" Rosalind")])
+    family = torch.cat([positions(" TCK-48213"), positions(" TCK-90417")])
+    raised = below = 0
+    for plain, kept in zip(every.layers, singular.layers, strict=True):
+        for h in range(kept.num_heads):
+            _, beta, _, idx = kept.head(h)
+            _, plain_beta, _, plain_idx = plain.head(h)
+            # the floor changes the fit, never which keys are kept
+            assert torch.equal(idx, plain_idx)
+            if len(idx) == len(ids):
+                continue  # a head that keeps every key is not fitted (beta = 0)
+            once, alike = torch.isin(idx, said_once), torch.isin(idx, family)
+            assert (beta[once] >= 1 - 1e-4).all() and (
+                plain_beta[alike] >= 1 - 1e-4
+            ).all()
+            raised += int(once.sum())
+            below += int((beta[alike] < 1 - 1e-4).sum())
+    # the words said once are kept and raised; some kept look-alike is no longer raised
+    assert raised > 0 and below > 0
 
 
 def test_a_ranked_template_is_what_lies_between_the_sinks_and_the_last_content_token():

@@ -204,12 +204,36 @@ def _check_priority(
     return priority.to(device)
 
 
+def _check_floor_keys(
+    floor_keys: torch.Tensor | None, priority: torch.Tensor | None, total: int
+) -> torch.Tensor | None:
+    """``floor_keys`` on the priority's device if it is a ``[T]`` bool mask given with a
+    priority; ``ValueError`` with a sentence otherwise; ``None`` when not given (or no key has
+    priority, so nothing is raised)."""
+    if floor_keys is None:
+        return None
+    if (
+        not isinstance(floor_keys, torch.Tensor)
+        or floor_keys.dtype != torch.bool
+        or floor_keys.shape != (total,)
+    ):
+        raise ValueError(
+            f"floor_keys must be a [T] = [{total}] bool mask, got "
+            f"{getattr(floor_keys, 'dtype', type(floor_keys).__name__)} "
+            f"{tuple(getattr(floor_keys, 'shape', ()))}"
+        )
+    return None if priority is None else floor_keys.to(priority.device)
+
+
 def _priority_bounds(
-    plan: ResolvedMethod, priority: torch.Tensor | None, indices: torch.Tensor
+    plan: ResolvedMethod,
+    priority: torch.Tensor | None,
+    indices: torch.Tensor,
+    floor_keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``[H, t_max]`` lower and upper bounds on the kept slots' ``beta`` (``None``: the box's):
-    ``priority_beta_floor`` below the kept priority keys, or 0 both ways for
-    ``priority_values="exact"``; the box on the others."""
+    ``priority_beta_floor`` below the kept priority keys (those of ``floor_keys`` only, where
+    given), or 0 both ways for ``priority_values="exact"``; the box on the others."""
     floor = plan.fit.priority_beta_floor
     exact = plan.fit.priority_values == "exact"
     if priority is None or (floor is None and not exact):
@@ -217,7 +241,8 @@ def _priority_bounds(
     kept = priority_members(priority)[indices]
     lo, hi = plan.fit.beta_bounds
     own = 0.0 if exact or floor is None else floor
-    lower = torch.where(kept, own, lo).to(torch.float32)
+    raised = kept if exact or floor_keys is None else kept & floor_keys[indices]
+    lower = torch.where(raised, own, lo).to(torch.float32)
     upper = torch.where(kept, 0.0, hi).to(torch.float32) if exact else None
     return lower, upper
 
@@ -246,11 +271,13 @@ def _compact_group(
     clock: dict[str, float],
     weights: torch.Tensor | None,
     priority: torch.Tensor | None = None,
+    floor_keys: torch.Tensor | None = None,
 ) -> Selection:
     """Compact fp32 heads with ``0 < t_h < T``: kept indices with their fitted (or selector-
     given, or zero) ``beta`` and values, padded to the group's ``t_max``. ``weights [H, n]``
     (largest 1) count each query that many times in the scores and every fit; ``priority
-    [T]`` keys are kept first (``SelectionProblem.priority``)."""
+    [T]`` keys are kept first (``SelectionProblem.priority``), and ``floor_keys [T]`` (default:
+    all of them) get ``priority_beta_floor``."""
     now = _clock(keys.device)
     start = now()
     ref = None
@@ -286,7 +313,7 @@ def _compact_group(
     if plan.fit.beta == "nnls":
         if ref is None or features is None:
             raise ValueError(f"method {plan.name!r} fits beta without a reference pass")
-        floor, ceiling = _priority_bounds(plan, priority, sel.indices)
+        floor, ceiling = _priority_bounds(plan, priority, sel.indices, floor_keys)
         beta = fit_beta(
             features,
             ref.mass,
@@ -389,6 +416,7 @@ def compact_heads(
     timings: dict[str, float] | None = None,
     query_weights: torch.Tensor | None = None,
     priority: torch.Tensor | None = None,
+    floor_keys: torch.Tensor | None = None,
     **options: Any,
 ) -> CompactedHeads:
     """Compact ``H`` KV heads to ``t_h`` slots each by Attention Matching or a baseline.
@@ -418,6 +446,8 @@ def compact_heads(
         (``PRIORITY_SHARE``), then fitted as any kept key: a ``[T]`` bool mask (the
         best-scored of them) or ``[T]`` int64 span ids, ``-1`` for none (the best whole
         spans); for selectors that rank keys by score (``takes_priority``).
+    floor_keys : ``[T]`` bool, the priority keys that ``priority_beta_floor`` raises when kept
+        (default: every one); the others are fitted in the box as any kept key.
     **options : overrides of the ``MethodSpec``: selector fields (``aggregation``, ``pool_kernel``,
         ``keys_per_step``, ``refit_interval``, ``seed``, ``keep``, ``sigma``...), fit fields
         (``beta``, ``beta_bounds``, ``beta_iters``, ``values``) or ``selector``.
@@ -434,6 +464,7 @@ def compact_heads(
     pos = _check_positions(positions, total, keys.device)
     plan = _resolve(method, options)
     priority = _check_priority(priority, plan, total, keys.device)
+    floor_keys = _check_floor_keys(floor_keys, priority, total)
     scale = resolve_scale(scale, d)
     if memory_limit is None:
         memory_limit = device_limits(keys.device).memory_limit
@@ -476,6 +507,7 @@ def compact_heads(
             clock,
             None if weights is None else weights[group],
             priority,
+            floor_keys,
         )
         width = fitted.indices.shape[1]
         # _compact_group fits (or takes from its selector) both

@@ -19,11 +19,13 @@ from vllm_compaction.budgets.allocate import (
     uniform_budgets,
 )
 from vllm_compaction.budgets.protect import (
+    FLOOR_SETS,
     PROTECT_MODES,
     PROTECT_ROOMS,
     PROTECT_RULES,
     SINK_TOKENS,
     TEMPLATE_MODES,
+    check_floor_on,
     check_priority_exact_depth,
     check_protect,
     check_protect_by,
@@ -32,6 +34,7 @@ from vllm_compaction.budgets.protect import (
     depth_band,
     protected_tokens,
     ranked_template,
+    singular_tokens,
     span_ids,
 )
 from vllm_compaction.budgets.schedule import Schedule, load_schedule, packaged_schedule
@@ -50,6 +53,7 @@ from vllm_compaction.budgets.scoring import (
 
 __all__ = [
     "BUDGET_MODES",
+    "FLOOR_SETS",
     "PROTECT_MODES",
     "PROTECT_ROOMS",
     "PROTECT_RULES",
@@ -64,6 +68,7 @@ __all__ = [
     "ScoreOptions",
     "cap_and_fill",
     "check_budget_options",
+    "check_floor_on",
     "check_priority_exact_depth",
     "check_protect",
     "check_protect_by",
@@ -81,6 +86,7 @@ __all__ = [
     "ranked_template",
     "resolve_budgets",
     "resolve_score_options",
+    "singular_tokens",
     "span_ids",
     "shares_to_budgets",
     "total_budget",
