@@ -451,7 +451,7 @@ class _Compaction:
         self.priorities = self._chunk_priorities(protected)
         self.floor_keys = [None] * len(self.chunks)
         if self.plan.floor_on == "singular" and kept:
-            # the fit's floor raises only the protected words said once (budgets.protect)
+            # the fit's floor raises only the protected words with no look-alike (budgets.protect)
             singular = singular_tokens(spec.token_ids, adapter.tokenizer, mask)
             self.floor_keys = [
                 singular[chunk].to(adapter.device) for chunk in self.chunks

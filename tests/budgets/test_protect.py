@@ -234,12 +234,14 @@ def test_unknown_rules_are_refused():
     assert resolve("am:protect=none").protect == "none"
     assert resolve("am-highest-attn").protect == "none"
     # floor_on picks what priority_beta_floor raises, so it needs one, and protected tokens fitted
-    with pytest.raises(ValueError, match="floor_on must be one of all, singular"):
-        resolve("am:priority_beta_floor=1,floor_on=once")
-    with pytest.raises(ValueError, match="floor_on=singular picks the kept protected"):
-        resolve("am:floor_on=singular")
-    with pytest.raises(ValueError, match="floor_on=singular picks the kept protected"):
-        resolve("am:protect=none,priority_beta_floor=1,floor_on=singular")
+    refused = {
+        "priority_beta_floor=1,floor_on=once": "floor_on must be one of all, singular",
+        "floor_on=singular": "floor_on=singular picks the kept protected",
+        "protect=none,priority_beta_floor=1,floor_on=singular": "picks the kept protected",
+    }
+    for overrides, message in refused.items():
+        with pytest.raises(ValueError, match=message):
+            resolve(f"am:{overrides}")
     assert resolve("am").floor_on == "all"
     assert resolve("am:priority_beta_floor=1,floor_on=singular").floor_on == "singular"
 
