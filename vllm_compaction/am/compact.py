@@ -172,6 +172,23 @@ def _clock(device: torch.device):
     return now
 
 
+def _check_key_tensor(
+    name: str, value: Any, total: int, dtypes: tuple[torch.dtype, ...], kind: str
+) -> None:
+    """``ValueError`` with a sentence unless ``value`` is a ``[T]`` tensor of one of
+    ``dtypes`` (``kind`` says which, in words)."""
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.dtype not in dtypes
+        or value.shape != (total,)
+    ):
+        raise ValueError(
+            f"{name} must be a [T] = [{total}] {kind}, got "
+            f"{getattr(value, 'dtype', type(value).__name__)} "
+            f"{tuple(getattr(value, 'shape', ()))}"
+        )
+
+
 def _check_priority(
     priority: torch.Tensor | None,
     plan: ResolvedMethod,
@@ -183,16 +200,13 @@ def _check_priority(
     no key has priority."""
     if priority is None:
         return None
-    if (
-        not isinstance(priority, torch.Tensor)
-        or priority.dtype not in (torch.bool, torch.int64)
-        or priority.shape != (total,)
-    ):
-        raise ValueError(
-            f"priority must be a [T] = [{total}] bool mask or int64 span ids, got "
-            f"{getattr(priority, 'dtype', type(priority).__name__)} "
-            f"{tuple(getattr(priority, 'shape', ()))}"
-        )
+    _check_key_tensor(
+        "priority",
+        priority,
+        total,
+        (torch.bool, torch.int64),
+        "bool mask or int64 span ids",
+    )
     if not has_priority(priority):
         return None
     if not plan.selector.takes_priority:
@@ -212,16 +226,7 @@ def _check_floor_keys(
     priority, so nothing is raised)."""
     if floor_keys is None:
         return None
-    if (
-        not isinstance(floor_keys, torch.Tensor)
-        or floor_keys.dtype != torch.bool
-        or floor_keys.shape != (total,)
-    ):
-        raise ValueError(
-            f"floor_keys must be a [T] = [{total}] bool mask, got "
-            f"{getattr(floor_keys, 'dtype', type(floor_keys).__name__)} "
-            f"{tuple(getattr(floor_keys, 'shape', ()))}"
-        )
+    _check_key_tensor("floor_keys", floor_keys, total, (torch.bool,), "bool mask")
     return None if priority is None else floor_keys.to(priority.device)
 
 
