@@ -442,8 +442,8 @@ def _probe(
         probes.append(
             {
                 "question": question,
-                "compacted": _says(text, answer),
-                "full": _says(full, answer),
+                "compacted": says(text, answer),
+                "full": says(full, answer),
                 "compacted_answer": text,
                 "full_answer": full,
             }
@@ -451,7 +451,7 @@ def _probe(
     return probes
 
 
-def _says(text: str, answer: str) -> bool:
+def says(text: str, answer: str) -> bool:
     """``answer`` as a whole word (room 423 is not room 42)."""
     return re.search(rf"\b{re.escape(answer)}\b", text) is not None
 

@@ -168,6 +168,32 @@ def test_names_are_found_in_the_content_alone_not_after_a_role_header(smollm2):
         ) == (" Rosalind")
 
 
+def test_facts_are_short_numbers_and_names_said_at_most_twice_after_the_identifiers(
+    smollm2,
+):
+    text = (
+        "We read about Lisp. The vault code is 7319, and we meet in room 42 with Rosalind. "
+        "Got it: the code is 7319. My account is 524533559245. Lisp is old, Lisp is good, "
+        "and Lisp is fast. In v2 we moved to Ljubljana."
+    )
+    # "Lisp" (four times) is the text's subject, "v2" has one digit, the sentences' first words
+    # are not names; the code said twice (a reply repeating it) is still a fact
+    assert _kept_text(smollm2, text, "identifiers-facts", 100) == (
+        "731942 Rosalind7319524533559245 Ljubljana"
+    )
+    digits = len(smollm2.tokenizer("524533559245")["input_ids"])
+    assert _kept_text(smollm2, text, "identifiers-facts", 2 * digits) == "524533559245"
+    ids = smollm2.tokenizer(text, add_special_tokens=False)["input_ids"]
+    content = torch.ones(len(ids), dtype=torch.bool)
+    facts = protected_tokens(ids, smollm2.tokenizer, "identifiers-facts", content, None)
+    identifiers = protected_tokens(ids, smollm2.tokenizer, "identifiers", content, None)
+    # the facts are singular (floor_on=singular raises them) and add to the identifiers
+    assert (identifiers <= facts).all()
+    assert (
+        facts & ~identifiers <= singular_tokens(ids, smollm2.tokenizer, content)
+    ).all()
+
+
 def test_a_phrase_stops_at_a_line_another_identifier_a_template_token_or_its_length():
     pieces = ["ok", ".", " The", " code", " is", " 4", "8", "1", "7", "3", "6"]
     spans = identifier_spans(pieces)
@@ -457,7 +483,8 @@ SINGULAR_TEXT = (
     "The log shows commit a3f9c2e1b7d4: add retry, and commit 35c790730b59: fix rounding. "
     "Ticket TCK-48213 is open, ticket TCK-90417 is closed. "
     "My phone number is 531-354-7468, and my sister's name is Rosalind. "
-    "We met Dickens at the fair, and later we read Dickens at home. The key is 481736."
+    "We met Dickens at the fair, later we read Dickens, and then we read more Dickens at home. "
+    "The key is 481736."
 )
 
 
@@ -468,8 +495,9 @@ def test_singular_tokens_are_the_words_with_no_look_alike_in_the_content(smollm2
     def spelled(mask: torch.Tensor) -> str:
         return smollm2.tokenizer.decode([i for i, m in zip(ids, mask.tolist()) if m])
 
-    # two hashes and two tickets are families, a name said twice is not said once: of the
-    # protected words only the phone number, the key, the name said once and "Ticket" remain
+    # two hashes and two tickets are families, a name said three times is a subject, not a
+    # fact: of the protected words only the phone number, the key, the name said once and
+    # "Ticket" remain
     protected = protected_tokens(
         ids, smollm2.tokenizer, "identifiers-names", content, None
     )

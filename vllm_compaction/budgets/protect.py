@@ -26,6 +26,14 @@ would otherwise guess ("Emily"); with ``protect_by="selection"`` each head that 
 it first, and the fit's ``priority_beta_floor`` and ``priority_values`` apply to it as to an
 identifier (``am.presets.FitOptions``).
 
+``protect="identifiers-facts"`` protects, after the identifiers, the short facts said in passing
+(``fact_spans``): each number too short to be an identifier ("room 42", "the code is 7319") and
+each name inside a sentence, said at most ``MAX_FACT_MENTIONS`` times in the content, in order,
+while room is left. A fact stated in a conversation is said once, or twice where a reply repeats
+it; a name or a number the text keeps coming back to is its subject, which the selection keeps
+anyway. These are the words lost over repeated compaction of an agent session (a codename, a
+room, a vault's code; benchmarks/README.md).
+
 How they are kept is ``protect_by``: ``"exact"`` (the default above: their own slots in every
 head, outside the fit) or ``"selection"``: each head's selector keeps them before any other
 key, up to half of that head's budget (the ones it scores best), and they are fitted as any
@@ -47,7 +55,7 @@ only below 10%, where ``head`` measured one agent trace fewer at 5% and the same
 
 ``floor_on`` picks the kept protected tokens that the fit's ``priority_beta_floor`` raises:
 ``"all"`` (the default) or ``"singular"``, only the words with no look-alike in the prefix: a
-name said once, an identifier whose shape (``identifier_shape``: the length and kind of each
+short number or a name said at most ``MAX_FACT_MENTIONS`` times, an identifier whose shape (``identifier_shape``: the length and kind of each
 part between ``-`` and ``_``) no other identifier shares (``singular_tokens``). A floor raises
 every kept token it covers, so a family of look-alikes (two commit hashes, an open and a closed
 ticket, six-digit codes sharing their first digits) is raised together, and an answer may name
@@ -88,12 +96,13 @@ from typing import Any
 
 import torch
 
-from vllm_compaction.text import name_words, token_pieces, word_tokens
+from vllm_compaction.text import name_words, number_words, token_pieces, word_tokens
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "LEAD_TOKENS",
+    "MAX_FACT_MENTIONS",
     "MAX_PROTECTED_SHARE",
     "MIN_IDENTIFIER_CHARS",
     "PROTECT_MODES",
@@ -110,6 +119,7 @@ __all__ = [
     "FLOOR_SETS",
     "check_floor_on",
     "identifier_shape",
+    "fact_spans",
     "singular_tokens",
     "identifier_spans",
     "lead_spans",
@@ -119,8 +129,14 @@ __all__ = [
 ]
 
 #: ``none``: nothing is protected; ``identifiers``, ``identifier-phrases``,
-#: ``identifiers-names``: see the module doc.
-PROTECT_RULES = ("none", "identifiers", "identifier-phrases", "identifiers-names")
+#: ``identifiers-names``, ``identifiers-facts``: see the module doc.
+PROTECT_RULES = (
+    "none",
+    "identifiers",
+    "identifier-phrases",
+    "identifiers-names",
+    "identifiers-facts",
+)
 #: how protected tokens are kept (``protect_by``): their own exact slots, first in each head's
 #: selection token by token, or whole identifiers first
 PROTECT_MODES = ("exact", "selection", "whole")
@@ -142,6 +158,10 @@ _SENTENCE_END = re.compile(r"[.!?\n]")
 #: which kept protected tokens ``priority_beta_floor`` raises (``floor_on``): every one, or the
 #: words with no look-alike in the prefix
 FLOOR_SETS = ("all", "singular")
+#: how often a short number or a name may appear in the content and still count as a fact
+#: said in passing (``fact_spans``): once, and once more where a reply repeats it ("Got it:
+#: the code is 7319"); a word the text keeps coming back to (an essay's subject) is not one
+MAX_FACT_MENTIONS = 2
 #: the largest share of a prefix's slots that protected tokens may take
 MAX_PROTECTED_SHARE = 0.5
 _WORD = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_\-]*[A-Za-z0-9])?")
@@ -266,36 +286,57 @@ def identifier_shape(word: str) -> tuple[tuple[int, str], ...]:
     )
 
 
+def fact_spans(pieces: Sequence[str], allowed: Sequence[bool]) -> list[list[int]]:
+    """Token indices of each short fact word in the ``allowed`` tokens' text, in order: a
+    number (``text.number_words``) too short to be an identifier (``42``, ``7319``, ``12:30``)
+    or a name inside a sentence (``text.name_words``), each of whose words appears at most
+    ``MAX_FACT_MENTIONS`` times there."""
+    words = [
+        (word, tokens)
+        for word, tokens in word_tokens(pieces, _WORD)
+        if all(allowed[i] for i in tokens)
+    ]
+    said = Counter(word for word, _ in words)
+    spans = []
+    for span in sorted(
+        number_words(pieces) + name_words(pieces), key=lambda r: r.start
+    ):
+        own = [word for word, tokens in words if span.start <= tokens.start < span.stop]
+        if (
+            own
+            and all(allowed[i] for i in span)
+            and all(
+                said[word] <= MAX_FACT_MENTIONS and not _is_identifier(word)
+                for word in own
+            )
+        ):
+            spans.append(list(span))
+    return spans
+
+
 def singular_tokens(
     token_ids: Sequence[int] | torch.Tensor, tokenizer: Any, content: torch.Tensor
 ) -> torch.Tensor:
     """``[T]`` bool host mask of the ``content`` tokens of words with no look-alike in it: each
     identifier (``identifier_spans``) whose ``identifier_shape`` no other identifier of the
-    content shares, and each name inside a sentence (``text.name_words``) whose word appears
-    nowhere else in the content (``floor_on="singular"``)."""
+    content shares, and each short number or name said at most ``MAX_FACT_MENTIONS`` times
+    (``fact_spans``; ``floor_on="singular"``)."""
     singular = torch.zeros(content.numel(), dtype=torch.bool, device="cpu")
     if tokenizer is None or not bool(content.any()):
         return singular
     allowed = content.tolist()
     pieces = _content_pieces(tokenizer, token_ids, allowed)
-
-    def inside(tokens: Sequence[int]) -> bool:
-        return all(allowed[i] for i in tokens)
-
-    words = [
-        (word, tokens) for word, tokens in word_tokens(pieces, _WORD) if inside(tokens)
+    identifiers = [
+        (word, tokens)
+        for word, tokens in word_tokens(pieces, _WORD)
+        if _is_identifier(word) and all(allowed[i] for i in tokens)
     ]
-    identifiers = [(word, tokens) for word, tokens in words if _is_identifier(word)]
     shapes = Counter(identifier_shape(word) for word, _ in identifiers)
     for word, tokens in identifiers:
         if shapes[identifier_shape(word)] == 1:
             singular[list(tokens)] = True
-    # a name's words are counted wherever they appear in the content, at a sentence's start too
-    said = Counter(word for word, _ in words)
-    for name in name_words(pieces):
-        own = [word for word, tokens in words if name.start <= tokens.start < name.stop]
-        if inside(name) and own and all(said[word] == 1 for word in own):
-            singular[list(name)] = True
+    for span in fact_spans(pieces, allowed):
+        singular[span] = True
     return singular
 
 
@@ -358,6 +399,11 @@ def protected_tokens(
             if all(allowed[i] for i in name) and len(name) <= room:
                 protected[list(name)] = True
                 room -= len(name)
+    if rule == "identifiers-facts":
+        for span in fact_spans(pieces, allowed):
+            if len(span) <= room:
+                protected[span] = True
+                room -= len(span)
     if rule == "identifier-phrases":
         for span, lead in zip(spans, lead_spans(pieces, spans, allowed), strict=True):
             if lead and bool(protected[span[0]]) and len(lead) <= room:
