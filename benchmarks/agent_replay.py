@@ -27,8 +27,11 @@ from __future__ import annotations
 import argparse
 import logging
 import random
+import re
 from pathlib import Path
+from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from benchmarks.agent_session import MODEL, says
@@ -95,6 +98,32 @@ def state_order(states: list[dict], seed: int) -> list[dict]:
     kept = [s for s in scored if s not in lost]
     random.Random(seed).shuffle(kept)
     return lost + kept
+
+
+def answer_logprob(
+    decoder: Any, cache: Any, asked: list[dict], full_answer: str, answer: str
+) -> float | None:
+    """The log-probability of ``answer``'s tokens where the full history's answer says it
+    (``"The secret code of the vault is 7319."``), teacher-forced after ``asked`` from
+    ``cache``: how far a compacted state is from the edge a greedy answer flips on. ``None``
+    where the full history's answer does not say it."""
+    found = re.search(rf"\b{re.escape(answer)}\b", full_answer)
+    if found is None:
+        return None
+    tokenizer = decoder.adapter.tokenizer
+    spoken = full_answer[: found.end()]
+    encoded = tokenizer(spoken, add_special_tokens=False, return_offsets_mapping=True)
+    ids = encoded["input_ids"]
+    # the tokens that end inside the value (a leading space may share its first token)
+    value = [
+        i for i, (_, end) in enumerate(encoded["offset_mapping"]) if end > found.start()
+    ]
+    prompt = decoder.continuation_ids(asked)
+    logits = decoder.logits(cache, prompt + ids)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return float(
+        sum(logprobs[len(prompt) + i - 1, ids[i]] for i in value if len(prompt) + i > 0)
+    )
 
 
 def _key(state: dict) -> str:
@@ -235,11 +264,10 @@ def main(argv: list[str] | None = None) -> dict:
         )
         probes = []
         for saved_probe in state["probes"]:
-            text = decoder.generate(
-                cache,
-                state["after"] + [{"role": "user", "content": saved_probe["question"]}],
-                max_new_tokens=args.probe_tokens,
-            ).text
+            asked = state["after"] + [
+                {"role": "user", "content": saved_probe["question"]}
+            ]
+            text = decoder.generate(cache, asked, max_new_tokens=args.probe_tokens).text
             answer = saved_probe["answer"]
             probes.append(
                 {
@@ -250,6 +278,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "new": says(text, answer),
                     "saved_answer": saved_probe["compacted_answer"],
                     "new_answer": text,
+                    "answer_logprob": answer_logprob(
+                        decoder, cache, asked, saved_probe["full_answer"], answer
+                    ),
                 }
             )
         rows.append(

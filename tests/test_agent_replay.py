@@ -123,3 +123,38 @@ def test_a_resume_with_another_method_is_refused(tmp_path):
         agent_replay.main(
             ["--against", str(by_ratio), "--method", "am", "--out", str(out)]
         )
+
+
+def test_the_answers_log_probability_counts_the_values_tokens_alone(smollm2):
+    import torch
+
+    from vllm_compaction import compact
+    from vllm_compaction.reference import ReferenceDecoder
+
+    decoder = ReferenceDecoder(smollm2)
+    messages = [
+        {"role": "user", "content": "The vault code is 7319. " + "We talk. " * 30},
+        {"role": "assistant", "content": "OK."},
+    ]
+    cache = compact(
+        smollm2, messages, ratio=0.5, queries="context-prefill", on_policy=False
+    )
+    asked = [{"role": "user", "content": "What is the vault code?"}]
+    spoken = "The vault code is 7319."
+    got = agent_replay.answer_logprob(decoder, cache, asked, spoken, "7319")
+    # by hand: the digits are the last four tokens before the full stop
+    prompt = decoder.continuation_ids(asked)
+    ids = smollm2.tokenizer("The vault code is 7319", add_special_tokens=False)[
+        "input_ids"
+    ]
+    assert smollm2.tokenizer.decode(ids[-4:]) == "7319"
+    logprobs = torch.log_softmax(decoder.logits(cache, prompt + ids), dim=-1)
+    expected = sum(
+        float(logprobs[len(prompt) + i - 1, ids[i]])
+        for i in range(len(ids) - 4, len(ids))
+    )
+    assert got == pytest.approx(expected, abs=1e-5) and got < 0
+    assert (
+        agent_replay.answer_logprob(decoder, cache, asked, "I do not know.", "7319")
+        is None
+    )
