@@ -131,9 +131,14 @@ def _key(state: dict) -> str:
 
 
 def summarize(rows: list[dict], total_states: int) -> dict:
-    """Answers given back and lost, and the retention of the saved and the new method over the
-    states run (the full history's right answers only)."""
-    pairs = [(p["saved"], p["new"]) for row in rows for p in row["probes"] if p["full"]]
+    """Answers given back and lost, the retention of the saved and the new method over the
+    states run (the full history's right answers only), and the new method's mean answer
+    log-probability over those of them it was measured on."""
+    right = [p for row in rows for p in row["probes"] if p["full"]]
+    pairs = [(p["saved"], p["new"]) for p in right]
+    logprobs = [
+        p["answer_logprob"] for p in right if p.get("answer_logprob") is not None
+    ]
     return {
         "states_run": len(rows),
         "states_with_a_right_answer": total_states,
@@ -142,6 +147,8 @@ def summarize(rows: list[dict], total_states: int) -> dict:
         "new_kept": sum(n for _, n in pairs),
         "given_back": sum(n and not s for s, n in pairs),
         "lost": sum(s and not n for s, n in pairs),
+        "answer_logprobs": len(logprobs),
+        "mean_answer_logprob": sum(logprobs) / len(logprobs) if logprobs else None,
     }
 
 

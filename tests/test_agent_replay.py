@@ -78,12 +78,12 @@ def test_a_run_that_does_not_replay_is_refused_with_a_sentence():
 
 
 def test_the_summary_counts_the_full_historys_right_answers_only():
-    def probe(full: bool, saved: bool, new: bool) -> dict:
-        return {"full": full, "saved": saved, "new": new}
+    def probe(full: bool, saved: bool, new: bool, logprob: float | None = None) -> dict:
+        return {"full": full, "saved": saved, "new": new, "answer_logprob": logprob}
 
     rows = [
-        {"probes": [probe(True, False, True), probe(True, True, True)]},
-        {"probes": [probe(True, True, False), probe(False, False, True)]},
+        {"probes": [probe(True, False, True, -0.5), probe(True, True, True, -1.5)]},
+        {"probes": [probe(True, True, False), probe(False, False, True, -9.0)]},
     ]
     assert agent_replay.summarize(rows, total_states=5) == {
         "states_run": 2,
@@ -93,6 +93,8 @@ def test_the_summary_counts_the_full_historys_right_answers_only():
         "new_kept": 2,
         "given_back": 1,
         "lost": 1,
+        "answer_logprobs": 2,
+        "mean_answer_logprob": -1.0,
     }
 
 
