@@ -55,8 +55,9 @@ only below 10%, where ``head`` measured one agent trace fewer at 5% and the same
 
 ``floor_on`` picks the kept protected tokens that the fit's ``priority_beta_floor`` raises:
 ``"all"`` (the default) or ``"singular"``, only the words with no look-alike in the prefix: a
-short number or a name said at most ``MAX_FACT_MENTIONS`` times, an identifier whose shape (``identifier_shape``: the length and kind of each
-part between ``-`` and ``_``) no other identifier shares (``singular_tokens``). A floor raises
+short number or a name said at most ``MAX_FACT_MENTIONS`` times, an identifier whose shape
+(``identifier_shape``: the length and kind of each part between ``-`` and ``_``) no other
+identifier shares (``singular_tokens``). A floor raises
 every kept token it covers, so a family of look-alikes (two commit hashes, an open and a closed
 ticket, six-digit codes sharing their first digits) is raised together, and an answer may name
 the neighbour too. Measured on the conversation tasks at 10% (``priority_beta_floor=1``),
@@ -291,17 +292,19 @@ def fact_spans(pieces: Sequence[str], allowed: Sequence[bool]) -> list[list[int]
     number (``text.number_words``) too short to be an identifier (``42``, ``7319``, ``12:30``)
     or a name inside a sentence (``text.name_words``), each of whose words appears at most
     ``MAX_FACT_MENTIONS`` times there."""
-    words = [
-        (word, tokens)
-        for word, tokens in word_tokens(pieces, _WORD)
-        if all(allowed[i] for i in tokens)
-    ]
-    said = Counter(word for word, _ in words)
+    said: Counter[str] = Counter()
+    starting: dict[
+        int, list[str]
+    ] = {}  # the content's words by the token they begin in
+    for word, tokens in word_tokens(pieces, _WORD):
+        if all(allowed[i] for i in tokens):
+            said[word] += 1
+            starting.setdefault(tokens.start, []).append(word)
     spans = []
     for span in sorted(
         number_words(pieces) + name_words(pieces), key=lambda r: r.start
     ):
-        own = [word for word, tokens in words if span.start <= tokens.start < span.stop]
+        own = [word for at in span for word in starting.get(at, [])]
         if (
             own
             and all(allowed[i] for i in span)
