@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import logging
 import random
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from benchmarks.agent_session import MODEL, says
+from benchmarks.agent_session import MODEL, said_at, says
 from benchmarks.output import pyplot, save_result
 
 logger = logging.getLogger("benchmarks.agent_replay")
@@ -107,7 +106,7 @@ def answer_logprob(
     (``"The secret code of the vault is 7319."``), teacher-forced after ``asked`` from
     ``cache``: how far a compacted state is from the edge a greedy answer flips on. ``None``
     where the full history's answer does not say it."""
-    found = re.search(rf"\b{re.escape(answer)}\b", full_answer)
+    found = said_at(full_answer, answer)
     if found is None:
         return None
     tokenizer = decoder.adapter.tokenizer
@@ -158,13 +157,13 @@ def plot(result: dict, path: Path) -> None:
         return
     rounds = sorted({row["round"] for row in result["rows"]})
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    for label, field in (("saved", "saved"), ("new", "new")):
+    for label in ("saved", "new"):
         shares = []
         for r in rounds:
             probes = [
                 p for row in result["rows"] if row["round"] == r for p in row["probes"]
             ]
-            right = [p[field] for p in probes if p["full"]]
+            right = [p[label] for p in probes if p["full"]]
             shares.append(sum(right) / len(right) if right else float("nan"))
         method = result[f"{label}_method"]
         name = method if isinstance(method, str) else ", ".join(method)

@@ -451,9 +451,14 @@ def _probe(
     return probes
 
 
+def said_at(text: str, answer: str) -> re.Match[str] | None:
+    """Where ``text`` says ``answer`` as a whole word (room 423 is not room 42), or None."""
+    return re.search(rf"\b{re.escape(answer)}\b", text)
+
+
 def says(text: str, answer: str) -> bool:
-    """``answer`` as a whole word (room 423 is not room 42)."""
-    return re.search(rf"\b{re.escape(answer)}\b", text) is not None
+    """Whether ``text`` says ``answer`` as a whole word (``said_at``)."""
+    return said_at(text, answer) is not None
 
 
 def _retention(turns: list[dict]) -> float | None:

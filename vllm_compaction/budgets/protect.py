@@ -293,9 +293,8 @@ def fact_spans(pieces: Sequence[str], allowed: Sequence[bool]) -> list[list[int]
     or a name inside a sentence (``text.name_words``), each of whose words appears at most
     ``MAX_FACT_MENTIONS`` times there."""
     said: Counter[str] = Counter()
-    starting: dict[
-        int, list[str]
-    ] = {}  # the content's words by the token they begin in
+    # the content's words by the token they begin in
+    starting: dict[int, list[str]] = {}
     for word, tokens in word_tokens(pieces, _WORD):
         if all(allowed[i] for i in tokens):
             said[word] += 1
@@ -397,13 +396,14 @@ def protected_tokens(
         if len(span) <= room:
             protected[span] = True
             room -= len(span)
-    if rule == "identifiers-names":
-        for name in name_words(pieces):
-            if all(allowed[i] for i in name) and len(name) <= room:
-                protected[list(name)] = True
-                room -= len(name)
-    if rule == "identifiers-facts":
-        for span in fact_spans(pieces, allowed):
+    if rule in ("identifiers-names", "identifiers-facts"):
+        # after the identifiers, in order, while room is left
+        words = (
+            fact_spans(pieces, allowed)
+            if rule == "identifiers-facts"
+            else [list(n) for n in name_words(pieces) if all(allowed[i] for i in n)]
+        )
+        for span in words:
             if len(span) <= room:
                 protected[span] = True
                 room -= len(span)
