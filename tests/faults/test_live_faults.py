@@ -267,18 +267,31 @@ def test_bad_ids_and_a_50_mb_body_are_refused(server):
 
 async def _burst(
     url: str, key: str, count: int, concurrency: int
-) -> list[httpx.Response]:
+) -> tuple[list[httpx.Response | httpx.TransportError], int]:
+    """``count`` POSTs ``concurrency`` at a time; returns each one's answer (or the transport
+    error of its second try) and how many were sent again. A request is sent again only when
+    the connection broke before any answer (a pooled connection the server closed as the
+    request went out); the test then checks that no job was made without an answer."""
     body = {"model": MODEL, "prompt": NOTE, "ratio": 0.5, **METHOD}
     limit = asyncio.Semaphore(concurrency)
+    resent = 0
     async with httpx.AsyncClient(
         base_url=url, headers=_headers(key), timeout=120
     ) as http:
 
-        async def one() -> httpx.Response:
+        async def one() -> httpx.Response | httpx.TransportError:
+            nonlocal resent
             async with limit:
-                return await http.post("/v1/compact", json=body)
+                try:
+                    return await http.post("/v1/compact", json=body)
+                except httpx.TransportError:
+                    resent += 1
+                try:
+                    return await http.post("/v1/compact", json=body)
+                except httpx.TransportError as exc:
+                    return exc
 
-        return list(await asyncio.gather(*(one() for _ in range(count))))
+        return list(await asyncio.gather(*(one() for _ in range(count)))), resent
 
 
 def _chat_latency(client: openai.OpenAI, n: int = 5) -> float:
@@ -294,19 +307,28 @@ def test_a_burst_of_1000_posts_from_one_key_is_bounded_and_fair(
     server, client, other_client
 ):
     idle = _chat_latency(other_client)
+    before = {job["id"] for job in all_compactions(client)}
     theirs = _compact(other_client, prompt=NOTE.replace("Tuesday", "Friday"))
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the burst beside the chats
-        flood = pool.submit(asyncio.run, _burst(server.url, API_KEYS[0], 1000, 16))
-        busy = []
-        while not flood.done():
-            busy.append(_chat_latency(other_client, n=1))
-        responses = flood.result()
-    accepted = [r.json()["id"] for r in responses if r.status_code == 202]
     try:
-        codes = [r.status_code for r in responses]
-        limited = [r for r in responses if r.status_code == 429]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the burst beside the chats
+            flood = pool.submit(asyncio.run, _burst(server.url, API_KEYS[0], 1000, 16))
+            busy = []
+            while not flood.done():
+                busy.append(_chat_latency(other_client, n=1))
+            responses, resent = flood.result()
+        broken = [r for r in responses if isinstance(r, httpx.TransportError)]
+        answered = [r for r in responses if isinstance(r, httpx.Response)]
+        assert not broken, f"{len(broken)} POSTs got no answer twice: {broken[0]!r}"
+        # a connection closed under a request now and then is HTTP/1.1 keep-alive; many are not
+        assert resent <= 10, f"{resent} of 1000 POSTs lost their connection"
+        accepted = [r.json()["id"] for r in answered if r.status_code == 202]
+        codes = [r.status_code for r in answered]
+        limited = [r for r in answered if r.status_code == 429]
         assert set(codes) <= {202, 429}, sorted(set(codes))
         assert accepted and len(limited) == 1000 - len(accepted)
+        # no job without its answer: a request sent again had not reached the service
+        made = {job["id"] for job in all_compactions(client)} - before
+        assert made == set(accepted), (len(made), len(accepted))
         # the per-key queue limit bounds what waits, not what was accepted: the worker
         # claims jobs during the burst, each claim making room for one more
         left_queue = sum(
@@ -337,7 +359,8 @@ def test_a_burst_of_1000_posts_from_one_key_is_bounded_and_fair(
     finally:
         # whatever failed above, the flood's jobs leave the queue: later tests share the key.
         # DELETE cancels a job still queued or running and deletes one that finished meanwhile
-        answers = [client.delete(f"/compact/{cid}", cast_to=object) for cid in accepted]
+        flooded = [j["id"] for j in all_compactions(client) if j["id"] not in before]
+        answers = [client.delete(f"/compact/{cid}", cast_to=object) for cid in flooded]
     deleted = [a["id"] for a in answers if a["deleted"]]
     assert all(a["status"] == "succeeded" for a in answers if a["deleted"]), answers
     for cid in deleted:  # a deleted job is gone, not left behind in some other state
@@ -345,7 +368,7 @@ def test_a_burst_of_1000_posts_from_one_key_is_bounded_and_fair(
             client.get(f"/compact/{cid}", cast_to=object)
     statuses = {
         client.get(f"/compact/{cid}", cast_to=object)["status"]
-        for cid in accepted
+        for cid in flooded
         if cid not in deleted
     }
     assert statuses <= {"cancelled", "succeeded"}, statuses

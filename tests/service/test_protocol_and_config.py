@@ -274,6 +274,11 @@ def test_serve_arguments(tmp_path):
     assert env["VLLM_PLUGINS"] == "other,vllm_compaction,vllm_compaction_api"
     # the connector needs no extra core
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    # idle connections outlive a proxy's idle timeout and a busy loop; a user's value stays
+    assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) >= 60
+    mine = {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "7"}
+    vllm_serve_argv(["smollm2-135m"], mine)
+    assert mine["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == "7"
     assert env["VLLM_COMPACTION_AUTO_COMPACT_THRESHOLD_TOKENS"] == "800"
     assert not any(
         a.startswith("--compaction") or a.startswith("--auto-compact") for a in args

@@ -21,6 +21,7 @@ from vllm_compaction.vllm.endpoints import ENDPOINT_PLUGIN_NAME
 __all__ = ["serve_main", "GENERAL_PLUGIN_NAME", "vllm_serve_argv"]
 
 GENERAL_PLUGIN_NAME = "vllm_compaction"
+KEEP_ALIVE_S = 75
 
 
 def _has_flag(argv: Sequence[str], flag: str) -> bool:
@@ -59,6 +60,12 @@ def vllm_serve_argv(argv: Sequence[str], environ: dict[str, str]) -> list[str]:
     # vLLM's CPU executor reserves an extra core when any KV connector is configured (for NIXL
     # transfer threads); the compaction connector has none, so keep the stock reservation.
     environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    # uvicorn closes a connection idle for this long; a request the client sends on it as the
+    # server closes it is lost (a ReadError, not an answer). uvloop runs due timers before it
+    # reads the sockets, so a loop busy for longer than the timeout (a burst of /v1/compact on a
+    # loaded host) closes connections whose next request is already waiting. Stock is 5 s; a
+    # backend's keep-alive should outlast the idle timeout of the proxy in front of it (60 s).
+    environ.setdefault("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(KEEP_ALIVE_S))
     from vllm_compaction.vllm.engine import cpu_rank_binding, engine_kwargs
 
     if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in environ:
