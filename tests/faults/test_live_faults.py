@@ -310,7 +310,8 @@ def test_a_burst_of_1000_posts_from_one_key_is_bounded_and_fair(
     before = {job["id"] for job in all_compactions(client)}
     theirs = _compact(other_client, prompt=NOTE.replace("Tuesday", "Friday"))
     try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the burst beside the chats
+        # the burst beside the chats
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
             flood = pool.submit(asyncio.run, _burst(server.url, API_KEYS[0], 1000, 16))
             busy = []
             while not flood.done():
