@@ -17,13 +17,17 @@ budget's.
 
 Per task the result gives the losses given back, the sampled wins lost, and the new method's
 retention: exact once every win ran, else its bounds (every unsampled win lost / kept) and the
-estimate from the sample. Writes JSON and a PNG (retention per task, saved vs new).
+estimate from the sample. Once every instance ran, each task and the totals carry the exact
+p-value of McNemar's test on the answers given back and lost (``sign_test_p``): on these
+instances a change of a few answers either way is what noise gives, and the p-value says how
+far a difference is from that. Writes JSON and a PNG (retention per task, saved vs new).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import random
 from pathlib import Path
 
@@ -81,6 +85,38 @@ def instance_order(
     return losses + wins
 
 
+def sign_test(given_back: int, lost: int) -> float:
+    """Exact two-sided p-value of McNemar's test on the discordant pairs: how likely a method
+    no better or worse than the saved one gives back and loses answers at least this unevenly
+    (each discordant answer a fair coin). 7 back and 4 lost is p = 0.55; 10 and 2, p = 0.04."""
+    n, k = given_back + lost, min(given_back, lost)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def totals(summary: dict[str, dict]) -> dict:
+    """Over every task: right with the full context, kept by the saved and (once every instance
+    ran) by the new method, answers given back and lost, and the sign test's p-value."""
+    back = sum(len(e["given_back"]) for e in summary.values())
+    lost = sum(len(e["wins_lost"]) for e in summary.values())
+    n = sum(e["full_context_right"] for e in summary.values())
+    saved = round(
+        sum(e["saved_retention"] * e["full_context_right"] for e in summary.values())
+    )
+    out = {
+        "full_context_right": n,
+        "saved_kept": saved,
+        "given_back": back,
+        "wins_lost": lost,
+    }
+    if all(e["exact"] for e in summary.values()):
+        # a sampled run's discordant pairs undercount the wins lost: no p-value from them
+        out |= {"new_kept": saved + back - lost, "sign_test_p": sign_test(back, lost)}
+    return out
+
+
 def summarize(
     picked: dict[tuple[str, int], dict], pairs: list[dict]
 ) -> dict[str, dict]:
@@ -112,11 +148,77 @@ def summarize(
             "retention_bounds": [low, high],
             "exact": unrun == 0,
         }
+        if unrun == 0:
+            entry["sign_test_p"] = sign_test(len(given_back), len(lost))
         if run_wins and len(run_losses) == len(losses):
             kept_share = 1 - len(lost) / len(run_wins)
             entry["retention_estimate"] = (len(wins) * kept_share + len(given_back)) / n
         summary[task] = entry
     return summary
+
+
+#: what the runs ``--combine`` joins must share
+SAME_RUN = (
+    "against",
+    "saved_method",
+    "method",
+    "ratio",
+    "saved_ratio",
+    "max_new_tokens",
+)
+
+
+def combine(paths: list[str]) -> dict:
+    """The union of paired results of one method against one saved run (split by ``--tasks``
+    or ``--seeds`` to run in parallel, or resumed in parts): one summary, with the totals and
+    their sign test once every instance ran. An instance in two runs must have the same answer
+    in both (the runs are deterministic); runs that do not compare are refused."""
+    runs = [load_result(path) for path in paths]
+    for path, run in zip(paths, runs, strict=True):
+        if (
+            not isinstance(run, dict)
+            or not {"against", "method", "pairs"} <= run.keys()
+        ):
+            raise SweepError(f"{path} is not a benchmarks.paired result")
+    first = runs[0]
+    for path, run in zip(paths[1:], runs[1:], strict=True):
+        differ = [k for k in SAME_RUN if run.get(k) != first.get(k)]
+        if differ:
+            raise SweepError(
+                f"{path} does not combine with {paths[0]}: their {', '.join(differ)} differ"
+            )
+    saved = load_result(first["against"])
+    saved_ratio = first.get("saved_ratio", first["ratio"])
+    _, picked = _saved_instances(saved, first["saved_method"], saved_ratio)
+    # a run made before --tasks existed paired every task
+    tasks = [
+        t
+        for t in saved["tasks"]
+        if any(t in run.get("tasks", saved["tasks"]) for run in runs)
+    ]
+    picked = {k: v for k, v in picked.items() if k[0] in tasks}
+    pairs: dict[tuple[str, int], dict] = {}
+    for path, run in zip(paths, runs, strict=True):
+        for pair in run["pairs"]:
+            key = (pair["task"], pair["seed"])
+            if key in pairs and pairs[key]["new"]["answer"] != pair["new"]["answer"]:
+                raise SweepError(
+                    f"{pair['task']} seed {pair['seed']} ran twice with different answers "
+                    f"(one of them in {path}): the runs do not compare"
+                )
+            pairs.setdefault(key, pair)
+    summary = summarize(picked, list(pairs.values()))
+    return {
+        **{k: first.get(k) for k in SAME_RUN},
+        "saved_ratio": saved_ratio,
+        "combined": list(paths),
+        "tasks": tasks,
+        "tokens": first["tokens"],
+        "model": first["model"],
+        "summary": summary,
+        "totals": totals(summary),
+        "pairs": list(pairs.values()),
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -163,12 +265,10 @@ def plot(result: dict, path: Path) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--against", required=True, help="a saved benchmarks.quality result")
+    p.add_argument("--against", help="a saved benchmarks.quality result")
     p.add_argument("--saved-method", help="the saved method, if it holds several")
-    p.add_argument(
-        "--method", required=True, help="the method to run (any method string)"
-    )
-    p.add_argument("--ratio", type=float, required=True)
+    p.add_argument("--method", help="the method to run (any method string)")
+    p.add_argument("--ratio", type=float)
     p.add_argument(
         "--saved-ratio",
         type=float,
@@ -191,6 +291,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume", action="store_true", help="keep the pairs already in --out"
     )
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        metavar="RESULT",
+        help="instead of running: join paired results of one method against one saved run "
+        "(parts run by --tasks, --seeds or --limit) into one summary at --out",
+    )
     p.add_argument("--out", default=str(RESULTS / "paired.json"))
     return p
 
@@ -199,6 +306,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:
+        if args.combine:
+            joined = combine(args.combine)
+            save_result(joined, args.out, plot)
+            return joined
+        if args.against is None or args.method is None or args.ratio is None:
+            raise SweepError(
+                "give --against, --method and --ratio (or --combine RESULT ...)"
+            )
         saved = load_result(args.against)
         saved_ratio = args.ratio if args.saved_ratio is None else args.saved_ratio
         saved_method, picked = _saved_instances(saved, args.saved_method, saved_ratio)
@@ -260,6 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
             todo = todo[: max(0, args.limit - len(done))]
 
         def result() -> dict:
+            summary = summarize(picked, pairs)
             return dict(
                 against=str(args.against),
                 saved_method=saved_method,
@@ -272,7 +388,8 @@ def main(argv: list[str] | None = None) -> dict:
                 model=saved["model"],
                 max_new_tokens=args.max_new_tokens,
                 order_seed=args.order_seed,
-                summary=summarize(picked, pairs),
+                summary=summary,
+                totals=totals(summary),
                 pairs=pairs,
             )
 

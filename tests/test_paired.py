@@ -85,6 +85,42 @@ def test_retention_is_exact_when_all_ran_and_bounded_by_the_sample_otherwise():
     assert summary["losses_run"] == "0/1" and "retention_estimate" not in summary
 
 
+def test_the_sign_test_is_mcnemars_exact_test_and_needs_every_instance():
+    # no discordant answer, or as many back as lost: no evidence either way
+    assert paired.sign_test(0, 0) == 1.0 and paired.sign_test(3, 3) == 1.0
+    # 7 back, 4 lost: 2 * P(X <= 4), X ~ Bin(11, 1/2)
+    assert paired.sign_test(7, 4) == pytest.approx(2 * 562 / 2048)
+    assert paired.sign_test(4, 7) == paired.sign_test(7, 4)
+    assert paired.sign_test(10, 2) == pytest.approx(2 * 79 / 4096)
+    assert paired.sign_test(5, 0) == pytest.approx(2 / 32)
+    _, picked = paired._saved_instances(_saved(SCORES), None, 0.1)
+    pairs = [
+        {
+            "task": t,
+            "seed": s,
+            "new": {"score": 0.0 if (t, s) == ("a-task", 3) else 1.0},
+        }
+        for t, s in picked
+    ]
+    summary = paired.summarize(picked, pairs)
+    # a-task: its loss given back, win 3 lost; b-task: its loss given back
+    assert summary["a-task"]["sign_test_p"] == 1.0
+    assert summary["b-task"]["sign_test_p"] == 1.0
+    total = paired.totals(summary)
+    assert total == {
+        "full_context_right": 13,
+        "saved_kept": 11,
+        "given_back": 2,
+        "wins_lost": 1,
+        "new_kept": 12,
+        "sign_test_p": 1.0,
+    }
+    # a win not run yet: no p-value, the wins lost would be undercounted
+    partial = paired.summarize(picked, pairs[:-1])
+    assert "sign_test_p" not in paired.totals(partial)
+    assert "new_kept" not in paired.totals(partial)
+
+
 def test_bad_input_is_refused_with_a_sentence(tmp_path, monkeypatch):
     saved = _saved(SCORES)
     two = dict(saved, rows=saved["rows"] + [dict(saved["rows"][0], method="kvzip")])
@@ -230,3 +266,51 @@ def test_tasks_and_seeds_limit_the_pairs_to_those_instances(tmp_path, monkeypatc
         paired.main([*common, "--seeds", "1,x", "--out", str(seeded)])
     with pytest.raises(SystemExit, match="seeds \\[0, 3, 10\\]"):
         paired.main([*common, "--seeds", "3", "--out", str(seeded), "--resume"])
+
+
+def test_runs_in_parts_combine_into_one_summary_with_its_sign_test(
+    tmp_path, monkeypatch
+):
+    """``--combine``: runs of one method split by task join into the summary of one run over
+    both, totals and sign test included; runs of another method, an instance answered twice
+    differently and a file that is no paired result are refused with a sentence."""
+    against = tmp_path / "saved.json"
+    against.write_text(json.dumps(_saved(SCORES)))
+    _every_answer_right(monkeypatch)
+    common = ["--against", str(against), "--method", "am", "--ratio", "0.1"]
+    parts = [tmp_path / "a.json", tmp_path / "b.json"]
+    for task, out in zip(["a-task", "b-task"], parts, strict=True):
+        paired.main([*common, "--tasks", task, "--out", str(out)])
+    whole = tmp_path / "whole.json"
+    joined = paired.main(["--combine", *map(str, parts), "--out", str(whole)])
+    once = paired.main([*common, "--out", str(tmp_path / "once.json")])
+    assert joined["summary"] == once["summary"]
+    # both losses given back, nothing lost: 13 of 13 kept, and 2-0 is no evidence
+    assert (
+        joined["totals"]
+        == once["totals"]
+        == {
+            "full_context_right": 13,
+            "saved_kept": 11,
+            "given_back": 2,
+            "wins_lost": 0,
+            "new_kept": 13,
+            "sign_test_p": 0.5,
+        }
+    )
+    assert json.loads(whole.read_text())["combined"] == list(map(str, parts))
+    other = tmp_path / "other.json"
+    paired.main(["--against", str(against), "--method", "kvzip", "--ratio", "0.1",
+                 "--tasks", "a-task", "--out", str(other)])  # fmt: skip
+    with pytest.raises(SystemExit, match="does not combine .* their method differ"):
+        paired.main(["--combine", str(parts[0]), str(other)])
+    changed = json.loads(parts[0].read_text())
+    changed["pairs"][0]["new"]["answer"] = "another answer"
+    twin = tmp_path / "twin.json"
+    twin.write_text(json.dumps(changed))
+    with pytest.raises(SystemExit, match="ran twice with different answers"):
+        paired.main(["--combine", str(parts[0]), str(twin)])
+    with pytest.raises(SystemExit, match="is not a benchmarks.paired result"):
+        paired.main(["--combine", str(against)])
+    with pytest.raises(SystemExit, match="give --against, --method and --ratio"):
+        paired.main(["--method", "am"])

@@ -312,7 +312,7 @@ def resolve(
             raise ValueError(
                 f"protect_by={protect_by} needs a selector that ranks keys by score; method "
                 f"{method!r} selects with {method_math.selector.name!r} (use "
-                "protect_by=exact, or a highest-attention method such as am)"
+                "protect_by=exact, or a highest-attention or OMP method such as am)"
             )
     band = check_priority_exact_depth(merged.get("priority_exact_depth"))
     band_method, band_protect = None, None

@@ -542,8 +542,8 @@ BAD_CALLS = {
     ),
     "priority not bool": (dict(priority=torch.ones(T)), "priority"),
     "priority shape": (dict(priority=torch.ones(T - 1, dtype=torch.bool)), "priority"),
-    "priority with omp": (
-        dict(method=MATH["am-omp-fast"], priority=torch.ones(T, dtype=torch.bool)),
+    "priority with kvmerger": (
+        dict(method=MATH["kvmerger"], priority=torch.ones(T, dtype=torch.bool)),
         "cannot keep priority keys",
     ),
 }

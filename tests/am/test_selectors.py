@@ -416,3 +416,39 @@ def test_omp_seed_share_keeps_the_sharpest_keys_then_fits_the_mass():
     )
     with pytest.raises(ValueError, match="seed_share"):
         OMPSelector(seed_share=1.5)
+
+
+def test_omp_keeps_priority_keys_first_by_mass_then_fits_the_mass_around_them():
+    """Priority keys are OMP's first round: each head takes its best of them by attention mass
+    (``Phi^T m``), up to half its budget, then the greedy rounds fill the rest. With
+    ``min_beta = -50`` no key is dropped, so the lifted ones all stay; no priority key gives the
+    paper's OMP."""
+    p = _problem(6, budget=12, features=True)
+    mass_score = torch.bmm(p.reference.features.float(), p.reference.mass[..., None])[
+        ..., 0
+    ]
+    priority = torch.zeros(p.keys.shape[1], dtype=torch.bool)
+    # the 8 keys of least mass in head 0: more than half a budget of 12
+    priority[mass_score[0].argsort()[:8]] = True
+    omp = OMPSelector(keys_per_step=2, refit_interval=1, min_beta=-50.0)
+    plain = omp.select(p)
+    chosen = omp.select(
+        SelectionProblem(
+            p.keys, p.values, p.queries, p.scale, p.budgets, p.reference, priority
+        )
+    )
+    assert chosen.lengths.tolist() == [12, 12, 12]
+    for h in range(3):
+        kept = set(chosen.indices[h].tolist())
+        best = torch.topk(mass_score[h].masked_fill(~priority, -1.0), 6).indices
+        assert set(best.tolist()) <= kept and len(kept) == 12
+        assert len(kept & set(priority.nonzero()[:, 0].tolist())) == 6
+        # the paper's OMP would not keep them: they have the least mass
+        assert len(set(plain.indices[h].tolist()) & set(best.tolist())) < 6
+    none = torch.zeros_like(priority)
+    again = omp.select(
+        SelectionProblem(
+            p.keys, p.values, p.queries, p.scale, p.budgets, p.reference, none
+        )
+    )
+    assert torch.equal(again.indices, plain.indices)

@@ -247,10 +247,14 @@ def test_unknown_rules_are_refused():
         resolve("am:protect=identifiers,protect_by=fit")
     # only a selector that ranks keys can keep protected tokens first
     with pytest.raises(ValueError, match="protect_by=selection needs a selector"):
-        resolve("am-omp-fast:protect=identifiers,protect_by=selection")
-    assert resolve("am-omp-fast:protect=identifiers").protect_by == "exact"
+        resolve("kvmerger:protect=identifiers,protect_by=selection")
+    assert resolve("kvmerger:protect=identifiers").protect_by == "exact"
     with pytest.raises(ValueError, match="protect_by=whole needs a selector"):
-        resolve("am-omp-fast:protect=identifiers,protect_by=whole")
+        resolve("random:protect=identifiers,protect_by=whole")
+    # OMP keeps them in its first round
+    assert resolve(
+        "am-omp-fast:protect=identifiers,protect_by=selection"
+    ).protect_by == ("selection")
     chosen = resolve("am:protect=identifiers,protect_by=selection")
     assert (chosen.protect, chosen.protect_by) == ("identifiers", "selection")
     assert resolve("am:protect=identifiers,protect_by=whole").protect_by == "whole"

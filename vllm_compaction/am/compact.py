@@ -212,8 +212,8 @@ def _check_priority(
     if not plan.selector.takes_priority:
         raise ValueError(
             f"method {plan.name!r} selects its keys with {plan.selector.name!r}, which cannot "
-            "keep priority keys first; use a highest-attention method (am, am-highest-attn, "
-            "kvzip, ...)"
+            "keep priority keys first; use a highest-attention or OMP method (am, "
+            "am-highest-attn, am-omp, kvzip, ...)"
         )
     return priority.to(device)
 

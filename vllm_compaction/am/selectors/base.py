@@ -24,6 +24,7 @@ __all__ = [
     "Selector",
     "SelectorBase",
     "has_priority",
+    "priority_lift",
     "priority_members",
     "top_by_score",
     "PRIORITY_SHARE",
@@ -162,7 +163,7 @@ def has_priority(priority: torch.Tensor) -> bool:
     return bool(priority_members(priority).any())
 
 
-def _priority_lift(
+def priority_lift(
     scores: torch.Tensor, budgets: torch.Tensor, priority: torch.Tensor
 ) -> torch.Tensor:
     """``[H, T]`` bool: the priority keys each head keeps first, at most ``PRIORITY_SHARE`` of
@@ -224,7 +225,7 @@ def top_by_score(
     t_max = int(budgets.max()) if budgets.numel() else 0
     if priority is not None and has_priority(priority):
         # the lifted keys rank above the best other key, keeping their own order
-        lift = _priority_lift(scores, budgets, priority)
+        lift = priority_lift(scores, budgets, priority)
         span = (scores.amax(-1, keepdim=True) - scores.amin(-1, keepdim=True)) + 1
         scores = torch.where(lift, scores + span, scores)
     order = torch.arange(scores.shape[-1], device=scores.device).expand_as(scores)

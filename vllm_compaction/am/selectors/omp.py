@@ -22,6 +22,12 @@ CPU, fp8 on CUDA: it only ranks candidates), while the kept columns that every f
 recomputed in fp32 from their keys. Each refit solves only the slots used so far (the Gram
 grows by ``k tau`` columns a round), not the head's whole budget.
 
+Priority keys (``SelectionProblem.priority``, the protected identifiers) are the first round:
+each head takes its best of them (by their attention mass, up to ``PRIORITY_SHARE`` of its
+budget, as the highest-attention selector keeps them) before any greedy step, and the greedy
+rounds fit the mass around them. They are never dropped: one whose weight falls below the
+floor keeps its slot at ``beta = min_beta``, as a protected token is kept whatever its fit.
+
 Stabilisers (paper, "Stabilizing beta"): a refit drops kept keys whose unconstrained weight
 is below ``e^min_beta`` (they are banned and selection continues until every kept key has
 ``beta >= min_beta``), and weights are capped at ``e^max_beta``.
@@ -41,6 +47,8 @@ from vllm_compaction.am.selectors.base import (
     Selection,
     SelectionProblem,
     SelectorBase,
+    has_priority,
+    priority_lift,
     slot_mask,
 )
 
@@ -79,6 +87,7 @@ class OMPSelector(SelectorBase):
 
     name: ClassVar[str] = "omp"
     provides_beta: ClassVar[bool] = True
+    takes_priority: ClassVar[bool] = True
     needs_features: ClassVar[bool] = True
     needs_reference: ClassVar[bool] = True
     keys_per_step: int = 1
@@ -131,6 +140,15 @@ class OMPSelector(SelectorBase):
             per_round = torch.maximum(per_round, -(-problem.budgets // self.max_rounds))
         state = _GreedyMassFit(problem, per_round)
         lower, upper = math.exp(self.min_beta), math.exp(self.max_beta)
+        if problem.priority is not None and has_priority(problem.priority):
+            # the priority keys first, each head's best of them by attention mass (the
+            # correlation with the whole mass, before any key is kept)
+            lift = priority_lift(state.corr, problem.budgets, problem.priority)
+            state.pinned = lift
+            state.add_keys(state.corr.masked_fill(~lift, float("-inf")), lift.sum(1))
+            state.update_residual(
+                torch.where(state.valid, state.refit(lower).clamp(lower, upper), 0.0)
+            )
         # one first round on the max-attention scores of the reference pass
         if self.seed_share > 0:
             seeds = (
@@ -203,6 +221,8 @@ class _GreedyMassFit:
         self.rhs = torch.zeros(h, slots, dtype=torch.float64, device=dev)
         self.final_w = torch.zeros(h, self.t_max, dtype=torch.float64, device=dev)
         self.done = budgets <= 0
+        # [H, T] keys a refit may not drop (the priority keys), or None
+        self.pinned: torch.Tensor | None = None
         self.high = 0  # slots [high, t_max) have never been used
         self.corr = self._correlation(self.mass)  # [H, T] correlation with r = m
 
@@ -365,10 +385,13 @@ class _GreedyMassFit:
 
     def refit(self, lower: float) -> torch.Tensor:
         """Unconstrained least-squares weights ``[H, t_max]`` (0 on free slots); frees the
-        slots of keys whose weight falls below ``lower`` (they stay excluded) and re-solves."""
+        slots of keys whose weight falls below ``lower`` (they stay excluded; ``pinned`` keys
+        stay) and re-solves."""
         w = self._solve()
         for _ in range(DROP_SOLVES):
             drop = self.valid & (w < lower) & ~self.done[:, None]
+            if self.pinned is not None:
+                drop &= ~self.pinned.gather(1, self.idx[:, : self.t_max])
             remaining = (~self.excluded).sum(1)
             # only if enough keys can replace them
             drop &= (drop.sum(1) <= remaining)[:, None]
