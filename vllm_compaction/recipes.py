@@ -310,7 +310,7 @@ def resolve(
     if protect != "none" and protect_by != "exact":
         if not method_math.selector.takes_priority:
             raise ValueError(
-                f"protect_by={protect_by} needs a selector that ranks keys by score; method "
+                f"protect_by={protect_by} needs a selector that can keep keys first; method "
                 f"{method!r} selects with {method_math.selector.name!r} (use "
                 "protect_by=exact, or a highest-attention or OMP method such as am)"
             )
