@@ -452,3 +452,38 @@ def test_omp_keeps_priority_keys_first_by_mass_then_fits_the_mass_around_them():
         )
     )
     assert torch.equal(again.indices, plain.indices)
+
+
+def test_omp_freezes_priority_keys_at_the_floor_and_fits_the_others_without_them():
+    """With the paper's floor (``beta >= -7``) the least-massive priority keys get a negative
+    unconstrained weight: they stay (frozen at ``beta = -7``) and the other kept keys' weights
+    are the least-squares fit of the mass without their columns, not one leaning on a negative
+    weight that the floor then removes."""
+    p = _problem(6, budget=12, features=True)
+    mass_score = torch.bmm(p.reference.features.float(), p.reference.mass[..., None])[
+        ..., 0
+    ]
+    priority = torch.zeros(p.keys.shape[1], dtype=torch.bool)
+    priority[mass_score[0].argsort()[:8]] = True
+    chosen = OMPSelector(keys_per_step=2, refit_interval=1).select(
+        SelectionProblem(
+            p.keys, p.values, p.queries, p.scale, p.budgets, p.reference, priority
+        )
+    )
+    assert chosen.beta is not None
+    frozen_any = False
+    for h in range(3):
+        idx, beta = chosen.indices[h], chosen.beta[h].double()
+        lifted = torch.topk(mass_score[h].masked_fill(~priority, -1.0), 6).indices
+        assert set(lifted.tolist()) <= set(idx.tolist())
+        frozen = beta <= -7.0 + 1e-6
+        frozen_any |= bool(frozen.any())
+        assert set(idx[frozen].tolist()) <= set(lifted.tolist())
+        # the others: the mass fit on their exact columns alone
+        logits = p.queries[h] @ p.keys[h, idx[~frozen]].T * p.scale
+        phi = torch.exp(logits - p.reference.shift[h][:, None]).double()
+        want = torch.linalg.lstsq(phi, p.reference.mass[h].double()[:, None]).solution
+        assert torch.allclose(
+            beta[~frozen].exp(), want[:, 0].clamp(math.exp(-7)), rtol=1e-3
+        )
+    assert frozen_any  # the case this test is about occurs

@@ -26,7 +26,9 @@ Priority keys (``SelectionProblem.priority``, the protected identifiers) are the
 each head takes its best of them (by their attention mass, up to ``PRIORITY_SHARE`` of its
 budget, as the highest-attention selector keeps them) before any greedy step, and the greedy
 rounds fit the mass around them. They are never dropped: one whose weight falls below the
-floor keeps its slot at ``beta = min_beta``, as a protected token is kept whatever its fit.
+floor is frozen instead, its slot kept at ``beta = min_beta`` and its column taken out of the
+equations (as a drop takes it out), so the other weights do not lean on a negative weight that
+the floor then removes.
 
 Stabilisers (paper, "Stabilizing beta"): a refit drops kept keys whose unconstrained weight
 is below ``e^min_beta`` (they are banned and selection continues until every kept key has
@@ -221,8 +223,10 @@ class _GreedyMassFit:
         self.rhs = torch.zeros(h, slots, dtype=torch.float64, device=dev)
         self.final_w = torch.zeros(h, self.t_max, dtype=torch.float64, device=dev)
         self.done = budgets <= 0
-        # [H, T] keys a refit may not drop (the priority keys), or None
+        # [H, T] keys a refit may not drop (the priority keys), or None; [H, slots] the slots
+        # of those frozen at the floor (out of the equations, kept)
         self.pinned: torch.Tensor | None = None
+        self.frozen = torch.zeros(h, slots, dtype=torch.bool, device=dev)
         self.high = 0  # slots [high, t_max) have never been used
         self.corr = self._correlation(self.mass)  # [H, T] correlation with r = m
 
@@ -390,20 +394,40 @@ class _GreedyMassFit:
         w = self._solve()
         for _ in range(DROP_SOLVES):
             drop = self.valid & (w < lower) & ~self.done[:, None]
+            freeze = torch.zeros_like(drop)
             if self.pinned is not None:
-                drop &= ~self.pinned.gather(1, self.idx[:, : self.t_max])
+                pinned = self.pinned.gather(1, self.idx[:, : self.t_max])
+                freeze = drop & pinned & ~self.frozen[:, : self.t_max]
+                drop &= ~pinned
             remaining = (~self.excluded).sum(1)
             # only if enough keys can replace them
             drop &= (drop.sum(1) <= remaining)[:, None]
-            if not drop.any():
+            changed = drop | freeze
+            if not changed.any():
                 break
-            logger.debug("OMP drops %d keys with beta below the floor", int(drop.sum()))
+            logger.debug(
+                "OMP drops %d keys with beta below the floor, freezes %d priority keys",
+                int(drop.sum()),
+                int(freeze.sum()),
+            )
             self.occupied[:, : self.t_max] &= ~drop
-            # the factor's rows above the first dropped slot stay
-            first = int(drop.any(0).nonzero()[0, 0])
+            if freeze.any():
+                self._freeze(freeze)
+            # the factor's rows above the first changed slot stay
+            first = int(changed.any(0).nonzero()[0, 0])
             self.factor_size = min(self.factor_size, first)
             w = self._solve()
         return w
+
+    def _freeze(self, slots: torch.Tensor) -> None:
+        """Take the columns of ``slots [H, t_max]`` out of the equations (zero Gram rows and
+        columns, right-hand side and features: their weight solves to 0 and is floored at the
+        end) while they keep their keys."""
+        mask = torch.nn.functional.pad(slots, (0, 1))  # [H, slots]
+        self.frozen |= mask
+        self.gram.masked_fill_(mask[:, :, None] | mask[:, None, :], 0.0)
+        self.rhs.masked_fill_(mask, 0.0)
+        self.phi_s.masked_fill_(mask[..., None], 0.0)
 
     def update_residual(self, w: torch.Tensor) -> None:
         """Record ``w`` for unfinished heads, mark finished ones, refresh the correlation."""
