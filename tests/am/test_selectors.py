@@ -418,18 +418,28 @@ def test_omp_seed_share_keeps_the_sharpest_keys_then_fits_the_mass():
         OMPSelector(seed_share=1.5)
 
 
+def _least_massive_priority(
+    p: SelectionProblem, count: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mass_score [H, T], priority [T])``: each key's attention mass (``Phi^T m``) and a
+    priority mask on the ``count`` keys of least mass in head 0."""
+    assert p.reference is not None and p.reference.features is not None
+    mass_score = torch.bmm(p.reference.features.float(), p.reference.mass[..., None])[
+        ..., 0
+    ]
+    priority = torch.zeros(p.keys.shape[1], dtype=torch.bool)
+    priority[mass_score[0].argsort()[:count]] = True
+    return mass_score, priority
+
+
 def test_omp_keeps_priority_keys_first_by_mass_then_fits_the_mass_around_them():
     """Priority keys are OMP's first round: each head takes its best of them by attention mass
     (``Phi^T m``), up to half its budget, then the greedy rounds fill the rest. With
     ``min_beta = -50`` no key is dropped, so the lifted ones all stay; no priority key gives the
     paper's OMP."""
     p = _problem(6, budget=12, features=True)
-    mass_score = torch.bmm(p.reference.features.float(), p.reference.mass[..., None])[
-        ..., 0
-    ]
-    priority = torch.zeros(p.keys.shape[1], dtype=torch.bool)
     # the 8 keys of least mass in head 0: more than half a budget of 12
-    priority[mass_score[0].argsort()[:8]] = True
+    mass_score, priority = _least_massive_priority(p)
     omp = OMPSelector(keys_per_step=2, refit_interval=1, min_beta=-50.0)
     plain = omp.select(p)
     chosen = omp.select(
@@ -460,11 +470,7 @@ def test_omp_freezes_priority_keys_at_the_floor_and_fits_the_others_without_them
     are the least-squares fit of the mass without their columns, not one leaning on a negative
     weight that the floor then removes."""
     p = _problem(6, budget=12, features=True)
-    mass_score = torch.bmm(p.reference.features.float(), p.reference.mass[..., None])[
-        ..., 0
-    ]
-    priority = torch.zeros(p.keys.shape[1], dtype=torch.bool)
-    priority[mass_score[0].argsort()[:8]] = True
+    mass_score, priority = _least_massive_priority(p)
     chosen = OMPSelector(keys_per_step=2, refit_interval=1).select(
         SelectionProblem(
             p.keys, p.values, p.queries, p.scale, p.budgets, p.reference, priority

@@ -143,14 +143,8 @@ class OMPSelector(SelectorBase):
         state = _GreedyMassFit(problem, per_round)
         lower, upper = math.exp(self.min_beta), math.exp(self.max_beta)
         if problem.priority is not None and has_priority(problem.priority):
-            # the priority keys first, each head's best of them by attention mass (the
-            # correlation with the whole mass, before any key is kept)
-            lift = priority_lift(state.corr, problem.budgets, problem.priority)
-            state.pinned = lift
-            state.add_keys(state.corr.masked_fill(~lift, float("-inf")), lift.sum(1))
-            state.update_residual(
-                torch.where(state.valid, state.refit(lower).clamp(lower, upper), 0.0)
-            )
+            state.add_priority(problem.priority)
+            state.refit_step(lower, upper)
         # one first round on the max-attention scores of the reference pass
         if self.seed_share > 0:
             seeds = (
@@ -159,9 +153,7 @@ class OMPSelector(SelectorBase):
                 .clamp(0, None)
             )
             state.add_keys(ref.scores, torch.minimum(seeds, problem.budgets))
-            state.update_residual(
-                torch.where(state.valid, state.refit(lower).clamp(lower, upper), 0.0)
-            )
+            state.refit_step(lower, upper)
         # Without drops every head is done after ceil(t_h / per_round) rounds: run those without
         # asking the device, then check once per round (a drop bans a key, so this ends).
         sure = (
@@ -173,8 +165,7 @@ class OMPSelector(SelectorBase):
             if round_ >= sure and bool(state.done.all()):
                 break
             state.add_keys()
-            w = state.refit(lower)
-            state.update_residual(torch.where(state.valid, w.clamp(lower, upper), 0.0))
+            state.refit_step(lower, upper)
         indices, weights, lengths = state.packed()
         beta = torch.where(
             slot_mask(lengths, state.t_max), weights.clamp(lower, upper).log(), 0.0
@@ -320,6 +311,20 @@ class _GreedyMassFit:
         self.rhs[heads, slots] = torch.bmm(new, self.mass[..., None])[..., 0].to(
             torch.float64
         )
+
+    def add_priority(self, priority: torch.Tensor) -> None:
+        """Keep each head's best ``priority`` keys (bool mask or span ids) first: the best by
+        attention mass (the correlation with the whole mass, before any key is kept), up to
+        ``PRIORITY_SHARE`` of its budget; a refit never drops them (``pinned``)."""
+        lift = priority_lift(self.corr, self.budgets, priority)
+        self.pinned = lift
+        self.add_keys(self.corr.masked_fill(~lift, float("-inf")), lift.sum(1))
+
+    def refit_step(self, lower: float, upper: float) -> None:
+        """Refit the kept keys' weights (dropping or freezing those under ``lower``) and move
+        the residual to the weights clamped to ``[lower, upper]``."""
+        w = self.refit(lower)
+        self.update_residual(torch.where(self.valid, w.clamp(lower, upper), 0.0))
 
     def _solve(self) -> torch.Tensor:
         """Weights ``[H, t_max]``: the normal equations of the slots below ``high`` (the free
