@@ -512,13 +512,14 @@ def combine(
     instances: int | None = None,
     labels: dict[str, str] | None = None,
 ) -> dict:
-    """One result from runs of different methods over the same instances (same model, length,
-    tasks and prompts, asserted), for one table and one plot. A method may come from several
-    runs at different ratios (10% in one, 5% and 2% in another), never at one ratio twice; the
-    full-context and no-context answers must agree, else the runs do not compare. Given
-    ``instances``, each run's first ``instances`` instances are combined (a 48-instance run
-    beside 12-instance ones); ``labels`` renames methods first (a method spec written out in one
-    run and by its recipe name in another)."""
+    """One result from several runs, for one table and one plot: runs of different methods over
+    the same instances, or of the same sweep split by task across processes, or both. A task in
+    two runs must have the same instances in both (prompts and baseline answers, asserted), and
+    a method may come from several runs at different ratios (10% in one, 5% and 2% in another),
+    never at one ratio on one task twice; the model and the length must agree, else the runs do
+    not compare. Given ``instances``, each run's first ``instances`` instances are combined (a
+    48-instance run beside 12-instance ones); ``labels`` renames methods first (a method spec
+    written out in one run and by its recipe name in another)."""
     if not results:
         raise SweepError("nothing to combine")
     if instances is not None and instances < 1:
@@ -530,66 +531,90 @@ def combine(
             results = [_relabel(result, labels) for result in results]
         first = results[0]
         for other in results[1:]:
-            for key in ("model", "tokens", "tasks"):
+            for key in ("model", "tokens"):
                 if other[key] != first[key]:
                     raise SweepError(
                         f"cannot combine: {key} {other[key]!r} differs from {first[key]!r}"
                     )
-        instances = {
-            (b["task"], b["seed"], b["method"]): (b["prompt"], b["score"])
-            for b in first["baselines"]
-        }
+        tasks, baselines = _combined_baselines(results)
         methods: list[str] = []
-        for result in results[1:]:
-            mine = {
-                (b["task"], b["seed"], b["method"]): (b["prompt"], b["score"])
-                for b in result["baselines"]
-            }
-            if mine != instances:
-                differ = sorted(
-                    {k[:2] for k in set(mine) ^ set(instances)}
-                    | {
-                        k[:2]
-                        for k in set(mine) & set(instances)
-                        if mine[k] != instances[k]
-                    }
-                )
-                raise SweepError(
-                    f"cannot combine: the runs differ on instances {differ[:5]} "
-                    "(missing, or another prompt or baseline answer)"
-                )
-        seen: set[tuple[str, float]] = set()
+        seen: set[tuple[str, str, float]] = set()
         for result in results:
             for method in result["methods"]:
-                for ratio in result["ratios"]:
-                    if (method, ratio) in seen:
-                        raise SweepError(
-                            f"cannot combine: {method} at {ratio:g} is in two of the runs"
-                        )
-                    seen.add((method, ratio))
+                for task in result["tasks"]:
+                    for ratio in result["ratios"]:
+                        if (task, method, ratio) in seen:
+                            raise SweepError(
+                                f"cannot combine: {method} at {ratio:g} on {task} is in two "
+                                "of the runs"
+                            )
+                        seen.add((task, method, ratio))
                 if method not in methods:
                     methods.append(method)
         rows = [row for result in results for row in result["rows"]]
         ratios = sorted(
             {r for result in results for r in result["ratios"]}, reverse=True
         )
+        answered_by = {result.get("answered_by") for result in results}
     except (KeyError, TypeError) as exc:
         raise SweepError(
             f"cannot combine: not a result of this benchmark ({exc!r})"
         ) from None
-    return dict(
+    merged = dict(
         model=first["model"],
         tokens=first["tokens"],
         instances=first["instances"],
         seed=first["seed"],
-        tasks=first["tasks"],
+        tasks=tasks,
         ratios=ratios,
         methods=methods,
-        summary=summarize(rows, first["baselines"]),
-        baselines=first["baselines"],
+    )
+    if len(answered_by) == 1 and None not in answered_by:
+        # vLLM's answers are scored only where every run has them
+        merged["answered_by"] = answered_by.pop()
+    if any(result.get("partial") for result in results):
+        # a part that stopped early (--resume continues it) leaves the whole partial
+        merged["partial"] = True
+    return dict(
+        **merged,
+        summary=summarize(rows, baselines),
+        baselines=baselines,
         rows=rows,
         created=time.time(),
     )
+
+
+def _combined_baselines(results: list[dict]) -> tuple[list[str], list[dict]]:
+    """The tasks of ``results`` in the order they first appear, and each task's baselines from
+    the first run that has it; SweepError where a later run has the task with other instances
+    (missing ones, another prompt or another baseline answer)."""
+    tasks: list[str] = []
+    baselines: list[dict] = []
+    known: dict[str, dict] = {}
+    for result in results:
+        mine: dict[str, dict] = {task: {} for task in result["tasks"]}
+        for b in result["baselines"]:
+            mine[b["task"]][(b["seed"], b["method"])] = (b["prompt"], b["score"])
+        for task, answers in mine.items():
+            if task not in known:
+                known[task] = answers
+                tasks.append(task)
+                baselines += [b for b in result["baselines"] if b["task"] == task]
+            elif answers != known[task]:
+                theirs = known[task]
+                differ = sorted(
+                    {k[0] for k in set(answers) ^ set(theirs)}
+                    | {
+                        k[0]
+                        for k in set(answers) & set(theirs)
+                        if answers[k] != theirs[k]
+                    }
+                )
+                raise SweepError(
+                    f"cannot combine: the runs differ on {task} instances {differ[:5]} "
+                    "(missing, or another prompt or baseline answer)"
+                )
+    return tasks, baselines
 
 
 def _total(scores: list[float | None]) -> str | None:
@@ -774,7 +799,8 @@ def parser(**defaults) -> argparse.ArgumentParser:
         "--combine",
         nargs="+",
         metavar="RESULT.json",
-        help="run nothing: merge these results (same instances, other methods or ratios) into "
+        help="run nothing: merge these results (other methods or ratios on the same instances, "
+        "or other tasks: a sweep split by task) into "
         "--out and plot",
     )
     p.add_argument(

@@ -176,10 +176,18 @@ def test_resume_refuses_other_settings_and_keeps_only_complete_instances():
             )
 
 
-def _result(methods, seeds=(0, 1), ratios=(0.1,), prompt="p", full_score=1.0):
+def _result(
+    methods,
+    seeds=(0, 1),
+    ratios=(0.1,),
+    prompt="p",
+    full_score=1.0,
+    task="niah",
+    answered_by=None,
+):
     baselines = [
         dict(
-            task="niah",
+            task=task,
             seed=s,
             method=m,
             prompt=f"{prompt}{s}",
@@ -190,7 +198,7 @@ def _result(methods, seeds=(0, 1), ratios=(0.1,), prompt="p", full_score=1.0):
     ]
     rows = [
         dict(
-            task="niah",
+            task=task,
             seed=s,
             method=m,
             ratio=r,
@@ -204,17 +212,18 @@ def _result(methods, seeds=(0, 1), ratios=(0.1,), prompt="p", full_score=1.0):
         for s in seeds
         for r in ratios
     ]
-    return dict(
+    result = dict(
         model="smollm2-135m",
         tokens=2000,
         instances=len(seeds),
         seed=seeds[0],
-        tasks=["niah"],
+        tasks=[task],
         ratios=list(ratios),
         methods=list(methods),
         baselines=baselines,
         rows=rows,
     )
+    return result if answered_by is None else {**result, "answered_by": answered_by}
 
 
 def test_combine_merges_runs_over_the_same_instances_only():
@@ -247,6 +256,38 @@ def test_combine_merges_runs_over_the_same_instances_only():
             combine([_result(["kvzip"]), other])
 
 
+def test_combine_joins_a_sweep_split_by_task_into_the_summary_of_one_run():
+    from benchmarks.quality import SweepError, combine, summarize
+
+    # two processes, two families each in the real runs; here one task each
+    facts = _result(["am"], task="chat-facts", answered_by="reference+vllm")
+    copies = _result(
+        ["am"], task="exact-copy", full_score=0.0, answered_by="reference+vllm"
+    )
+    joined = combine([facts, copies])
+    assert joined["tasks"] == ["chat-facts", "exact-copy"]
+    assert joined["answered_by"] == "reference+vllm"
+    assert joined["summary"] == summarize(
+        facts["rows"] + copies["rows"], facts["baselines"] + copies["baselines"]
+    )
+    assert joined["summary"]["exact-copy"]["full-context"] == "0/2"
+    assert "partial" not in joined
+    assert combine([facts, {**copies, "partial": True}])["partial"] is True
+    # another method on one of the tasks joins too (and vLLM's answers are not everywhere)
+    kvzip = _result(["kvzip"], task="exact-copy", full_score=0.0)
+    three = combine([facts, copies, kvzip])
+    assert three["methods"] == ["am", "kvzip"] and "answered_by" not in three
+    assert "kvzip" not in three["summary"]["chat-facts"]
+    assert three["summary"]["exact-copy"]["kvzip"]["0.1"]["score"] == "2/2"
+    # a task in two runs must have the same instances; a method at a ratio on a task once
+    with pytest.raises(SweepError, match=r"differ on exact-copy instances \[0, 1\]"):
+        combine([copies, _result(["kvzip"], task="exact-copy", prompt="q")])
+    with pytest.raises(
+        SweepError, match="am at 0.1 on chat-facts is in two of the runs"
+    ):
+        combine([facts, copies, _result(["am"], task="chat-facts")])
+
+
 def test_combine_joins_a_method_across_runs_of_other_ratios_and_takes_the_first_instances():
     from benchmarks.quality import SweepError, combine, main
 
@@ -266,7 +307,7 @@ def test_combine_joins_a_method_across_runs_of_other_ratios_and_takes_the_first_
     # without the cut the instances differ; one method at one ratio twice is refused
     with pytest.raises(SweepError, match="instances"):
         combine([_result(["am"], seeds=(0, 1, 2, 3)), _result(["am"], ratios=(0.05,))])
-    with pytest.raises(SweepError, match="am at 0.05 is in two of the runs"):
+    with pytest.raises(SweepError, match="am at 0.05 on niah is in two of the runs"):
         combine([_result(["am"], ratios=(0.1, 0.05)), _result(["am"], ratios=(0.05,))])
     with pytest.raises(SweepError, match="--first must be >= 1"):
         combine([_result(["am"])], instances=0)
