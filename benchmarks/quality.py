@@ -719,7 +719,9 @@ def plot(result: dict, path: Path) -> None:
             return _fraction(cell.get("vllm_score") or cell["score"])
 
         for method, color in zip(result["methods"], palette):
-            per_ratio = summary[method]
+            per_ratio = summary.get(method)
+            if per_ratio is None:  # joined runs: a method measured on some tasks only
+                continue
             xs = sorted(float(r) for r in per_ratio)
             top.plot(
                 xs,
@@ -747,7 +749,12 @@ def plot(result: dict, path: Path) -> None:
         log_scale(top)
         top.set_xlabel("compaction ratio (slots / context tokens)")
         top.set_ylabel(ylabel)
-        top.set_title(f"{task} ({result['instances']} x {result['tokens']} tokens)")
+        # the instances this task has: a stopped run or part has fewer than it planned
+        instances = sum(
+            b["task"] == task and b["method"] == "full-context"
+            for b in result["baselines"]
+        )
+        top.set_title(f"{task} ({instances} x {result['tokens']} tokens)")
         log_scale(bottom)
         bottom.set_xlabel(f"compaction time at ratio {near_10} (s)")
         bottom.set_ylabel(ylabel)

@@ -256,8 +256,8 @@ def test_combine_merges_runs_over_the_same_instances_only():
             combine([_result(["kvzip"]), other])
 
 
-def test_combine_joins_a_sweep_split_by_task_into_the_summary_of_one_run():
-    from benchmarks.quality import SweepError, combine, summarize
+def test_combine_joins_a_sweep_split_by_task_into_the_summary_of_one_run(tmp_path):
+    from benchmarks.quality import SweepError, combine, plot, summarize
 
     # two processes, two families each in the real runs; here one task each
     facts = _result(["am"], task="chat-facts", answered_by="reference+vllm")
@@ -279,6 +279,9 @@ def test_combine_joins_a_sweep_split_by_task_into_the_summary_of_one_run():
     assert three["methods"] == ["am", "kvzip"] and "answered_by" not in three
     assert "kvzip" not in three["summary"]["chat-facts"]
     assert three["summary"]["exact-copy"]["kvzip"]["0.1"]["score"] == "2/2"
+    # and draws: each task with the methods and instances it has
+    plot(three, tmp_path / "three.png")
+    assert (tmp_path / "three.png").stat().st_size > 0
     # a task in two runs must have the same instances; a method at a ratio on a task once
     with pytest.raises(SweepError, match=r"differ on exact-copy instances \[0, 1\]"):
         combine([copies, _result(["kvzip"], task="exact-copy", prompt="q")])
