@@ -420,6 +420,8 @@ def main(argv: list[str] | None = None) -> dict:
                     seed=seed,
                     prompt=row["prompt"],
                     full_answer=full["answer"],
+                    # how firmly the full context gives it (the new row's own margin beside)
+                    full_margin=full.get("margin"),
                     saved={k: expected["saved"][k] for k in ("answer", "score")},
                     new=row,
                 )

@@ -21,6 +21,15 @@ serves it: each row and baseline gains ``vllm_answer`` and ``vllm_score`` beside
 decoder's, and the summary scores and plots vLLM's answers. The summary's ``retention`` is the
 share of the instances the full context answers right that the compacted prefix still does;
 tasks scored exactly (identifiers) count answers ``cut_short``, a prefix of the expected value.
+
+Where the full context answers right, its baseline records its ``margin`` on that answer (the
+smallest, over the tokens that give the answer, of the chosen token's logit minus the best
+other: how nearly it answered otherwise) and each row the compacted prefix's margin on the
+same tokens (negative: it would answer otherwise). The summary splits ``retention`` into the
+full context's confident answers and its near-ties (``retention_by_margin``, at
+``CONFIDENT_MARGIN`` nats). ``--add-margins`` records the full context's margins in a result
+saved before they were (the reference decoder re-answers each right instance, checked against
+the saved answer) and summarizes it again.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from benchmarks.output import log_scale, pyplot, save_result
+from benchmarks.output import command_line, log_scale, pyplot, save_result
 
 logger = logging.getLogger("benchmarks.quality")
 
@@ -108,6 +117,20 @@ def instance_prompt(adapter, task: str, tokens: int, seed: int):
         json.dumps([prompt.prefix_ids, prompt.continuation_ids]).encode()
     ).hexdigest()[:16]
     return inst, prompt, digest
+
+
+def full_context_answer(decoder, inst, prompt, answer_tokens: int):
+    """The full context's KV, its greedy answer, how many of the answer's tokens give the
+    expected value (None where the answer is wrong: no margin is read) and the full context's
+    logits along the answer."""
+    from vllm_compaction.eval.reconstruction import answer_logits
+
+    full_kv = decoder.adapter.prefill(prompt.prefix_ids, capture_queries=False)
+    full = decoder.generate(
+        full_kv, prompt.continuation_ids, max_new_tokens=answer_tokens
+    )
+    logits = answer_logits(decoder, full_kv, prompt.continuation_ids, full.token_ids)
+    return full_kv, full, inst.answer_span(decoder.text, full.token_ids), logits
 
 
 def completed_instances(
@@ -192,8 +215,14 @@ def run(
     ``"partial": true``) after each instance, so a long sweep that stops keeps what it measured.
     Given ``previous`` (such a result), its completed instances are kept, not recomputed. The
     methods and ``previous`` are checked (SweepError) before the model is loaded."""
+    import torch
+
     from vllm_compaction.eval.conversations import cut_short
-    from vllm_compaction.eval.reconstruction import reconstruction
+    from vllm_compaction.eval.reconstruction import (
+        answer_logits,
+        answer_margin,
+        reconstruction_from_logits,
+    )
     from vllm_compaction.eval.variants import parse_variants
     from vllm_compaction.models import PrefixKV, load_adapter
     from vllm_compaction.pipeline import RECIPES, compact_prepared
@@ -246,10 +275,13 @@ def run(
                 continue
             # free-form tasks answer at length
             answer_tokens = inst.answer_tokens or args.max_new_tokens
-            full_kv = adapter.prefill(prompt.prefix_ids, capture_queries=False)
-            full = decoder.generate(
-                full_kv, prompt.continuation_ids, max_new_tokens=answer_tokens
+            full_kv, full, span, logits = full_context_answer(
+                decoder, inst, prompt, answer_tokens
             )
+            # the full context's logits along its answer, once per question wording
+            full_logits: dict[tuple[int, ...], torch.Tensor] = {
+                tuple(prompt.continuation_ids): logits
+            }
             template_only = [
                 t
                 for t, m in zip(prompt.prefix_ids, prompt.compact_mask.tolist())
@@ -274,6 +306,8 @@ def run(
                     )
                 )
                 bar.update(1)
+            if span is not None:
+                baselines[-2]["margin"] = answer_margin(logits, full.token_ids, span)
             instance_baselines, instance_rows = baselines[-2:], []
             prefixes: list = [prompt.prefix_ids, template_only]
 
@@ -288,6 +322,8 @@ def run(
                 inst=inst,
                 full_kv=full_kv,
                 full=full,
+                span=span,
+                full_logits=full_logits,
                 answer_tokens=answer_tokens,
             ):
                 """Compact a prepared prefix (or take a ``PrefixKV`` as it is), answer after
@@ -303,8 +339,16 @@ def run(
                 gen = decoder.generate(
                     cache, continuation_ids, max_new_tokens=answer_tokens
                 )
-                recon = reconstruction(
-                    decoder, full_kv, cache, continuation_ids, full.token_ids
+                key = tuple(continuation_ids)
+                if key not in full_logits:
+                    full_logits[key] = answer_logits(
+                        decoder, full_kv, continuation_ids, full.token_ids
+                    )
+                recon = reconstruction_from_logits(
+                    full_logits[key],
+                    answer_logits(decoder, cache, continuation_ids, full.token_ids),
+                    full.token_ids,
+                    span,
                 )
                 row = dict(
                     task=task,
@@ -319,6 +363,9 @@ def run(
                     kl=recon.kl,
                     **_about(inst, gen.text),
                 )
+                if span is not None:
+                    # how firmly this prefix gives the full context's answer (< 0: it does not)
+                    row["margin"] = recon.margin_compacted
                 if not exact:
                     lengths = cache.head_lengths[cache.layer_compacted]
                     row.update(
@@ -365,6 +412,71 @@ def run(
     if engine is not None:
         engine.close()
     return _result(args, tasks, ratios, variants, rows, baselines)
+
+
+def add_margins(
+    result: dict,
+    max_new_tokens: int,
+    on_instance: Callable[[dict], None] | None = None,
+) -> dict:
+    """``result`` with the full context's margin on each right answer that has none (a result
+    saved before margins were recorded), summarized again. Each such instance is answered again
+    by the reference decoder; SweepError where its prompt or its answer is not the saved one
+    (``max_new_tokens``: the run's, where the result does not record it). The compacted
+    prefixes' own margins would need every prefix compacted again: only a new run records
+    them. ``on_instance`` gets the result so far after each instance."""
+    from vllm_compaction.eval.reconstruction import answer_margin
+    from vllm_compaction.models import load_adapter
+    from vllm_compaction.reference import ReferenceDecoder
+
+    try:
+        model, tokens = result["model"], result["tokens"]
+        baselines = [dict(b) for b in result["baselines"]]
+        rows = result["rows"]
+        todo = [
+            b
+            for b in baselines
+            if b["method"] == "full-context" and b["score"] == 1 and "margin" not in b
+        ]
+    except (KeyError, TypeError) as exc:
+        raise SweepError(f"not a result of this benchmark ({exc!r})") from None
+    max_new_tokens = result.get("max_new_tokens", max_new_tokens)
+    command = command_line()
+    about = {"margins_added_by": command} if command is not None else {}
+
+    def current() -> dict:
+        return {
+            **result,
+            **about,
+            "summary": summarize(rows, baselines),
+            "baselines": baselines,
+        }
+
+    if not todo:
+        return current()
+    adapter = load_adapter(model)
+    decoder = ReferenceDecoder(adapter)
+    for b in tqdm(todo, desc="margins", unit="instance"):
+        task, seed = b["task"], b["seed"]
+        inst, prompt, digest = instance_prompt(adapter, task, tokens, seed)
+        if digest != b["prompt"]:
+            raise SweepError(
+                f"{task} seed {seed} has another prompt now ({digest}) than in the result "
+                f"({b['prompt']}): its margin would be another answer's"
+            )
+        _, gen, span, logits = full_context_answer(
+            decoder, inst, prompt, inst.answer_tokens or max_new_tokens
+        )
+        if gen.text != b["answer"] or span is None:
+            raise SweepError(
+                f"the reference decoder answers {task} seed {seed} with {gen.text!r} now, not "
+                f"the saved {b['answer']!r} (was the run's --max-new-tokens "
+                f"{max_new_tokens}?)"
+            )
+        b["margin"] = answer_margin(logits, gen.token_ids, span)
+        if on_instance is not None:
+            on_instance(current())
+    return current()
 
 
 def method_runs(adapter, prompt, variants, ratios, seed):
@@ -472,6 +584,7 @@ def _result(
         tokens=args.tokens,
         instances=args.instances,
         seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
         tasks=tasks,
         ratios=ratios,
         methods=[v.label for v in variants],
@@ -569,6 +682,9 @@ def combine(
         ratios=ratios,
         methods=methods,
     )
+    max_new_tokens = {result.get("max_new_tokens") for result in results}
+    if len(max_new_tokens) == 1 and None not in max_new_tokens:
+        merged["max_new_tokens"] = max_new_tokens.pop()
     if len(answered_by) == 1 and None not in answered_by:
         # vLLM's answers are scored only where every run has them
         merged["answered_by"] = answered_by.pop()
@@ -624,17 +740,44 @@ def _total(scores: list[float | None]) -> str | None:
     return f"{sum(scores):g}/{len(scores)}"
 
 
+#: a full-context answer chosen by less than this (nats, at its closest token) is a near-tie:
+#: about a quarter of the default model's right answers on the conversation families, and the
+#: ones every change of the method moves both ways
+CONFIDENT_MARGIN = 0.5
+
+
+def _margin_split(kept: list[dict], margins: dict, task: str, engine: str) -> dict:
+    """Retention ("hits/n") among the full context's confident answers and its near-ties;
+    instances whose full-context margin is unknown (saved before margins) count in neither."""
+    split: dict[str, list[bool]] = defaultdict(list)
+    for r in kept:
+        margin = margins.get((task, r["seed"]))
+        if margin is not None:
+            confident = margin >= CONFIDENT_MARGIN
+            split[f"margin{'>=' if confident else '<'}{CONFIDENT_MARGIN:g}"].append(
+                r[engine] == 1
+            )
+    return {k: f"{sum(v)}/{len(v)}" for k, v in sorted(split.items())}
+
+
 def summarize(rows: list[dict], baselines: list[dict]) -> dict:
     """Per task: baselines' and each method x ratio's total score ("hits/n"; None where the task
     scores nothing), mean compaction time, log-perplexity ratio (compacted / full) and KL.
 
     Where vLLM answered too (``--vllm``), each cell adds ``vllm_score``; ``retention`` (the
     share of the instances the full context answers right that the method keeps, vLLM's
-    answers where present) and, per value of each instance detail (the fact's turn and
-    position, ...), the hits among those instances (``by``); exact tasks count ``cut_short``."""
+    answers where present), split by the full context's margin where it was recorded
+    (``retention_by_margin``; ``margin_median``: the median of the prefix's own margins on
+    those answers), and, per value of each instance detail (the fact's turn and position,
+    ...), the hits among those instances (``by``); exact tasks count ``cut_short``."""
     out: dict = defaultdict(dict)
     engine = "vllm_score" if rows and all("vllm_score" in r for r in rows) else "score"
     full_right: dict[tuple[str, int], bool] = {}
+    margins = {
+        (b["task"], b["seed"]): b.get("margin")
+        for b in baselines
+        if b["method"] == "full-context"
+    }
     for b in baselines:
         out[b["task"]].setdefault(b["method"], []).append(b["score"])
         if engine == "vllm_score":
@@ -662,6 +805,12 @@ def summarize(rows: list[dict], baselines: list[dict]) -> dict:
         kept = [r for r in group if full_right.get((task, r["seed"]))]
         if kept:
             cell["retention"] = sum(r[engine] == 1 for r in kept) / len(kept)
+            split = _margin_split(kept, margins, task, engine)
+            if split:
+                cell["retention_by_margin"] = split
+            own = [r["margin"] for r in kept if r.get("margin") is not None]
+            if own:
+                cell["margin_median"] = statistics.median(own)
         if any("cut_short" in r for r in group):
             cell["cut_short"] = sum(
                 bool(r.get("vllm_cut_short", r.get("cut_short"))) for r in group
@@ -823,6 +972,12 @@ def parser(**defaults) -> argparse.ArgumentParser:
         help="with --combine: call METHOD NAME in the merged result (repeatable)",
     )
     p.add_argument(
+        "--add-margins",
+        action="store_true",
+        help="run no method: record the full context's margin on each right answer of the "
+        "result at --out that has none (a result from before margins), and summarize it again",
+    )
+    p.add_argument(
         "--resume",
         action="store_true",
         help="keep the instances already completed in --out (same settings) and run the rest",
@@ -859,7 +1014,19 @@ def main(argv: list[str] | None = None, **defaults) -> dict:
                 "--first and --label go with --combine (they pick the instances to merge "
                 "and name the methods merged)"
             )
-        if args.combine:
+        if args.add_margins and (args.combine or args.resume):
+            raise SweepError(
+                "--add-margins works on the result at --out alone: drop --combine and --resume"
+            )
+        if args.add_margins:
+            if not Path(args.out).exists():
+                raise SweepError(f"--add-margins: there is no result at {args.out}")
+            result = add_margins(
+                load_result(args.out),
+                args.max_new_tokens,
+                on_instance=lambda partial: save_result(partial, args.out),
+            )
+        elif args.combine:
             labels = dict(_label(text) for text in args.label or ())
             result = combine(
                 [load_result(f) for f in args.combine],

@@ -69,6 +69,24 @@ def conversations_2pct() -> str:
     return f"at 2%, {kept}/{total} = {kept / total:.0%}"
 
 
+def conversations_by_margin() -> str:
+    """The default's kept answers through vLLM at 10%, among the full history's confident
+    answers and among its near-ties (``retention_by_margin``, summed over the families)."""
+    result = load("conversations_default_vllm_48.json")
+    sums = {}
+    for key in ("margin>=0.5", "margin<0.5"):
+        cells = [
+            family["am"]["0.1"]["retention_by_margin"][key].split("/")
+            for family in result["summary"].values()
+        ]
+        sums[key] = [sum(int(cell[i]) for cell in cells) for i in (0, 1)]
+    (kept, total), near = sums["margin>=0.5"], sums["margin<0.5"]
+    return (
+        f"by half a nat or more, {kept}/{total} = {kept / total:.0%} "
+        f"(its near-ties {near[0]}/{near[1]}"
+    )
+
+
 def conversations_before() -> str:
     """The same at 10% and 5% from the default's earlier forms: before the name probes joined
     it, and before the number probes did."""
@@ -90,6 +108,7 @@ HEADLINES = [
     (conversations, "conversation facts at 10%"),
     (conversations_5pct, "conversation facts at 5%"),
     (conversations_2pct, "conversation facts at 2%"),
+    (conversations_by_margin, "conversation facts by the full context's margin"),
     (conversations_before, "conversation facts with the earlier forms of the default"),
     (
         lambda: f"**{needles(AM, 'niah_ruler_names_12.json')}**",

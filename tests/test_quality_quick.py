@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from vllm_compaction.eval.tasks import TASKS, make_task, score_text
@@ -70,7 +72,7 @@ def test_scoring_is_whole_word():
 
 
 def test_quick_mode_meets_its_floors():
-    from benchmarks.quality import SweepError, parser, run
+    from benchmarks.quality import SweepError, add_margins, parser, run
 
     args = parser().parse_args(
         ["--quick", "--tasks", "niah", "--methods", "am-highest-attn-fast,kvzip"]
@@ -91,6 +93,44 @@ def test_quick_mode_meets_its_floors():
     assert am["kl"] < kvzip["kl"] and am["log_ppl_ratio"] < 1.10
     hashes = {(r["seed"], r["prompt"]) for r in result["rows"] + result["baselines"]}
     assert len(hashes) == 2  # one prompt per seed, shared by every method and baseline
+    # each right full-context answer carries its margin, each prefix its margin on that answer:
+    # a positive one means the prefix's greedy answer starts with the full answer's tokens
+    full = [b for b in result["baselines"] if b["method"] == "full-context"]
+    assert all(b["margin"] > 0 for b in full)
+    assert all(r["score"] == 1 for r in result["rows"] if r["margin"] > 0)
+    split = am["retention_by_margin"]
+    assert sum(int(v.split("/")[1]) for v in split.values()) == 2, split
+    assert am["margin_median"] == pytest.approx(
+        statistics.median(
+            r["margin"] for r in result["rows"] if r["method"] == "am-highest-attn-fast"
+        )
+    )
+
+    # margins added to the same result saved without them are the margins it was run with
+    bare = {
+        **result,
+        "baselines": [
+            {k: v for k, v in b.items() if k != "margin"} for b in result["baselines"]
+        ],
+    }
+    added = add_margins(bare, max_new_tokens=12)
+    assert [b.get("margin") for b in added["baselines"]] == pytest.approx(
+        [b.get("margin") for b in result["baselines"]], abs=1e-4
+    )
+    assert (
+        added["summary"]["niah"]["kvzip"]["0.2"]["retention_by_margin"]
+        == (summary["kvzip"]["0.2"]["retention_by_margin"])
+    )
+    with pytest.raises(SweepError, match="not the saved"):
+        add_margins(
+            {**bare, "baselines": [{**b, "answer": "x"} for b in bare["baselines"]]},
+            max_new_tokens=12,
+        )
+    with pytest.raises(SweepError, match="another prompt"):
+        add_margins(
+            {**bare, "baselines": [{**b, "prompt": "0"} for b in bare["baselines"]]},
+            max_new_tokens=12,
+        )
 
     # --resume keeps completed instances after checking their prompts; nothing is recomputed here
     resumed = run(args, previous=result)
@@ -356,3 +396,37 @@ def test_free_form_task_is_not_scored_and_is_drawn_by_its_reconstruction(
     # the reconstruction panels draw without a score
     plot(merged, tmp_path / "free_form.png")
     assert (tmp_path / "free_form.png").stat().st_size > 0
+
+
+def test_retention_splits_by_the_full_context_margin_and_old_results_get_margins(
+    tmp_path,
+):
+    from benchmarks.quality import SweepError, add_margins, main, summarize
+
+    result = _result(["am"], seeds=(0, 1, 2, 3, 4))
+    margins = {0: 0.1, 1: 0.3, 2: 0.8, 3: 2.0}  # seed 4: saved before margins
+    for b in result["baselines"]:
+        if b["method"] == "full-context" and b["seed"] in margins:
+            b["margin"] = margins[b["seed"]]
+    for r in result["rows"]:
+        r["score"] = float(r["seed"] in (1, 3, 4))
+        r["margin"] = 0.2 if r["score"] else -0.4
+    cell = summarize(result["rows"], result["baselines"])["niah"]["am"]["0.1"]
+    assert cell["retention"] == 3 / 5
+    assert cell["retention_by_margin"] == {"margin<0.5": "1/2", "margin>=0.5": "1/2"}
+    assert cell["margin_median"] == pytest.approx(0.2)
+    # a result from before margins has no split, and nothing to add where the full context
+    # answered nothing right (no model is loaded for it)
+    old = _result(["am"])
+    assert (
+        "retention_by_margin"
+        not in summarize(old["rows"], old["baselines"])["niah"]["am"]["0.1"]
+    )
+    wrong = _result(["am"], full_score=0.0)
+    assert add_margins(wrong, max_new_tokens=12)["baselines"] == wrong["baselines"]
+    with pytest.raises(SweepError, match="not a result"):
+        add_margins({"rows": []}, max_new_tokens=12)
+    with pytest.raises(SystemExit, match="drop --combine and --resume"):
+        main(["--add-margins", "--combine", "x.json"])
+    with pytest.raises(SystemExit, match="there is no result at"):
+        main(["--add-margins", "--out", str(tmp_path / "none.json")])

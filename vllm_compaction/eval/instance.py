@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,20 @@ class TaskInstance:
         ):
             return 0.0
         return score_text(text, self.answers, case_sensitive=self.exact)
+
+    def answer_span(
+        self, decode: Callable[[Sequence[int]], str], token_ids: Sequence[int]
+    ) -> int | None:
+        """How many of a generated answer's tokens it takes to give the answer: the fewest
+        ``n`` after which every longer prefix of ``token_ids`` scores 1 (so a value is complete
+        where its last token comes, not where a shorter prefix of it happens to be a whole
+        word). None where the whole answer does not score 1 or the task scores nothing."""
+        if not token_ids or self.score(decode(token_ids)) != 1:
+            return None
+        n = len(token_ids)
+        while n > 1 and self.score(decode(token_ids[: n - 1])) == 1:
+            n -= 1
+        return n
 
 
 def score_text(

@@ -7,6 +7,7 @@ a plain full-context forward pass.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,10 @@ class ReferenceDecoder:
     def continuation_ids(self, continuation: Continuation) -> list[int]:
         """Chat messages -> their turn tokens with the generation prompt; text -> plain tokens."""
         return self.adapter.continuation_ids(continuation)
+
+    def text(self, token_ids: Sequence[int]) -> str:
+        """Generated tokens as the answer's text (special tokens dropped)."""
+        return self.adapter.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def _prefix(
         self, source: CompactedCache | PrefixKV
@@ -86,5 +91,4 @@ class ReferenceDecoder:
             temperature=temperature,
             seed=seed,
         )
-        text = self.adapter.tokenizer.decode(new, skip_special_tokens=True)
-        return Generation(token_ids=new, text=text, first_logits=first)
+        return Generation(token_ids=new, text=self.text(new), first_logits=first)
