@@ -106,6 +106,8 @@ def answer_logprob(
     (``"The secret code of the vault is 7319."``), teacher-forced after ``asked`` from
     ``cache``: how far a compacted state is from the edge a greedy answer flips on. ``None``
     where the full history's answer does not say it."""
+    from vllm_compaction.eval.reconstruction import answer_logits
+
     found = said_at(full_answer, answer)
     if found is None:
         return None
@@ -117,12 +119,9 @@ def answer_logprob(
     value = [
         i for i, (_, end) in enumerate(encoded["offset_mapping"]) if end > found.start()
     ]
-    prompt = decoder.continuation_ids(asked)
-    logits = decoder.logits(cache, prompt + ids)
+    logits = answer_logits(decoder, cache, decoder.continuation_ids(asked), ids)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return float(
-        sum(logprobs[len(prompt) + i - 1, ids[i]] for i in value if len(prompt) + i > 0)
-    )
+    return float(sum(logprobs[i, ids[i]] for i in value))
 
 
 def _key(state: dict) -> str:

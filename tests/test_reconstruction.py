@@ -92,6 +92,8 @@ def test_margins_tell_where_greedy_decoding_gives_the_full_answer(tiny_llama):
     same = reconstruction(decoder, full, full, cont, answer, margin_tokens=len(answer))
     assert same.margin_full == same.margin_compacted > 0
     assert reconstruction(decoder, full, full, cont, answer).margin_full is None
+    with pytest.raises(ValueError, match="continuation is empty"):
+        answer_logits(decoder, full, [], answer)
     for bad in (0, len(answer) + 1):
         with pytest.raises(ValueError, match="span"):
             answer_margin(full_logits, answer, bad)

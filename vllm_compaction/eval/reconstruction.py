@@ -61,6 +61,9 @@ def answer_logits(
     ``continuation_ids`` from ``source``, teacher-forced (``decoder.logits``)."""
     if not answer_ids:
         raise ValueError("the answer is empty: nothing to score")
+    if not continuation_ids:
+        # the answer's first token would have no position to be predicted from
+        raise ValueError("the continuation is empty: nothing predicts the answer")
     ids = list(continuation_ids) + list(answer_ids)
     # logits at position i predict token i + 1: the answer is predicted from len(cont) - 1 on
     return decoder.logits(source, ids)[len(continuation_ids) - 1 : len(ids) - 1]
