@@ -34,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from benchmarks.agent_session import MODEL, said_at, says
-from benchmarks.output import pyplot, save_result
+from benchmarks.output import pyplot, save_figure, save_result
 
 logger = logging.getLogger("benchmarks.agent_replay")
 
@@ -172,9 +172,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7)
     ax.set_title("Agent session replayed (states run)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.output import pyplot, save_result
+from benchmarks.output import pyplot, save_figure, save_result
 
 logger = logging.getLogger("benchmarks.load")
 
@@ -246,9 +246,7 @@ def plot(rows: list[dict[str, Any]], kills: list[float], path: Path) -> None:
     ax.set_ylabel("time to first token (s)")
     ax.set_yscale("log")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

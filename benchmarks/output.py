@@ -26,6 +26,15 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: str | Path) -> None:
+    """Lay out matplotlib ``fig``, write it as a PNG at ``path`` and free it."""
+    plt = pyplot()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    if plt is not None:
+        plt.close(fig)
+
+
 def save_result(
     result: dict[str, Any],
     out: str | Path,

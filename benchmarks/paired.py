@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from benchmarks.output import pyplot, save_result
+from benchmarks.output import pyplot, save_figure, save_result
 from benchmarks.quality import RESULTS, SweepError, load_result
 from benchmarks.quality import parser as quality_parser
 from benchmarks.quality import run as quality_run
@@ -258,9 +258,7 @@ def plot(result: dict, path: Path) -> None:
     )
     ax.set_title(f"paired, at {at} (bars: bounds where wins were sampled)")
     ax.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parser() -> argparse.ArgumentParser:

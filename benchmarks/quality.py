@@ -986,7 +986,7 @@ def parser(**defaults) -> argparse.ArgumentParser:
     return p
 
 
-def _label(text: str) -> tuple[str, str]:
+def parse_label(text: str) -> tuple[str, str]:
     """``"METHOD=NAME"`` -> ``(METHOD, NAME)``, split at the last ``=`` (a method spec has its
     own); SweepError for anything else."""
     method, eq, name = text.rpartition("=")
@@ -1027,7 +1027,7 @@ def main(argv: list[str] | None = None, **defaults) -> dict:
                 on_instance=lambda partial: save_result(partial, args.out),
             )
         elif args.combine:
-            labels = dict(_label(text) for text in args.label or ())
+            labels = dict(parse_label(text) for text in args.label or ())
             result = combine(
                 [load_result(f) for f in args.combine],
                 instances=args.first,
