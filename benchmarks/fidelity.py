@@ -406,6 +406,8 @@ def pairs_from_paired(paired: dict, saved: dict) -> list[Pair]:
     out = []
     for pair in paired["pairs"]:
         key = (pair["task"], pair["seed"])
+        # runs paired before margins were recorded carry none; the saved run may
+        full_margin = pair.get("full_margin")
         ref, new = rows.get(key), pair["new"]
         if ref is None or ref["prompt"] != pair["prompt"]:
             raise SweepError(
@@ -417,7 +419,7 @@ def pairs_from_paired(paired: dict, saved: dict) -> list[Pair]:
             Pair(
                 task=key[0],
                 seed=key[1],
-                full_margin=pair.get("full_margin") or margins.get(key),
+                full_margin=margins.get(key) if full_margin is None else full_margin,
                 reference_score=ref["score"],
                 reference_kl=ref["kl"],
                 reference_margin=ref.get("margin"),

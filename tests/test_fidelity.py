@@ -220,6 +220,15 @@ def test_paired_results_compare_with_the_run_they_were_paired_against(tmp_path):
     assert (c["all"]["kl_lower"], c["all"]["kl_higher"]) == (3, 1)
     assert (c["all"]["margin_higher"], c["all"]["margin_lower"]) == (4, 0)
     assert c[f"margin<{CONFIDENT_MARGIN:g}"]["answers"] == 2
+    # a pair without the full context's margin reads the saved run's; a margin of 0 stays 0
+    older = _paired(saved)
+    older["pairs"][0]["full_margin"] = None
+    older["pairs"][1]["full_margin"] = 0.0
+    out = fidelity.main(
+        [_write(tmp_path, "older.json", older), "--out", str(tmp_path / "g.json")]
+    )
+    margins = [p["full_margin"] for p in out["pairs"]["kvzip@0.1"]]
+    assert margins[:2] == [FULL[("facts", 0)][1], 0.0]
     wrong = _write(tmp_path, "wrong.json", _paired(saved, prompt_of_first="other"))
     with pytest.raises(SystemExit, match="not the run it was paired against"):
         fidelity.main([wrong])
