@@ -167,11 +167,11 @@ def above(high: list[float], low: list[float]) -> float | None:
 def compare(pairs: list[Pair]) -> dict:
     """The answers, the KL and the margins of ``pairs``: kept by each, given back and lost
     (McNemar's p-value); each one's median KL on the full context's answer and on how many pairs
-    the compared method's is lower and higher (exact sign test's p-value), and the median of
-    its KL over the reference's, and for each how often an answer it loses has a higher KL than
-    one it keeps; and over the pairs
-    with margins, each one's median margin, the median and mean difference (compared minus
-    reference), and on how many pairs it is higher and lower (sign test)."""
+    the compared method's is lower and higher (exact sign test's p-value), the median of its
+    KL over the reference's, and for each how often an answer it loses has a higher KL than one
+    it keeps; and over the pairs with margins, each one's median margin, the median and mean
+    difference (compared minus reference), and on how many pairs it is higher and lower (sign
+    test)."""
     back = sum(p.score == 1 and p.reference_score < 1 for p in pairs)
     lost = sum(p.score < 1 and p.reference_score == 1 for p in pairs)
     kl_lower = sum(p.kl < p.reference_kl for p in pairs)
@@ -357,8 +357,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--reference",
-        help="quality results: METHOD: every other method is paired with it at the same ratio; METHOD@RATIO: "
-        "every other method x ratio is paired with that one",
+        help="quality results: METHOD: every other method is paired with it at the same "
+        "ratio; METHOD@RATIO: every other method x ratio is paired with that one",
     )
     p.add_argument(
         "--first",
