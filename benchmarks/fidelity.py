@@ -43,6 +43,7 @@ from benchmarks.quality import (
     RESULTS,
     SweepError,
     combine,
+    full_context_margins,
     load_result,
     parse_label,
 )
@@ -99,11 +100,7 @@ def pairs_by_method(
     (the reference method at that ratio where none is given) on the instances the full context
     answers right. SweepError where the reference has no rows, or nothing pairs with it."""
     engine = "vllm_score" if all("vllm_score" in r for r in result["rows"]) else "score"
-    full = {
-        (b["task"], b["seed"]): b.get("margin")
-        for b in result["baselines"]
-        if b["method"] == "full-context" and b.get(engine) == 1
-    }
+    full = full_context_margins(result["baselines"], right_by=engine)
     cells: dict[tuple[str, float], dict[tuple[str, int], dict]] = defaultdict(dict)
     for row in result["rows"]:
         cells[(row["method"], row["ratio"])][(row["task"], row["seed"])] = row
@@ -398,11 +395,7 @@ def pairs_from_paired(paired: dict, saved: dict) -> list[Pair]:
         for r in saved["rows"]
         if r["method"] == paired["saved_method"] and abs(r["ratio"] - ratio) < 1e-9
     }
-    margins = {
-        (b["task"], b["seed"]): b.get("margin")
-        for b in saved["baselines"]
-        if b["method"] == "full-context"
-    }
+    margins = full_context_margins(saved["baselines"])
     out = []
     for pair in paired["pairs"]:
         key = (pair["task"], pair["seed"])

@@ -746,6 +746,19 @@ def _total(scores: list[float | None]) -> str | None:
 CONFIDENT_MARGIN = 0.5
 
 
+def full_context_margins(
+    baselines: list[dict], right_by: str | None = None
+) -> dict[tuple[str, int], float | None]:
+    """(task, seed) -> the full context's margin on its answer (None where it was not recorded:
+    a wrong answer, or a result saved before margins); with ``right_by`` (a score key, "score"
+    or "vllm_score"), only the instances the full context answers right by that score."""
+    return {
+        (b["task"], b["seed"]): b.get("margin")
+        for b in baselines
+        if b["method"] == "full-context" and (right_by is None or b.get(right_by) == 1)
+    }
+
+
 def _margin_split(kept: list[dict], margins: dict, task: str, engine: str) -> dict:
     """Retention ("hits/n") among the full context's confident answers and its near-ties;
     instances whose full-context margin is unknown (saved before margins) count in neither."""
@@ -773,11 +786,7 @@ def summarize(rows: list[dict], baselines: list[dict]) -> dict:
     out: dict = defaultdict(dict)
     engine = "vllm_score" if rows and all("vllm_score" in r for r in rows) else "score"
     full_right: dict[tuple[str, int], bool] = {}
-    margins = {
-        (b["task"], b["seed"]): b.get("margin")
-        for b in baselines
-        if b["method"] == "full-context"
-    }
+    margins = full_context_margins(baselines)
     for b in baselines:
         out[b["task"]].setdefault(b["method"], []).append(b["score"])
         if engine == "vllm_score":
