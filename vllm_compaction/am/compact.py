@@ -32,6 +32,7 @@ from vllm_compaction.am.presets import (
     ResolvedMethod,
     resolve_method,
 )
+from vllm_compaction.am.refine import refine_slots
 from vllm_compaction.am.selectors.base import (
     Selection,
     SelectionProblem,
@@ -49,7 +50,7 @@ PAD_FACTOR = 1.25
 #: ... unless it is at most this many slots, where the fits cost little next to the reference pass.
 SMALL_BUDGET = 256
 #: Keys of the ``timings`` dict filled by ``compact_heads`` (wall-clock seconds).
-STAGES = ("reference_s", "select_s", "beta_s", "values_s", "total_s")
+STAGES = ("reference_s", "select_s", "beta_s", "values_s", "refine_s", "total_s")
 
 
 def _check_inputs(
@@ -366,8 +367,43 @@ def _compact_group(
         if original is None:
             raise ValueError(f"method {plan.name!r} keeps no values")
         fitted = original
-    clock["values_s"] += now() - mark
-    return Selection(indices=sel.indices, lengths=sel.lengths, beta=beta, values=fitted)
+    clock["values_s"] += (start := now()) - mark
+    refined_keys = None
+    if plan.fit.refine_steps:
+        # fit_beta and fit_values ran (refine_steps needs both), so ref has outputs
+        assert ref is not None and ref.output is not None
+        lower, upper = _priority_bounds(plan, priority, sel.indices, floor_keys)
+        box_lo, box_hi = plan.fit.beta_bounds
+        frozen = (
+            None
+            if priority is None
+            else priority_members(priority)[sel.indices] & valid
+        )
+        refined_keys, beta, fitted = refine_slots(
+            queries,
+            ref.log_mass,
+            ref.output,
+            kept_keys,
+            beta,
+            fitted,
+            valid,
+            scale=scale,
+            steps=plan.fit.refine_steps,
+            lr=plan.fit.refine_lr,
+            lower=box_lo if lower is None else lower,
+            upper=box_hi if upper is None else upper,
+            query_weights=weights,
+            frozen=frozen,
+            batch=plan.fit.refine_batch or None,
+        )
+    clock["refine_s"] += now() - start
+    return Selection(
+        indices=sel.indices,
+        lengths=sel.lengths,
+        beta=beta,
+        values=fitted,
+        keys=refined_keys,
+    )
 
 
 def _resolve(
@@ -403,7 +439,11 @@ def _pack(
     order = torch.where(valid, padded.indices, total).argsort(dim=1)
     idx, beta = padded.indices.gather(1, order), padded.beta.gather(1, order)
     vals = padded.values.gather(1, order[..., None].expand(h, t_max, d))
-    kept = keys.gather(1, idx[..., None].expand(h, t_max, d))
+    kept = (
+        keys.gather(1, idx[..., None].expand(h, t_max, d))
+        if padded.keys is None
+        else padded.keys.gather(1, order[..., None].expand(h, t_max, d))
+    )
     return CompactedHeads.from_padded(kept, beta, vals, positions[idx], padded.lengths)
 
 
@@ -494,6 +534,8 @@ def compact_heads(
     idx = torch.arange(t_max, device=dev).expand(h, t_max).clone()
     beta = torch.zeros(h, t_max, device=dev)
     vals = values[:, :t_max].float().clone()
+    # the kept keys themselves, where a refinement moved them off the original ones
+    kept_keys = keys[:, :t_max].float().clone() if plan.fit.refine_steps else None
     n, per_head = queries.shape[1], 0
     if plan.selector.needs_features:
         # features [T, n], kept fp32 columns [t + 1, n], fp64 Gram and its factor [t + 1]^2
@@ -519,7 +561,19 @@ def compact_heads(
         assert fitted.beta is not None and fitted.values is not None
         idx[group, :width], beta[group, :width] = fitted.indices, fitted.beta
         vals[group, :width], lengths[group] = fitted.values, fitted.lengths
-    heads = _pack(keys, Selection(idx, lengths, beta, vals.to(values.dtype)), pos)
+        if kept_keys is not None and fitted.keys is not None:
+            kept_keys[group, :width] = fitted.keys
+    heads = _pack(
+        keys,
+        Selection(
+            idx,
+            lengths,
+            beta,
+            vals.to(values.dtype),
+            None if kept_keys is None else kept_keys.to(keys.dtype),
+        ),
+        pos,
+    )
     clock["total_s"] = _clock(keys.device)() - start
     if timings is not None:
         timings.update(clock)

@@ -77,6 +77,13 @@ class FitOptions:
             ``protect=identifiers-names`` it gave a lost chat fact back and lost a commit hash
             on the conversation tasks at 10%: level with the plain fit, not the default
             (benchmarks/README.md).
+        refine_steps: Adam steps refining the kept keys, ``beta`` and the values jointly on
+            the Attention Matching objective after the closed-form fits (``am.refine``), so a
+            slot's key may leave the original key set; 0 (the paper's method) refines nothing.
+            Kept priority keys keep their key, and their value where it is pinned.
+        refine_lr: the refinement's Adam step size.
+        refine_batch: reference queries per refinement step, drawn afresh each step; 0 takes
+            all of them every step.
     """
 
     beta: str = "zero"
@@ -86,6 +93,9 @@ class FitOptions:
     value_anchor: float = 0.0
     priority_beta_floor: float | None = None
     priority_values: str = "lstsq"
+    refine_steps: int = 0
+    refine_lr: float = 0.01
+    refine_batch: int = 0
 
     def __post_init__(self) -> None:
         if self.beta not in BETA_MODES:
@@ -145,6 +155,38 @@ class FitOptions:
             raise ValueError(
                 "priority_values='exact' keeps the kept priority keys' beta at 0: "
                 "drop priority_beta_floor"
+            )
+        if (
+            not isinstance(self.refine_steps, int)
+            or isinstance(self.refine_steps, bool)
+            or self.refine_steps < 0
+        ):
+            raise ValueError(
+                f"refine_steps must be a non-negative integer, got {self.refine_steps!r}"
+            )
+        if self.refine_steps and (self.beta != "nnls" or self.values != "lstsq"):
+            raise ValueError(
+                "refine_steps refines Attention Matching's fits: it needs beta='nnls' and "
+                f"values='lstsq', not beta={self.beta!r}, values={self.values!r}"
+            )
+        if (
+            isinstance(self.refine_lr, bool)
+            or not isinstance(self.refine_lr, (int, float))
+            or not math.isfinite(self.refine_lr)
+            or self.refine_lr <= 0
+        ):
+            raise ValueError(
+                f"refine_lr must be a finite number > 0, got {self.refine_lr!r}"
+            )
+        object.__setattr__(self, "refine_lr", float(self.refine_lr))
+        if (
+            not isinstance(self.refine_batch, int)
+            or isinstance(self.refine_batch, bool)
+            or self.refine_batch < 0
+        ):
+            raise ValueError(
+                "refine_batch must be a non-negative integer (0: every query each step), "
+                f"got {self.refine_batch!r}"
             )
         floor = self.priority_beta_floor
         if floor is not None:

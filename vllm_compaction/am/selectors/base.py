@@ -69,12 +69,15 @@ class Selection:
         lengths: ``[H]`` int64 number of real slots (equals the budget).
         beta: ``[H, t_max]`` float32 biases fitted by the selector itself (OMP), or ``None``.
         values: ``[H, t_max, d]`` float32 values built by the selector (merging), or ``None``.
+        keys: ``[H, t_max, d]`` float32 keys where they are not the original keys at
+            ``indices`` (refined slots), or ``None``.
     """
 
     indices: torch.Tensor
     lengths: torch.Tensor
     beta: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
 
 
 @runtime_checkable
