@@ -41,6 +41,14 @@ VALUE_MODES = ("lstsq", "direct", "selector")
 PRIORITY_VALUE_MODES = ("lstsq", "direct", "exact")
 
 
+def _check_count(name: str, value: Any, meaning: str = "") -> None:
+    """``ValueError`` with a sentence unless ``value`` is an int >= 0 (not a bool)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(
+            f"{name} must be a non-negative integer{meaning}, got {value!r}"
+        )
+
+
 @dataclass(frozen=True)
 class FitOptions:
     """How the biases and values of the kept keys are obtained.
@@ -120,14 +128,7 @@ class FitOptions:
                 f"beta_bounds must be a pair (lo, hi) or 'lo:hi' with lo <= hi, got {self.beta_bounds!r}"
             )
         object.__setattr__(self, "beta_bounds", (lo, hi))
-        if (
-            not isinstance(self.beta_iters, int)
-            or isinstance(self.beta_iters, bool)
-            or self.beta_iters < 0
-        ):
-            raise ValueError(
-                f"beta_iters must be a non-negative integer, got {self.beta_iters!r}"
-            )
+        _check_count("beta_iters", self.beta_iters)
         if (
             isinstance(self.value_anchor, bool)
             or not isinstance(self.value_anchor, (int, float))
@@ -156,14 +157,7 @@ class FitOptions:
                 "priority_values='exact' keeps the kept priority keys' beta at 0: "
                 "drop priority_beta_floor"
             )
-        if (
-            not isinstance(self.refine_steps, int)
-            or isinstance(self.refine_steps, bool)
-            or self.refine_steps < 0
-        ):
-            raise ValueError(
-                f"refine_steps must be a non-negative integer, got {self.refine_steps!r}"
-            )
+        _check_count("refine_steps", self.refine_steps)
         if self.refine_steps and (self.beta != "nnls" or self.values != "lstsq"):
             raise ValueError(
                 "refine_steps refines Attention Matching's fits: it needs beta='nnls' and "
@@ -179,15 +173,7 @@ class FitOptions:
                 f"refine_lr must be a finite number > 0, got {self.refine_lr!r}"
             )
         object.__setattr__(self, "refine_lr", float(self.refine_lr))
-        if (
-            not isinstance(self.refine_batch, int)
-            or isinstance(self.refine_batch, bool)
-            or self.refine_batch < 0
-        ):
-            raise ValueError(
-                "refine_batch must be a non-negative integer (0: every query each step), "
-                f"got {self.refine_batch!r}"
-            )
+        _check_count("refine_batch", self.refine_batch, " (0: every query each step)")
         floor = self.priority_beta_floor
         if floor is not None:
             if (

@@ -76,76 +76,45 @@ def refine_slots(
     # compaction runs under inference mode, whose tensors autograd cannot save: the steps run
     # outside it, on copies
     with torch.inference_mode(False), torch.enable_grad():
-        return _descend(
-            queries.clone(),
-            target_log_mass.clone(),
-            target_output.clone(),
-            keys.clone(),
-            beta.clone(),
-            values.clone(),
-            valid.clone(),
-            scale=scale,
-            steps=steps,
-            lr=lr,
-            lower=torch.as_tensor(lower, dtype=beta.dtype, device=beta.device).clone(),
-            upper=torch.as_tensor(upper, dtype=beta.dtype, device=beta.device).clone(),
-            query_weights=None if query_weights is None else query_weights.clone(),
-            frozen=None if frozen is None else frozen.clone(),
-            batch=batch,
-            seed=seed,
+        queries, target_log_mass, target_output, valid = (
+            x.clone() for x in (queries, target_log_mass, target_output, valid)
         )
-
-
-def _descend(
-    queries: torch.Tensor,
-    target_log_mass: torch.Tensor,
-    target_output: torch.Tensor,
-    keys: torch.Tensor,
-    beta: torch.Tensor,
-    values: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    scale: float,
-    steps: int,
-    lr: float,
-    lower: torch.Tensor,
-    upper: torch.Tensor,
-    query_weights: torch.Tensor | None,
-    frozen: torch.Tensor | None,
-    batch: int | None,
-    seed: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``refine_slots``' steps, on tensors autograd may record (made outside inference mode)."""
-    n = queries.shape[1]
-    weights = (
-        torch.ones_like(target_log_mass) if query_weights is None else query_weights
-    )
-    # the outputs' scale differs by head and layer: each head's error is relative to its own
-    output_norm = (weights * target_output.pow(2).sum(-1)).sum(-1) / weights.sum(-1)
-    output_norm = output_norm.clamp_min(1e-12)
-    movable = valid if frozen is None else valid & ~frozen
-    k = keys.requires_grad_(True)
-    b = beta.requires_grad_(True)
-    v = values.requires_grad_(True)
-    optimizer = torch.optim.Adam([k, b, v], lr=lr)
-    generator = torch.Generator(device=queries.device).manual_seed(seed)
-    rows: torch.Tensor | slice = slice(None)
-    for _ in range(steps):
-        if batch is not None and batch < n:
-            rows = torch.randperm(n, generator=generator, device=queries.device)[:batch]
-        w = weights[:, rows]
-        w = w / w.sum(-1, keepdim=True)
-        log_mass, output = _objective_terms(queries[:, rows], k, b, v, valid, scale)
-        output_error = (w * (output - target_output[:, rows]).pow(2).sum(-1)).sum(-1)
-        mass_error = (w * (log_mass - target_log_mass[:, rows]).pow(2)).sum(-1)
-        loss = (output_error / output_norm + mass_error).sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        # padding and frozen slots keep what they were given
-        k.grad.mul_(movable[..., None])  # type: ignore[union-attr]
-        v.grad.mul_(movable[..., None])  # type: ignore[union-attr]
-        b.grad.mul_(valid)  # type: ignore[union-attr]
-        optimizer.step()
-        with torch.no_grad():
-            b.copy_(torch.maximum(torch.minimum(b, upper), lower))
+        lower_t, upper_t = (
+            torch.as_tensor(x, dtype=beta.dtype, device=beta.device).clone()
+            for x in (lower, upper)
+        )
+        weights = (
+            torch.ones_like(target_log_mass)
+            if query_weights is None
+            else query_weights.clone()
+        )
+        movable = valid if frozen is None else valid & ~frozen.clone()
+        k, b, v = (x.clone().requires_grad_(True) for x in (keys, beta, values))
+        n = queries.shape[1]
+        # the outputs' scale differs by head and layer: each head's error is relative to its own
+        output_norm = (weights * target_output.pow(2).sum(-1)).sum(-1) / weights.sum(-1)
+        output_norm = output_norm.clamp_min(1e-12)
+        optimizer = torch.optim.Adam([k, b, v], lr=lr)
+        generator = torch.Generator(device=queries.device).manual_seed(seed)
+        rows: torch.Tensor | slice = slice(None)
+        for _ in range(steps):
+            if batch is not None and batch < n:
+                draw = torch.randperm(n, generator=generator, device=queries.device)
+                rows = draw[:batch]
+            w = weights[:, rows]
+            w = w / w.sum(-1, keepdim=True)
+            log_mass, output = _objective_terms(queries[:, rows], k, b, v, valid, scale)
+            residual = (output - target_output[:, rows]).pow(2).sum(-1)
+            output_error = (w * residual).sum(-1)
+            mass_error = (w * (log_mass - target_log_mass[:, rows]).pow(2)).sum(-1)
+            loss = (output_error / output_norm + mass_error).sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            # padding and frozen slots keep what they were given
+            k.grad.mul_(movable[..., None])  # type: ignore[union-attr]
+            v.grad.mul_(movable[..., None])  # type: ignore[union-attr]
+            b.grad.mul_(valid)  # type: ignore[union-attr]
+            optimizer.step()
+            with torch.no_grad():
+                b.copy_(torch.maximum(torch.minimum(b, upper_t), lower_t))
     return k.detach(), b.detach(), v.detach()
