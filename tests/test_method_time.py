@@ -1,0 +1,50 @@
+"""``benchmarks.method_time``: methods timed side by side on the same real instance (SmolLM2),
+the ratio to the first method recorded, and a bad method refused before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import method_time
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_methods_are_timed_on_the_same_instance(tmp_path):
+    out = tmp_path / "time.json"
+    result = method_time.main(
+        [
+            "--methods",
+            "am-highest-attn-fast;am-highest-attn-fast:refine_steps=3,refine_batch=64",
+            "--tasks",
+            "chat-facts",
+            "--seeds",
+            "0",
+            "--out",
+            str(out),
+        ]
+    )
+    assert json.loads(out.read_text()) == result
+    rows = result["methods"]
+    assert list(rows) == [
+        "am-highest-attn-fast",
+        "am-highest-attn-fast:refine_steps=3,refine_batch=64",
+    ]
+    first = rows["am-highest-attn-fast"]
+    assert first["ratio_to_first_median"] == 1.0
+    for row in rows.values():
+        assert len(row["seconds"]) == 1 and row["median_s"] > 0
+    assert result["instances"] == [{"task": "chat-facts", "seed": 0}]
+
+
+@pytest.mark.parametrize(
+    ("methods", "sentence"),
+    [("am:refine_steps=-1", "refine_steps must be"), (" ; ", "names no method")],
+)
+def test_a_bad_method_is_refused_before_any_work(methods, sentence, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        method_time.main(["--methods", methods])
+    assert exit_.value.code == 2
+    assert sentence in capsys.readouterr().err
