@@ -88,7 +88,8 @@ class FitOptions:
         refine_steps: Adam steps refining the kept keys, ``beta`` and the values jointly on
             the Attention Matching objective after the closed-form fits (``am.refine``), so a
             slot's key may leave the original key set; 0 (the paper's method) refines nothing.
-            Kept priority keys keep their key, and their value where it is pinned.
+            Kept priority keys keep their key and value as the closed-form fit gave them (their
+            ``beta`` moves inside its bounds and floor).
         refine_lr: the refinement's Adam step size.
         refine_batch: reference queries per refinement step, drawn afresh each step; 0 takes
             all of them every step.
