@@ -29,7 +29,12 @@ logger = logging.getLogger("benchmarks.method_time")
 
 
 def time_methods(
-    methods: list[str], tasks: list[str], seeds: list[int], ratio: float, model: str
+    methods: list[str],
+    tasks: list[str],
+    seeds: list[int],
+    ratio: float,
+    model: str,
+    tokens: int = 2000,
 ) -> dict:
     """Per method, its compaction seconds on every (task, seed) and their median, and the median
     of its per-instance ratio to the first method's."""
@@ -37,7 +42,8 @@ def time_methods(
     seconds: dict[str, list[float]] = {m: [] for m in methods}
     instances = [(task, seed) for task in tasks for seed in seeds]
     for task, seed in tqdm(instances, desc="instances", unit="instance"):
-        prompt = task_prompt(adapter, make_task(task, adapter.tokenizer, seed=seed))
+        instance = make_task(task, adapter.tokenizer, tokens, seed=seed)
+        prompt = task_prompt(adapter, instance)
         for method in methods:
             queries = resolve_spacing(resolve(method).recipe.queries, ratio)
             prepared = prepare_prefix(
@@ -50,6 +56,7 @@ def time_methods(
     return {
         "model": model,
         "ratio": ratio,
+        "tokens": tokens,
         "instances": [{"task": t, "seed": s} for t, s in instances],
         "methods": {
             m: {
@@ -70,6 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tasks", default="chat-facts")
     parser.add_argument("--seeds", default="1")
     parser.add_argument("--ratio", type=float, default=0.1)
+    parser.add_argument(
+        "--tokens", type=int, default=2000, help="each instance's length"
+    )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--out", default="benchmarks/results/method_time.json")
     args = parser.parse_args(argv)
@@ -77,13 +87,17 @@ def main(argv: list[str] | None = None) -> dict:
     methods = [m.strip() for m in args.methods.split(separator) if m.strip()]
     if not methods:
         parser.error("--methods names no method")
+    if args.tokens <= 0:
+        parser.error(f"--tokens must be a positive length, got {args.tokens}")
     try:
         for method in methods:
             resolve(method)
         seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError as error:
         parser.error(str(error))
-    result = time_methods(methods, args.tasks.split(","), seeds, args.ratio, args.model)
+    result = time_methods(
+        methods, args.tasks.split(","), seeds, args.ratio, args.model, args.tokens
+    )
     save_result(result, args.out)
     for method, row in result["methods"].items():
         logger.warning(

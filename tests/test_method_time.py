@@ -22,6 +22,8 @@ def test_two_methods_are_timed_on_the_same_instance(tmp_path):
             "chat-facts",
             "--seeds",
             "0",
+            "--tokens",
+            "600",
             "--out",
             str(out),
         ]
@@ -37,14 +39,19 @@ def test_two_methods_are_timed_on_the_same_instance(tmp_path):
     for row in rows.values():
         assert len(row["seconds"]) == 1 and row["median_s"] > 0
     assert result["instances"] == [{"task": "chat-facts", "seed": 0}]
+    assert result["tokens"] == 600
 
 
 @pytest.mark.parametrize(
-    ("methods", "sentence"),
-    [("am:refine_steps=-1", "refine_steps must be"), (" ; ", "names no method")],
+    ("argv", "sentence"),
+    [
+        (["--methods", "am:refine_steps=-1"], "refine_steps must be"),
+        (["--methods", " ; "], "names no method"),
+        (["--methods", "am", "--tokens", "0"], "--tokens must be a positive length"),
+    ],
 )
-def test_a_bad_method_is_refused_before_any_work(methods, sentence, capsys):
+def test_bad_arguments_are_refused_before_any_work(argv, sentence, capsys):
     with pytest.raises(SystemExit) as exit_:
-        method_time.main(["--methods", methods])
+        method_time.main(argv)
     assert exit_.value.code == 2
     assert sentence in capsys.readouterr().err
