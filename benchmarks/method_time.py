@@ -1,6 +1,6 @@
 """Compaction time of several methods on the same prepared instances, side by side in one process.
 
-    python -m benchmarks.method_time --methods am,am:refine_steps=50,refine_batch=1024 \
+    python -m benchmarks.method_time --methods "am;am:refine_steps=50,refine_batch=1024" \
         --tasks chat-facts --seeds 1 --ratio 0.1 --out benchmarks/results/method_time.json
 
 Each instance is prefilled once per method (the query sources may differ) and only the
@@ -19,7 +19,7 @@ import time
 from tqdm import tqdm
 
 from benchmarks.output import save_result
-from vllm_compaction.eval.tasks import make_task, task_prompt
+from vllm_compaction.eval.tasks import TASKS, make_task, task_prompt
 from vllm_compaction.models import load_adapter
 from vllm_compaction.pipeline import compact_prepared, prepare_prefix
 from vllm_compaction.queries import resolve_spacing
@@ -40,14 +40,15 @@ def time_methods(
     of its per-instance ratio to the first method's."""
     adapter = load_adapter(model)
     seconds: dict[str, list[float]] = {m: [] for m in methods}
+    # each method's query sources, the '/auto' spacings resolved for this ratio
+    queries = {m: resolve_spacing(resolve(m).recipe.queries, ratio) for m in methods}
     instances = [(task, seed) for task in tasks for seed in seeds]
     for task, seed in tqdm(instances, desc="instances", unit="instance"):
         instance = make_task(task, adapter.tokenizer, tokens, seed=seed)
         prompt = task_prompt(adapter, instance)
         for method in methods:
-            queries = resolve_spacing(resolve(method).recipe.queries, ratio)
             prepared = prepare_prefix(
-                adapter, prompt.prefix_ids, prompt.compact_mask, queries=queries
+                adapter, prompt.prefix_ids, prompt.compact_mask, queries=queries[method]
             )
             start = time.perf_counter()
             compact_prepared(prepared, ratio=ratio, method=method)
@@ -89,15 +90,19 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--methods names no method")
     if args.tokens <= 0:
         parser.error(f"--tokens must be a positive length, got {args.tokens}")
+    tasks = args.tasks.split(",")
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        parser.error(
+            f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}"
+        )
     try:
         for method in methods:
             resolve(method)
         seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError as error:
         parser.error(str(error))
-    result = time_methods(
-        methods, args.tasks.split(","), seeds, args.ratio, args.model, args.tokens
-    )
+    result = time_methods(methods, tasks, seeds, args.ratio, args.model, args.tokens)
     save_result(result, args.out)
     for method, row in result["methods"].items():
         logger.warning(

@@ -48,6 +48,7 @@ def test_two_methods_are_timed_on_the_same_instance(tmp_path):
         (["--methods", "am:refine_steps=-1"], "refine_steps must be"),
         (["--methods", " ; "], "names no method"),
         (["--methods", "am", "--tokens", "0"], "--tokens must be a positive length"),
+        (["--methods", "am", "--tasks", "chat-fact"], "unknown task(s) chat-fact"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_work(argv, sentence, capsys):
