@@ -402,6 +402,7 @@ def _compact_group(
             query_weights=weights,
             frozen=frozen,
             batch=plan.fit.refine_batch or None,
+            holdout=plan.fit.refine_holdout,
         )
         # timed only when it runs: on CUDA each reading of the clock synchronises
         clock["refine_s"] += now() - start

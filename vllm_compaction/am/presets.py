@@ -93,6 +93,10 @@ class FitOptions:
         refine_lr: the refinement's Adam step size.
         refine_batch: reference queries per refinement step, drawn afresh each step; 0 takes
             all of them every step.
+        refine_holdout: share of the reference queries the refinement sets aside (0 to 0.5):
+            each head keeps the iterate, the closed form included, that does best on them, so
+            heads with many slots do not trade unseen queries for the fitted ones. 0 returns
+            the last step's.
     """
 
     beta: str = "zero"
@@ -105,6 +109,7 @@ class FitOptions:
     refine_steps: int = 0
     refine_lr: float = 0.01
     refine_batch: int = 0
+    refine_holdout: float = 0.0
 
     def __post_init__(self) -> None:
         if self.beta not in BETA_MODES:
@@ -175,6 +180,15 @@ class FitOptions:
             )
         object.__setattr__(self, "refine_lr", float(self.refine_lr))
         _check_count("refine_batch", self.refine_batch, " (0: every query each step)")
+        if (
+            isinstance(self.refine_holdout, bool)
+            or not isinstance(self.refine_holdout, (int, float))
+            or not 0 <= self.refine_holdout < 0.5
+        ):
+            raise ValueError(
+                f"refine_holdout must be a share in [0, 0.5), got {self.refine_holdout!r}"
+            )
+        object.__setattr__(self, "refine_holdout", float(self.refine_holdout))
         floor = self.priority_beta_floor
         if floor is not None:
             if (
