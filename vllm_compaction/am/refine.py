@@ -22,6 +22,9 @@ import torch
 
 __all__ = ["refine_slots"]
 
+# the held-out queries, their log masses, outputs and weights
+_HeldOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 def _objective_terms(
     queries: torch.Tensor,
@@ -128,10 +131,7 @@ def refine_slots(
         generator = torch.Generator(device=queries.device).manual_seed(seed)
         n = queries.shape[1]
         n_check = int(holdout * n)
-        # the held-out (queries, log mass, output, weights)
-        check: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = (
-            None
-        )
+        check: _HeldOut | None = None
         if n_check:
             split = torch.randperm(n, generator=generator, device=queries.device)
             held = split[:n_check]
@@ -149,7 +149,8 @@ def refine_slots(
         # the outputs' scale differs by head and layer: each head's error is relative to its own
         output_norm = (weights * target_output.pow(2).sum(-1)).sum(-1) / weights.sum(-1)
         output_norm = output_norm.clamp_min(1e-12)
-        best = None
+        # each head's best iterate on the held-out queries
+        best: list[torch.Tensor] = []
         if check is not None:
             with torch.no_grad():
                 best_loss = _head_losses(
@@ -183,10 +184,8 @@ def refine_slots(
             optimizer.step()
             with torch.no_grad():
                 b.copy_(torch.maximum(torch.minimum(b, upper_t), lower_t))
-                if (
-                    check is not None
-                    and best is not None
-                    and ((step + 1) % check_every == 0 or step + 1 == steps)
+                if check is not None and (
+                    (step + 1) % check_every == 0 or step + 1 == steps
                 ):
                     held_out = _head_losses(*check, output_norm, k, b, v, valid, scale)
                     better = held_out < best_loss
@@ -197,6 +196,6 @@ def refine_slots(
                                 better.view(-1, *[1] * (now.dim() - 1)), now, kept
                             )
                         )
-        if best is not None:
+        if check is not None:
             return best[0], best[1], best[2]
     return k.detach(), b.detach(), v.detach()
