@@ -324,14 +324,12 @@ def _compact_group(
             queries, kept_keys, valid, ref.shift, scale=scale, budget_bytes=memory_limit
         )
     # per-slot bounds on beta (None: the box's), for the fit and for the refinement after it
-    floor, ceiling = (
-        _priority_bounds(plan, priority, sel.indices, floor_keys)
-        if plan.fit.beta == "nnls"
-        else (None, None)
-    )
+    floor: torch.Tensor | None = None
+    ceiling: torch.Tensor | None = None
     if plan.fit.beta == "nnls":
         if ref is None or features is None:
             raise ValueError(f"method {plan.name!r} fits beta without a reference pass")
+        floor, ceiling = _priority_bounds(plan, priority, sel.indices, floor_keys)
         beta = fit_beta(
             features,
             ref.mass,

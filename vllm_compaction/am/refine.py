@@ -22,6 +22,9 @@ import torch
 
 __all__ = ["refine_slots"]
 
+# steps between the held-out checks: each costs one pass over the held-out queries
+_CHECK_EVERY = 25
+
 # the held-out queries, their log masses, outputs and weights
 _HeldOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -79,7 +82,6 @@ def refine_slots(
     batch: int | None = None,
     seed: int = 0,
     holdout: float = 0.0,
-    check_every: int = 25,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``steps`` Adam steps on ``(keys, beta, values)`` of ``H`` heads, from the given ones.
 
@@ -99,7 +101,7 @@ def refine_slots(
         slots under ten thousand queries make 50 full steps cost 3.6 times the rest of the
         default's compaction, a draw of 1,024 a fifth of it (benchmarks/README.md).
     holdout : share of the queries (``0 <= holdout < 0.5``, a seeded draw) kept out of the
-        steps; every ``check_every`` steps and after the last, each head keeps its iterate if it
+        steps; every 25 steps and after the last, each head keeps its iterate if it
         lowers the objective on them, so no head ends worse on them than the closed form.
         0 fits on every query and returns the last iterate.
 
@@ -185,7 +187,7 @@ def refine_slots(
             with torch.no_grad():
                 b.copy_(torch.maximum(torch.minimum(b, upper_t), lower_t))
                 if check is not None and (
-                    (step + 1) % check_every == 0 or step + 1 == steps
+                    (step + 1) % _CHECK_EVERY == 0 or step + 1 == steps
                 ):
                     held_out = _head_losses(*check, output_norm, k, b, v, valid, scale)
                     better = held_out < best_loss
