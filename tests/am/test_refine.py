@@ -87,7 +87,10 @@ def test_exact_heads_stay_exact_and_beta_stays_in_its_box():
     assert (fitted >= -1.0).all() and (fitted <= 0.5).all(), fitted
 
 
-def test_frozen_slots_keep_their_key_and_value():
+@pytest.mark.parametrize("freeze_beta", [False, True])
+def test_frozen_slots_keep_their_key_and_value(freeze_beta):
+    """Frozen slots keep key and value; with ``freeze_beta`` their ``beta`` too, while the
+    other slots' biases still move."""
     gen = torch.Generator().manual_seed(2)
     keys, values = (
         torch.randn(2, 12, 4, generator=gen),
@@ -113,11 +116,14 @@ def test_frozen_slots_keep_their_key_and_value():
         lower=-3.0,
         upper=3.0,
         frozen=frozen,
+        freeze_beta=freeze_beta,
     )
     keep = frozen | ~valid
     assert torch.equal(k[keep], kept_k[keep]) and torch.equal(v[keep], kept_v[keep])
     assert (k[~keep] != kept_k[~keep]).any()
     assert (b[~valid] == 0).all()
+    assert (b[~keep] != 0).any()
+    assert ((b[frozen] == 0).all()) == freeze_beta
 
 
 def test_the_kept_identifiers_keep_their_own_keys():
@@ -148,11 +154,55 @@ def test_the_kept_identifiers_keep_their_own_keys():
         ("kvzip:refine_steps=5", "needs beta='nnls' and values='lstsq'"),
         ("am:refine_batch=-4", "refine_batch must be a non-negative integer"),
         ("am:refine_holdout=0.5", "refine_holdout must be a share in \\[0, 0.5\\)"),
+        ("am:refine_key_radius=-0.1", "refine_key_radius must be a number >= 0"),
+        ("am:refine_freeze_beta=yes", "refine_freeze_beta must be true or false"),
     ],
 )
 def test_bad_refinement_options_are_refused_with_a_sentence(method, sentence):
     with pytest.raises(ValueError, match=sentence):
         resolve(method)
+
+
+def test_a_key_radius_bounds_how_far_each_key_moves():
+    """``refine_key_radius``: no kept key ends further from the one selected than that share
+    of its norm, and the bound binds (without it the keys go further)."""
+    keys, values, queries = _inputs(3)
+    plain = compact_heads(keys, values, queries, 8, method=AM)
+    moved = {
+        radius: compact_heads(
+            keys,
+            values,
+            queries,
+            8,
+            method=AM,
+            refine_steps=100,
+            refine_lr=0.05,
+            refine_key_radius=radius,
+        ).keys
+        for radius in (0.1, float("inf"))
+    }
+    start = plain.keys.float()
+    reach = start.norm(dim=-1)
+    shift = {r: (k.float() - start).norm(dim=-1) / reach for r, k in moved.items()}
+    assert shift[0.1].max() <= 0.1 + 1e-5
+    assert shift[float("inf")].max() > 0.2
+
+
+def test_a_zero_key_radius_keeps_the_selected_tokens_while_beta_and_values_refit():
+    """``refine_key_radius=0``: every slot keeps the original key it was selected as, and
+    the steps on ``beta`` and the values alone still lower both errors on every head."""
+    keys, values, queries = _inputs(2)
+    plain = compact_heads(keys, values, queries, 8, method=AM)
+    fixed = compact_heads(
+        keys, values, queries, 8, method=AM, refine_steps=100, refine_key_radius=0
+    )
+    assert torch.equal(fixed.keys, plain.keys)
+    assert torch.equal(fixed.indices, plain.indices)
+    assert not torch.equal(fixed.values, plain.values)
+    before = attention_output_error(plain, keys, values, queries)
+    after = attention_output_error(fixed, keys, values, queries)
+    assert (after.output_rel < before.output_rel).all(), (before, after)
+    assert (after.log_mass_abs < before.log_mass_abs).all(), (before, after)
 
 
 def test_it_runs_under_inference_mode_as_the_pipeline_compacts():
@@ -182,6 +232,8 @@ def test_holdout_never_ends_a_head_worse_on_the_queries_it_set_aside():
     refined = refine_slots(*args, **options, holdout=0.25, seed=3)
     with pytest.raises(ValueError, match=r"holdout must be in \[0, 0.5\)"):
         refine_slots(*args, **options, holdout=0.7)
+    with pytest.raises(ValueError, match=r"key_radius must be >= 0"):
+        refine_slots(*args, **options, key_radius=float("nan"))
     split = torch.randperm(N, generator=torch.Generator().manual_seed(3))[: N // 4]
     fitted = split.new_ones(N, dtype=torch.bool)
     fitted[split] = False

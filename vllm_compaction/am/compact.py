@@ -401,6 +401,8 @@ def _compact_group(
             frozen=frozen,
             batch=plan.fit.refine_batch or None,
             holdout=plan.fit.refine_holdout,
+            key_radius=plan.fit.refine_key_radius,
+            freeze_beta=plan.fit.refine_freeze_beta,
         )
         # timed only when it runs: on CUDA each reading of the clock synchronises
         clock["refine_s"] += now() - start

@@ -97,6 +97,11 @@ class FitOptions:
             each head keeps the iterate, the closed form included, that does best on them, so
             heads with many slots do not trade unseen queries for the fitted ones. 0 returns
             the last step's.
+        refine_freeze_beta: ``True`` keeps the kept priority keys' ``beta`` as the closed form
+            gave it too (their key and value stay in any case).
+        refine_key_radius: how far the refinement may move a kept key, as a share of the
+            key's norm (``inf``: anywhere); ``0`` keeps the keys as selected (only ``beta`` and
+            the values move), so every slot stays an original token at its position.
     """
 
     beta: str = "zero"
@@ -110,6 +115,8 @@ class FitOptions:
     refine_lr: float = 0.01
     refine_batch: int = 0
     refine_holdout: float = 0.0
+    refine_key_radius: float = math.inf
+    refine_freeze_beta: bool = False
 
     def __post_init__(self) -> None:
         if self.beta not in BETA_MODES:
@@ -189,6 +196,20 @@ class FitOptions:
                 f"refine_holdout must be a share in [0, 0.5), got {self.refine_holdout!r}"
             )
         object.__setattr__(self, "refine_holdout", float(self.refine_holdout))
+        if (
+            isinstance(self.refine_key_radius, bool)
+            or not isinstance(self.refine_key_radius, (int, float))
+            or not self.refine_key_radius >= 0
+        ):
+            raise ValueError(
+                "refine_key_radius must be a number >= 0 (inf: no limit), "
+                f"got {self.refine_key_radius!r}"
+            )
+        object.__setattr__(self, "refine_key_radius", float(self.refine_key_radius))
+        if not isinstance(self.refine_freeze_beta, bool):
+            raise ValueError(
+                f"refine_freeze_beta must be true or false, got {self.refine_freeze_beta!r}"
+            )
         floor = self.priority_beta_floor
         if floor is not None:
             if (

@@ -82,6 +82,8 @@ def refine_slots(
     batch: int | None = None,
     seed: int = 0,
     holdout: float = 0.0,
+    key_radius: float = float("inf"),
+    freeze_beta: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``steps`` Adam steps on ``(keys, beta, values)`` of ``H`` heads, from the given ones.
 
@@ -104,6 +106,12 @@ def refine_slots(
         steps; every 25 steps and after the last, each head keeps its iterate if it
         lowers the objective on them, so no head ends worse on them than the closed form.
         0 fits on every query and returns the last iterate.
+    freeze_beta : ``True`` keeps the frozen slots' ``beta`` as given too, so a kept
+        identifier weighs what the closed form gave it.
+    key_radius : how far a key may move, as a share of its own norm: after every step each
+        key is pulled back into that ball around where it started. ``inf`` lets keys go
+        anywhere; ``0`` keeps every key as given (only ``beta`` and the values move), so each
+        slot stays the token it was selected as, at its own position.
 
     Returns
     -------
@@ -111,6 +119,8 @@ def refine_slots(
     """
     if not 0.0 <= holdout < 0.5:
         raise ValueError(f"holdout must be in [0, 0.5), got {holdout!r}")
+    if not key_radius >= 0:  # also refuses NaN
+        raise ValueError(f"key_radius must be >= 0 (inf: no limit), got {key_radius!r}")
     if steps <= 0 or not valid.any():
         return keys, beta, values
     # compaction runs under inference mode, whose tensors autograd cannot save: the steps run
@@ -130,6 +140,10 @@ def refine_slots(
         )
         movable = valid if frozen is None else valid & ~frozen.clone()
         k, b, v = (x.clone().requires_grad_(True) for x in (keys, beta, values))
+        move_keys = key_radius > 0
+        k.requires_grad_(move_keys)
+        # each key's reach, [H, t, 1]; the start stays in `keys`
+        reach = key_radius * keys.norm(dim=-1, keepdim=True)
         generator = torch.Generator(device=queries.device).manual_seed(seed)
         n = queries.shape[1]
         n_check = int(holdout * n)
@@ -159,7 +173,7 @@ def refine_slots(
                     *check, output_norm, keys, beta, values, valid, scale
                 )
             best = [keys.clone(), beta.clone(), values.clone()]
-        optimizer = torch.optim.Adam([k, b, v], lr=lr)
+        optimizer = torch.optim.Adam([k, b, v] if move_keys else [b, v], lr=lr)
         rows: torch.Tensor | slice = slice(None)
         for step in range(steps):
             if batch is not None and batch < n:
@@ -180,12 +194,18 @@ def refine_slots(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             # padding and frozen slots keep what they were given
-            k.grad.mul_(movable[..., None])  # type: ignore[union-attr]
+            if move_keys:
+                k.grad.mul_(movable[..., None])  # type: ignore[union-attr]
             v.grad.mul_(movable[..., None])  # type: ignore[union-attr]
-            b.grad.mul_(valid)  # type: ignore[union-attr]
+            b.grad.mul_(movable if freeze_beta else valid)  # type: ignore[union-attr]
             optimizer.step()
             with torch.no_grad():
                 b.copy_(torch.maximum(torch.minimum(b, upper_t), lower_t))
+                if move_keys and key_radius < float("inf"):
+                    shift = k - keys
+                    length = shift.norm(dim=-1, keepdim=True)
+                    over = length > reach
+                    k.copy_(torch.where(over, keys + shift * (reach / length), k))
                 if check is not None and (
                     (step + 1) % _CHECK_EVERY == 0 or step + 1 == steps
                 ):
