@@ -100,7 +100,7 @@ class FitOptions:
         refine_freeze_beta: ``True`` keeps the kept priority keys' ``beta`` as the closed form
             gave it too (their key and value stay in any case).
         refine_key_radius: how far the refinement may move a kept key, as a share of the
-            key's norm (``inf``: anywhere); ``0`` keeps the keys as selected (only ``beta`` and
+            key's norm (``None``, the default: anywhere); ``0`` keeps the keys as selected (only ``beta`` and
             the values move), so every slot stays an original token at its position.
     """
 
@@ -115,7 +115,7 @@ class FitOptions:
     refine_lr: float = 0.01
     refine_batch: int = 0
     refine_holdout: float = 0.0
-    refine_key_radius: float = math.inf
+    refine_key_radius: float | None = None
     refine_freeze_beta: bool = False
 
     def __post_init__(self) -> None:
@@ -196,16 +196,18 @@ class FitOptions:
                 f"refine_holdout must be a share in [0, 0.5), got {self.refine_holdout!r}"
             )
         object.__setattr__(self, "refine_holdout", float(self.refine_holdout))
-        if (
-            isinstance(self.refine_key_radius, bool)
-            or not isinstance(self.refine_key_radius, (int, float))
-            or not self.refine_key_radius >= 0
-        ):
-            raise ValueError(
-                "refine_key_radius must be a number >= 0 (inf: no limit), "
-                f"got {self.refine_key_radius!r}"
-            )
-        object.__setattr__(self, "refine_key_radius", float(self.refine_key_radius))
+        radius = self.refine_key_radius
+        if radius is not None:
+            if (
+                isinstance(radius, bool)
+                or not isinstance(radius, (int, float))
+                or not 0 <= radius < math.inf
+            ):
+                raise ValueError(
+                    "refine_key_radius must be a finite number >= 0 (leave it out for no "
+                    f"limit), got {radius!r}"
+                )
+            object.__setattr__(self, "refine_key_radius", float(radius))
         if not isinstance(self.refine_freeze_beta, bool):
             raise ValueError(
                 f"refine_freeze_beta must be true or false, got {self.refine_freeze_beta!r}"

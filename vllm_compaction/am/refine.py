@@ -82,7 +82,7 @@ def refine_slots(
     batch: int | None = None,
     seed: int = 0,
     holdout: float = 0.0,
-    key_radius: float = float("inf"),
+    key_radius: float | None = None,
     freeze_beta: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``steps`` Adam steps on ``(keys, beta, values)`` of ``H`` heads, from the given ones.
@@ -109,7 +109,7 @@ def refine_slots(
     freeze_beta : ``True`` keeps the frozen slots' ``beta`` as given too, so a kept
         identifier weighs what the closed form gave it.
     key_radius : how far a key may move, as a share of its own norm: after every step each
-        key is pulled back into that ball around where it started. ``inf`` lets keys go
+        key is pulled back into that ball around where it started. ``None`` lets keys go
         anywhere; ``0`` keeps every key as given (only ``beta`` and the values move), so each
         slot stays the token it was selected as, at its own position.
 
@@ -119,8 +119,10 @@ def refine_slots(
     """
     if not 0.0 <= holdout < 0.5:
         raise ValueError(f"holdout must be in [0, 0.5), got {holdout!r}")
-    if not key_radius >= 0:  # also refuses NaN
-        raise ValueError(f"key_radius must be >= 0 (inf: no limit), got {key_radius!r}")
+    if key_radius is not None and not key_radius >= 0:  # also refuses NaN
+        raise ValueError(
+            f"key_radius must be >= 0 (None: no limit), got {key_radius!r}"
+        )
     if steps <= 0 or not valid.any():
         return keys, beta, values
     # compaction runs under inference mode, whose tensors autograd cannot save: the steps run
@@ -140,10 +142,12 @@ def refine_slots(
         )
         movable = valid if frozen is None else valid & ~frozen.clone()
         k, b, v = (x.clone().requires_grad_(True) for x in (keys, beta, values))
-        move_keys = key_radius > 0
+        move_keys = key_radius is None or key_radius > 0
         k.requires_grad_(move_keys)
         # each key's reach, [H, t, 1]; the start stays in `keys`
-        reach = key_radius * keys.norm(dim=-1, keepdim=True)
+        reach = (
+            None if key_radius is None else key_radius * keys.norm(dim=-1, keepdim=True)
+        )
         generator = torch.Generator(device=queries.device).manual_seed(seed)
         n = queries.shape[1]
         n_check = int(holdout * n)
@@ -201,7 +205,7 @@ def refine_slots(
             optimizer.step()
             with torch.no_grad():
                 b.copy_(torch.maximum(torch.minimum(b, upper_t), lower_t))
-                if move_keys and key_radius < float("inf"):
+                if move_keys and reach is not None:
                     shift = k - keys
                     length = shift.norm(dim=-1, keepdim=True)
                     over = length > reach
