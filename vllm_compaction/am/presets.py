@@ -100,8 +100,9 @@ class FitOptions:
         refine_freeze_beta: ``True`` keeps the kept priority keys' ``beta`` as the closed form
             gave it too (their key and value stay in any case).
         refine_key_radius: how far the refinement may move a kept key, as a share of the
-            key's norm (``None``, the default: anywhere); ``0`` keeps the keys as selected (only ``beta`` and
-            the values move), so every slot stays an original token at its position.
+            key's norm (``None``, the default: anywhere); ``0`` keeps the keys as selected
+            (only ``beta`` and the values move), so every slot stays an original token at its
+            position.
     """
 
     beta: str = "zero"
