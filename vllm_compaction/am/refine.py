@@ -141,13 +141,12 @@ def refine_slots(
             else query_weights.clone()
         )
         movable = valid if frozen is None else valid & ~frozen.clone()
-        k, b, v = (x.clone().requires_grad_(True) for x in (keys, beta, values))
         move_keys = key_radius is None or key_radius > 0
-        k.requires_grad_(move_keys)
-        # each key's reach, [H, t, 1]; the start stays in `keys`
-        reach = (
-            None if key_radius is None else key_radius * keys.norm(dim=-1, keepdim=True)
-        )
+        k = keys.clone().requires_grad_(move_keys)
+        b, v = (x.clone().requires_grad_(True) for x in (beta, values))
+        # each key's reach, [H, t, 1], where a bounded radius lets it move; the start stays in
+        # `keys`
+        reach = key_radius * keys.norm(dim=-1, keepdim=True) if key_radius else None
         generator = torch.Generator(device=queries.device).manual_seed(seed)
         n = queries.shape[1]
         n_check = int(holdout * n)
@@ -205,7 +204,7 @@ def refine_slots(
             optimizer.step()
             with torch.no_grad():
                 b.copy_(torch.maximum(torch.minimum(b, upper_t), lower_t))
-                if move_keys and reach is not None:
+                if reach is not None:
                     shift = k - keys
                     length = shift.norm(dim=-1, keepdim=True)
                     over = length > reach
